@@ -1,0 +1,252 @@
+"""The ONE Megatron ⇄ HF name/layout mapping for Llama- and Qwen2-family decoders.
+
+Used by weight sync, checkpoint export and ``tools/`` alike, so export and sync can never
+disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat them):
+
+* ``linear_qkv.weight`` is grouped by query group: for each of the G KV groups, the rows of
+  its heads/G query heads, then its key head, then its value head. Each TP rank holds G/TP
+  whole groups, so concatenating TP shards along dim 0 keeps the per-group layout.
+* ``linear_fc1.weight`` (SwiGLU) is [gate; up] *per TP shard*: the gathered tensor is
+  [g0; u0; g1; u1; ...] and is re-split per shard before building ``gate_proj``/``up_proj``.
+* Vocabulary rows are padded to a multiple of TP (and ``make_vocab_size_divisible_by``):
+  stripped on export, zero-padded on import.
+* Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
+  fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megarl.config import ModelConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron per-layer suffix -> (HF per-layer suffix or special kind, TP split dim or None)
+_LAYER_MAP: dict[str, tuple[str, int | None]] = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight", None),
+    "self_attention.linear_qkv.weight": ("@qkv.weight", 0),
+    "self_attention.linear_qkv.bias": ("@qkv.bias", 0),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight", None),
+    "mlp.linear_fc1.weight": ("@fc1", 0),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+}
+_GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
+    "decoder.final_layernorm.weight": ("model.norm.weight", None),
+    "output_layer.weight": ("lm_head.weight", 0),
+}
+
+
+class AdapterError(KeyError):
+    """A Megatron or HF parameter name/shape the adapter does not know."""
+
+
+class LlamaQwen2Adapter:
+    """Name/layout mapping for one model config (Llama or Qwen2 family)."""
+
+    def __init__(self, mcfg: ModelConfig) -> None:
+        self.cfg = mcfg
+        self.heads = mcfg.num_attention_heads
+        self.groups = mcfg.num_query_groups
+        self.head_dim = mcfg.head_dim
+        self.vocab = mcfg.vocab_size
+
+    # ------------------------------------------------------------------ names
+
+    def split_dim(self, mname: str) -> int | None:
+        """TP split dimension of a megatron parameter (None = replicated)."""
+        return self._lookup(mname)[1]
+
+    def _lookup(self, mname: str) -> tuple[str, int | None]:
+        m = _LAYER.match(mname)
+        if m:
+            suffix = m.group(2)
+            if suffix in _LAYER_MAP:
+                return _LAYER_MAP[suffix]
+        elif mname in _GLOBAL_MAP:
+            return _GLOBAL_MAP[mname]
+        raise AdapterError(f"no HF mapping for megatron parameter '{mname}'")
+
+    @staticmethod
+    def skip(mname: str) -> bool:
+        return mname.endswith("_extra_state")
+
+    # ------------------------------------------------------------------ Megatron -> HF
+
+    def to_hf(self, mname: str, full: torch.Tensor, layer_offset: int, tp: int) -> list[tuple[str, torch.Tensor]]:
+        """Map one TP-gathered megatron tensor to its HF tensor(s)."""
+        target, _ = self._lookup(mname)
+        m = _LAYER.match(mname)
+        prefix = f"model.layers.{int(m.group(1)) + layer_offset}." if m else ""
+        if target == "@qkv.weight" or target == "@qkv.bias":
+            kind = target.split(".")[1]
+            q, k, v = self._split_qkv(full)
+            return [
+                (f"{prefix}self_attn.q_proj.{kind}", q),
+                (f"{prefix}self_attn.k_proj.{kind}", k),
+                (f"{prefix}self_attn.v_proj.{kind}", v),
+            ]
+        if target == "@fc1":
+            gate, up = self._split_fc1(full, tp)
+            return [(f"{prefix}mlp.gate_proj.weight", gate), (f"{prefix}mlp.up_proj.weight", up)]
+        if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = full[: self.vocab]
+        return [(prefix + target, full)]
+
+    def _split_qkv(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        per = self.heads // self.groups
+        hd = self.head_dim
+        grouped = full.reshape(self.groups, (per + 2) * hd, *full.shape[1:])
+        q = grouped[:, : per * hd].reshape(self.heads * hd, *full.shape[1:])
+        k = grouped[:, per * hd : (per + 1) * hd].reshape(self.groups * hd, *full.shape[1:])
+        v = grouped[:, (per + 1) * hd :].reshape(self.groups * hd, *full.shape[1:])
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    @staticmethod
+    def _split_fc1(full: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shards = full.reshape(tp, 2, full.shape[0] // (2 * tp), *full.shape[1:])
+        gate = shards[:, 0].reshape(-1, *full.shape[1:])
+        up = shards[:, 1].reshape(-1, *full.shape[1:])
+        return gate.contiguous(), up.contiguous()
+
+    # ------------------------------------------------------------------ HF -> Megatron
+
+    def from_hf(
+        self,
+        mname: str,
+        hf: dict[str, torch.Tensor],
+        layer_offset: int,
+        tp: int,
+        tp_rank: int,
+        shape: torch.Size,
+    ) -> torch.Tensor:
+        """The TP shard of megatron parameter ``mname`` for ``tp_rank``, built from HF tensors."""
+        target, dim = self._lookup(mname)
+        m = _LAYER.match(mname)
+        prefix = f"model.layers.{int(m.group(1)) + layer_offset}." if m else ""
+
+        def get(name: str) -> torch.Tensor:
+            if name not in hf:
+                raise AdapterError(f"HF checkpoint lacks '{name}' (needed for '{mname}')")
+            return hf[name]
+
+        if target in ("@qkv.weight", "@qkv.bias"):
+            kind = target.split(".")[1]
+            q = get(f"{prefix}self_attn.q_proj.{kind}")
+            k = get(f"{prefix}self_attn.k_proj.{kind}")
+            v = get(f"{prefix}self_attn.v_proj.{kind}")
+            per, hd = self.heads // self.groups, self.head_dim
+            rest = q.shape[1:]
+            full = torch.cat(
+                [
+                    q.reshape(self.groups, per * hd, *rest),
+                    k.reshape(self.groups, hd, *rest),
+                    v.reshape(self.groups, hd, *rest),
+                ],
+                dim=1,
+            ).reshape(-1, *rest)
+        elif target == "@fc1":
+            gate = get(f"{prefix}mlp.gate_proj.weight").chunk(tp, dim=0)
+            up = get(f"{prefix}mlp.up_proj.weight").chunk(tp, dim=0)
+            full = torch.cat([torch.cat([g, u], dim=0) for g, u in zip(gate, up)], dim=0)
+        elif mname == "output_layer.weight" and "lm_head.weight" not in hf:
+            full = get("model.embed_tokens.weight")  # tied embeddings
+        else:
+            full = get(prefix + target)
+        if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            padded_rows = shape[0] * tp
+            if full.shape[0] > padded_rows:
+                raise AdapterError(
+                    f"'{mname}': HF vocabulary {full.shape[0]} exceeds padded size {padded_rows}"
+                )
+            pad = full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])
+            full = torch.cat([full, pad], dim=0)
+        shard = full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+        if shard.shape != shape:
+            raise AdapterError(
+                f"'{mname}': HF tensors give shape {tuple(shard.shape)} for TP rank {tp_rank}, "
+                f"model expects {tuple(shape)}"
+            )
+        return shard.contiguous()
+
+    # ------------------------------------------------------------------ HF config
+
+    def hf_config(self, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> Any:
+        """A transformers config object matching this model exactly."""
+        c = self.cfg
+        common: dict[str, Any] = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.ffn_hidden_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_query_groups,
+            max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.norm_eps,
+            rope_theta=c.rotary_base,
+            tie_word_embeddings=c.tie_embeddings,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            hidden_act="silu",
+            torch_dtype="float32" if c.dtype == "fp32" else "bfloat16",
+        )
+        if c.arch == "qwen2":
+            from transformers import Qwen2Config
+
+            return Qwen2Config(**common)
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, head_dim=c.head_dim, attention_bias=False, mlp_bias=False)
+
+
+def model_config_from_hf(hf_cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
+    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2)."""
+    import dataclasses
+
+    arch = hf_cfg.get("model_type", "llama")
+    if arch not in ("llama", "qwen2"):
+        raise AdapterError(f"unsupported HF model_type '{arch}' (supported: llama, qwen2)")
+    rope = hf_cfg.get("rope_theta")
+    if rope is None:
+        rope = (hf_cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    heads = hf_cfg["num_attention_heads"]
+    head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads
+    if head_dim * heads != hf_cfg["hidden_size"]:
+        raise AdapterError("head_dim × num_attention_heads != hidden_size is not supported")
+    return dataclasses.replace(
+        base,
+        arch=arch,
+        num_layers=hf_cfg["num_hidden_layers"],
+        hidden_size=hf_cfg["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf_cfg.get("num_key_value_heads", heads),
+        ffn_hidden_size=hf_cfg["intermediate_size"],
+        vocab_size=hf_cfg["vocab_size"],
+        max_position_embeddings=hf_cfg.get("max_position_embeddings", base.max_position_embeddings),
+        rotary_base=float(rope),
+        norm_eps=hf_cfg.get("rms_norm_eps", base.norm_eps),
+        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def iter_layer_groups(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group HF tensors by transformer layer (non-layer tensors form one group).
+
+    A group holds every tensor feeding one fused vLLM weight (q/k/v, gate/up together).
+    """
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        key = m.group(1) if m else "_global"
+        groups.setdefault(key, []).append((name, t))
+    for key in sorted(groups, key=lambda k: (k == "_global", int(k) if k.isdigit() else 0)):
+        yield groups[key]

@@ -1,0 +1,135 @@
+"""Move weights between a running megatron model and HF-named tensors / HF folders.
+
+* :func:`gather_hf_tensors` — collective over the TP group: each PP stage's owner rank gets
+  that stage's parameters as full HF-named tensors (others get an empty list).
+* :func:`load_hf_tensors` — every rank copies its own TP shard out of an HF state dict.
+* :func:`save_hf_folder` / :func:`read_hf_folder` — safetensors shards + config.json, the
+  format transformers and vLLM load directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
+from megarl.distributed import layer_offset
+from megarl.model.builder import Model
+
+
+def _named_params(model: Model) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, p in model.core.named_parameters():
+        if name.startswith("value_head."):
+            continue
+        out.append((name, p))
+    return out
+
+
+def _skip_for_export(model: Model, name: str) -> bool:
+    # Tied embeddings: the first stage's embedding is canonical; the last stage's copy of
+    # it (PP > 1) is not exported.
+    return name == "output_layer.weight" and model.config.num_layers > 0 and _tied(model)
+
+
+def _tied(model: Model) -> bool:
+    return bool(getattr(model.core, "share_embeddings_and_output_weights", False))
+
+
+def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter) -> list[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of this PP stage on its owner rank; [] on other ranks.
+
+    All ranks of the TP group must call this (it all-gathers TP shards).
+    """
+    dims = model.dims
+    offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in _named_params(model):
+        if adapter.skip(name) or _skip_for_export(model, name):
+            continue
+        dim = adapter.split_dim(name)
+        t = p.detach()
+        if dim is not None and dims.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(dims.tp)]
+            dist.all_gather(parts, t.contiguous(), group=dims.tp_group)
+            t = torch.cat(parts, dim=dim)
+        if dims.is_stage_owner:
+            out.extend((n, x.float().cpu().contiguous()) for n, x in adapter.to_hf(name, t, offset, dims.tp))
+    return out
+
+
+@torch.no_grad()
+def load_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, hf: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shard of every parameter from an HF state dict (all names required)."""
+    dims = model.dims
+    offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
+    for name, p in _named_params(model):
+        if adapter.skip(name):
+            continue
+        shard = adapter.from_hf(name, hf, offset, dims.tp, dims.tp_rank, p.shape)
+        p.copy_(shard.to(p.dtype))
+    # megatron DDP keeps fp32 main params inside the optimizer: refresh them.
+    opt = model.optimizer
+    if opt is not None and hasattr(opt, "reload_model_params"):
+        opt.reload_model_params()
+
+
+def hf_state_dict(model: Model, adapter: LlamaQwen2Adapter) -> dict[str, torch.Tensor]:
+    """Full HF state dict on global rank 0 (gathered over PP); {} elsewhere."""
+    dims = model.dims
+    local = gather_hf_tensors(model, adapter)
+    if dims.pp == 1 or not dims.is_stage_owner:
+        return dict(local) if dims.is_rank0 else {}
+    # Stage owners form one pipeline group: each later stage broadcasts its tensors.
+    merged = dict(local)
+    ranks = dist.get_process_group_ranks(dims.pp_group)
+    for stage in range(1, dims.pp):
+        obj: list[Any] = [dict(local) if stage == dims.pp_rank else None]
+        dist.broadcast_object_list(obj, src=ranks[stage], group=dims.pp_group)
+        if dims.pp_rank == 0:
+            merged.update(obj[0])
+    return merged if dims.is_rank0 else {}
+
+
+def save_hf_folder(path: str | Path, tensors: dict[str, torch.Tensor], hf_config: Any) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` + ``generation_config.json`` atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_config.save_pretrained(str(tmp))
+    gen = {"bos_token_id": hf_config.bos_token_id, "eos_token_id": hf_config.eos_token_id,
+           "pad_token_id": hf_config.pad_token_id}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def read_hf_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json dict, all tensors) of an HF folder with one or more safetensors files."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} not found: not an HF model folder")
+    cfg = json.loads(cfg_file.read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return cfg, tensors

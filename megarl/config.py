@@ -1,0 +1,413 @@
+"""Typed run configuration: one small kw_only dataclass per component.
+
+``load_config(path, overrides)`` reads YAML, applies ``--set a.b=c`` overrides, rejects
+unknown keys and wrong types (naming the dotted field), and :meth:`RunConfig.validate`
+checks cross-field rules before any process group starts. Every error is a
+:class:`ConfigError` that names the field, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or inconsistent."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: Literal["llama", "qwen2"] = "llama"
+    """HF architecture family used for export and the vLLM engines."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width (channels)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """KV heads (GQA groups); equal to num_attention_heads for MHA."""
+    ffn_hidden_size: int = 256
+    """SwiGLU inner width."""
+    vocab_size: int = 0
+    """Tokenizer vocabulary (0 = take it from the tokenizer)."""
+    max_position_embeddings: int = 128
+    """Longest sequence (prompt + response) in tokens."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share input embedding and LM head."""
+    init_std: float = 0.02
+    """Std of the normal weight init (random init only)."""
+    init_from: str = ""
+    """HF model folder to start from ('' = random init + optional warm start)."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer spec: megatron 'local' (CPU and GPU) or Transformer Engine (GPU only)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter/compute dtype of the trainer (bf16 is GPU only)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    """Tensor-parallel size of actor and reference."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel stages."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on one DP rank."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (megatron distributed optimizer)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final LR of the cosine schedule."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up, optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "builtin:arithmetic"
+    """'builtin:arithmetic' or a .jsonl/.parquet file (or comma-separated files)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text in file rows."""
+    answer_key: str = "answer"
+    """Field holding the reference answer in file rows."""
+    num_train: int = 20000
+    """Built-in task: training prompts generated."""
+    num_val: int = 128
+    """Validation prompts (built-in: generated; files: the last rows)."""
+    max_operand: int = 50
+    """Built-in arithmetic task: operands are drawn from [0, max_operand)."""
+    overlong_prompt: Literal["skip", "truncate"] = "skip"
+    """What to do with a prompt longer than rollout.max_prompt_len (always counted)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded, resumable)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_prompts: int = 16
+    """Prompts per RL step."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    max_prompt_len: int = 24
+    """Prompt limit, tokens."""
+    max_response_len: int = 12
+    """Response limit, tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (logprobs on both sides use logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    num_engines: int = 1
+    """vLLM engines started by megarl (ignored when engine_addresses is set)."""
+    engine_tp: int = 1
+    """Tensor-parallel size of each engine."""
+    engine_addresses: list[str] = field(default_factory=list)
+    """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
+    kv_cache_gb: float = 0.25
+    """KV cache per engine on CPU, GiB."""
+    engine_start_timeout_s: float = 300.0
+    """Give up on an engine that is not healthy after this long, seconds."""
+    request_timeout_s: float = 600.0
+    """HTTP timeout for one engine request, seconds."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    name: Literal["grpo", "ppo"] = "grpo"
+    """RL algorithm family."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | gae."""
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (DAPO clip-higher when > clip_low)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 (0 = off)."""
+    kl_coef: float = 0.01
+    """KL penalty weight (0 = no reference model forward)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    ppo_epochs: int = 1
+    """Passes over one rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap on exp(old - engine) (0 = off)."""
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    steps: int = 0
+    """Supervised steps on the task's reference answers before RL (0 = none)."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    batch_size: int = 64
+    """SFT sequences per step."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    transport: Literal["shm", "nccl"] = "shm"
+    """shm: safetensors buckets in shared memory (CPU); nccl: GPU broadcast."""
+    bucket_mb: float = 64.0
+    """Target bucket size, MiB."""
+    probe: bool = True
+    """After each sync, compare engine vs trainer logprobs on a fixed sequence."""
+    probe_tol: float = 1e-3
+    """Max |Δ logprob| allowed by the probe (fp32)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    """RL optimizer steps."""
+    seed: int = 1234
+    """Global seed."""
+    run_dir: str = "runs/demo"
+    """Output folder (metrics, tokenizer, HF exports, checkpoints)."""
+    eval_every: int = 10
+    """Validation every N steps (0 = only at start and end)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per RL step."""
+        return self.rollout.num_prompts * self.rollout.samples_per_prompt
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError on inconsistent sizes. Runs before any process group starts."""
+        m, p, r = self.model, self.parallel, self.rollout
+        _positive(self)
+        if m.hidden_size % m.num_attention_heads:
+            _fail("model.hidden_size", m.hidden_size,
+                  f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
+        if m.num_attention_heads % m.num_query_groups:
+            _fail("model.num_query_groups", m.num_query_groups,
+                  f"must divide model.num_attention_heads={m.num_attention_heads}")
+        if m.num_attention_heads % p.tensor_parallel:
+            _fail("parallel.tensor_parallel", p.tensor_parallel,
+                  f"does not divide model.num_attention_heads={m.num_attention_heads}")
+        if m.num_query_groups % p.tensor_parallel:
+            _fail("parallel.tensor_parallel", p.tensor_parallel,
+                  f"does not divide model.num_query_groups={m.num_query_groups}")
+        if m.ffn_hidden_size % p.tensor_parallel:
+            _fail("parallel.tensor_parallel", p.tensor_parallel,
+                  f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+        if m.num_layers % p.pipeline_parallel:
+            _fail("parallel.pipeline_parallel", p.pipeline_parallel,
+                  f"does not divide model.num_layers={m.num_layers}")
+        if world_size % (p.tensor_parallel * p.pipeline_parallel):
+            _fail("parallel", f"TP×PP={p.tensor_parallel * p.pipeline_parallel}",
+                  f"does not divide the trainer world size {world_size}")
+        dp = world_size // (p.tensor_parallel * p.pipeline_parallel)
+        if self.batch_size % (dp * p.micro_batch_size * self.algo.mini_batches):
+            _fail("rollout.num_prompts×samples_per_prompt", self.batch_size,
+                  f"must be divisible by DP={dp} × parallel.micro_batch_size="
+                  f"{p.micro_batch_size} × algo.mini_batches={self.algo.mini_batches}")
+        if self.warm_start.steps and self.warm_start.batch_size % (dp * p.micro_batch_size):
+            _fail("warm_start.batch_size", self.warm_start.batch_size,
+                  f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}")
+        if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
+            _fail("rollout.max_prompt_len+max_response_len",
+                  r.max_prompt_len + r.max_response_len,
+                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
+        if r.engine_tp < 1:
+            _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
+        if m.num_query_groups % r.engine_tp:
+            _fail("rollout.engine_tp", r.engine_tp,
+                  f"does not divide model.num_query_groups={m.num_query_groups}")
+        if self.algo.clip_low >= 1 or self.algo.clip_low < 0:
+            _fail("algo.clip_low", self.algo.clip_low, "must be in [0, 1)")
+        if self.algo.dual_clip and self.algo.dual_clip <= 1:
+            _fail("algo.dual_clip", self.algo.dual_clip, "must be > 1 (or 0 = off)")
+        if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
+            import torch
+
+            if not torch.cuda.is_available():
+                _fail("model.dtype/transformer_impl", f"{m.dtype}/{m.transformer_impl}",
+                      "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU")
+
+
+def _positive(cfg: RunConfig) -> None:
+    for path, value in _walk(cfg):
+        if isinstance(value, int) and not isinstance(value, bool):
+            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every")
+            if value < 0 or (value == 0 and not path.endswith(nonneg)):
+                _fail(path, value, "must be a positive integer")
+
+
+def _walk(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            out.extend(_walk(v, name + "."))
+        else:
+            out.append((name, v))
+    return out
+
+
+def _fail(field_name: str, value: Any, rule: str) -> typing.NoReturn:
+    raise ConfigError(f"{field_name}={value!r} {rule}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    """Check/convert ``value`` to the annotated type ``tp``; raise ConfigError naming path."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            _fail(path, value, f"must be one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (list,):
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            _fail(path, value, "must be a list")
+        return [_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(path, arg, value)
+            except ConfigError:
+                continue
+        _fail(path, value, f"does not match {tp}")
+    if tp is type(None):
+        if value is not None:
+            _fail(path, value, "must be null")
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        _fail(path, value, "must be a bool")
+    if tp is int:
+        if isinstance(value, bool):
+            _fail(path, value, "must be an int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        _fail(path, value, "must be an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        _fail(path, value, "must be a float")
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, value, "must be a string")
+        return value
+    raise ConfigError(f"{path}: unsupported annotation {tp}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}' (valid: {sorted(names)})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                _fail(path, value, "must be a mapping")
+            kwargs[key] = _build(tp, value, path + ".")  # type: ignore[arg-type]
+        else:
+            kwargs[key] = _coerce(path, tp, value)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config and apply ``a.b=c`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+        data = loaded
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: '{k}' is not a section")
+        node[keys[-1]] = value
+    return _build(RunConfig, data, "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

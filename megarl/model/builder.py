@@ -1,0 +1,207 @@
+"""Build megatron-core GPTModels (actor, reference, critic) and their optimizer from config.
+
+A Llama/Qwen2-style decoder: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE, GQA,
+no linear biases except Qwen2's QKV bias. The layer spec is megatron's ``local`` spec
+(CPU and GPU) or Transformer Engine's (GPU only), selected by ``model.transformer_impl``.
+
+Loss scaling convention: ``calculate_per_token_loss=True`` and a finalize function that
+never divides by a token count. Every loss megarl returns is already normalised by a
+denominator computed over the GLOBAL batch (``megarl.algo.aggregation``), so summing
+gradients over micro-batches and DP ranks gives exactly the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megarl.config import ModelConfig, OptimConfig, ParallelConfig
+from megarl.distributed import ParallelDims
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 8) -> int:
+    """Megatron pads the vocabulary to a multiple of ``divisible_by × TP``."""
+    multiple = divisible_by * tp
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=mcfg.num_layers,
+        hidden_size=mcfg.hidden_size,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_query_groups=mcfg.num_query_groups,
+        ffn_hidden_size=mcfg.ffn_hidden_size,
+        kv_channels=mcfg.head_dim,
+        tensor_model_parallel_size=pcfg.tensor_parallel,
+        pipeline_model_parallel_size=pcfg.pipeline_parallel,
+        normalization="RMSNorm",
+        layernorm_epsilon=mcfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=mcfg.arch == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        init_method_std=mcfg.init_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=mcfg.dtype == "bf16",
+        calculate_per_token_loss=True,
+    )
+
+
+def layer_spec(mcfg: ModelConfig) -> Any:
+    if mcfg.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+@dataclass
+class Model:
+    """A megatron model on this rank plus the objects that travel with it."""
+
+    module: torch.nn.Module
+    """The (DDP-wrapped when trainable) GPTModel stage of this rank."""
+    config: Any
+    """megatron TransformerConfig."""
+    dims: ParallelDims
+    vocab_size: int
+    """Unpadded vocabulary."""
+    padded_vocab: int
+    optimizer: Any = None
+    scheduler: Any = None
+
+    @property
+    def core(self) -> torch.nn.Module:
+        """The unwrapped GPTModel."""
+        m = self.module
+        while hasattr(m, "module"):
+            m = m.module
+        return m
+
+
+def build_gpt(
+    mcfg: ModelConfig,
+    pcfg: ParallelConfig,
+    dims: ParallelDims,
+    *,
+    value_head: bool = False,
+    trainable: bool = True,
+    optim: OptimConfig | None = None,
+) -> Model:
+    """Build this rank's GPTModel stage; wrap in megatron DDP + optimizer when trainable."""
+    from megatron.core.models.gpt import GPTModel
+
+    if mcfg.vocab_size <= 0:
+        raise ValueError("model.vocab_size must be set (from the tokenizer) before building")
+    tcfg = transformer_config(mcfg, pcfg)
+    padded = padded_vocab_size(mcfg.vocab_size, pcfg.tensor_parallel)
+    gpt = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(mcfg),
+        vocab_size=padded,
+        max_sequence_length=mcfg.max_position_embeddings,
+        pre_process=dims.is_first_stage,
+        post_process=dims.is_last_stage,
+        share_embeddings_and_output_weights=mcfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(mcfg.rotary_base),
+        parallel_output=True,
+    )
+    if value_head:
+        from megarl.model.value_head import attach_value_head
+
+        attach_value_head(gpt, tcfg, dims)
+    gpt.to(dims.device)
+    model = Model(gpt, tcfg, dims, mcfg.vocab_size, padded)
+    if not trainable:
+        gpt.eval()
+        for p in gpt.parameters():
+            p.requires_grad_(False)
+        return model
+    _wrap_for_training(model, pcfg, optim or OptimConfig())
+    return model
+
+
+def _no_token_scaling_finalize(pre_hook: Callable[[list[Any]], None] | None = None) -> Callable:
+    """finalize_model_grads that never divides by token counts (see module docstring)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def finalize(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
+        if pre_hook is not None:
+            pre_hook(model)
+        finalize_model_grads(model, None, **kwargs)
+
+    return finalize
+
+
+def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) -> None:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=pcfg.use_distributed_optimizer,
+        bucket_size=None,
+    )
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model.module)
+    model.module = ddp
+    model.config.finalize_model_grads_func = _no_token_scaling_finalize()
+    model.config.grad_scale_func = None
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=ocfg.lr,
+        min_lr=ocfg.min_lr,
+        weight_decay=ocfg.weight_decay,
+        adam_beta1=ocfg.adam_beta1,
+        adam_beta2=ocfg.adam_beta2,
+        adam_eps=ocfg.adam_eps,
+        clip_grad=ocfg.clip_grad,
+        bf16=model.config.bf16,
+        params_dtype=model.config.params_dtype,
+        use_distributed_optimizer=pcfg.use_distributed_optimizer,
+    )
+    model.optimizer = get_megatron_optimizer(
+        opt_cfg, [ddp], use_gloo_process_groups=torch.cuda.is_available()
+    )
+
+
+def set_lr(model: Model, lr: float) -> None:
+    for group in model.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
+    """Warm-up then constant or cosine; ``step`` counts optimizer steps from 0."""
+    import math
+
+    peak = ocfg.lr if base_lr is None else base_lr
+    if ocfg.warmup_steps and step < ocfg.warmup_steps:
+        return peak * (step + 1) / ocfg.warmup_steps
+    if ocfg.schedule == "constant":
+        return peak
+    span = max(1, total_steps - ocfg.warmup_steps)
+    progress = min(1.0, (step - ocfg.warmup_steps) / span)
+    return ocfg.min_lr + 0.5 * (peak - ocfg.min_lr) * (1 + math.cos(math.pi * progress))

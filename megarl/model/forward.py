@@ -1,0 +1,213 @@
+"""Forward / backward passes of megatron models through megatron's pipeline schedules.
+
+Token layout (all ranks agree): ``tokens (B, S)`` = prompt + response, right-padded.
+Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:, t+1]``:
+``logprobs[:, t] = log π(tokens[t+1] | tokens[:t+1])`` and ``mask[:, t] = 1`` iff
+``tokens[t+1]`` is a response token. The last column is always masked.
+
+Log-probs and entropy are computed vocab-parallel (the logits never leave their TP shard);
+logits are divided by the sampling temperature on both sides (trainer and engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.model.builder import Model
+
+LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro_batch, logits_or_values) -> (loss already divided by its global denominator, stats)."""
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Push the logits of megatron's padded vocabulary rows to -1e30 (out of place).
+
+    The exported HF model (and so every engine) has no padded rows; masking them here makes
+    the trainer's distribution exactly the engine's.
+    """
+    v_local = logits.shape[-1]
+    start = tp_rank * v_local
+    first_pad = vocab_size - start
+    if first_pad >= v_local:
+        return logits
+    logits = logits.clone()
+    logits[..., max(first_pad, 0) :] = -1e30
+    return logits
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[labels] over the TP-sharded vocabulary. (b, s, v/tp) -> (b, s)."""
+    from megatron.core import tensor_parallel
+
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels)
+
+
+def model_logits(model: Model, out: torch.Tensor) -> torch.Tensor:
+    """The last stage's (b, s, v/tp) logits with padded vocabulary rows masked."""
+    return mask_padded_vocab(out, model.vocab_size, model.dims.tp_rank)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: float, tp_group: Any) -> torch.Tensor:
+    """Entropy of softmax(logits / T) over the TP-sharded vocabulary. (b, s, v/tp) -> (b, s).
+
+    H = logZ − Σ p·z with z the scaled logits; the sums over the vocabulary are all-reduces
+    that are identities in backward (megatron's reduce_from_tensor_model_parallel_region),
+    so gradients reach each shard's own logits.
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    z = logits.float() / temperature
+    zmax_all = z.detach().max(dim=-1, keepdim=True).values
+    dist.all_reduce(zmax_all, op=dist.ReduceOp.MAX, group=tp_group)
+    ez = torch.exp(z - zmax_all)
+    sum_ez = reduce_from_tensor_model_parallel_region(ez.sum(-1))
+    sum_ezz = reduce_from_tensor_model_parallel_region((ez * z).sum(-1))
+    logz = torch.log(sum_ez) + zmax_all.squeeze(-1)
+    return logz - sum_ezz / sum_ez
+
+
+def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    n = batch["tokens"].shape[0]
+    if n % micro_batch_size:
+        raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size={micro_batch_size}")
+    return [
+        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
+        for i in range(0, n, micro_batch_size)
+    ]
+
+
+def _run_schedule(
+    model: Model,
+    mbs: list[dict[str, torch.Tensor]],
+    loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[Any, ...]],
+    forward_only: bool,
+) -> list[Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
+        mb = next(data_iterator)
+        tokens = mb["tokens"]
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        out = module(tokens, positions, None)
+        return out, partial(loss_fn, mb)
+
+    seq_len = mbs[0]["tokens"].shape[1]
+    fb = get_forward_backward_func()
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=[model.module],
+        num_microbatches=len(mbs),
+        seq_length=seq_len,
+        micro_batch_size=mbs[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _labels(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+
+
+def forward_logprobs(
+    model: Model,
+    tokens: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Per-token log-probs (B, S) (and entropy) of ``tokens`` under ``model``; no grad.
+
+    Computed on the last PP stage and broadcast over the pipeline group, so every rank
+    returns the same tensors.
+    """
+    dims = model.dims
+
+    def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[Any, ...]:
+        logits = model_logits(model, logits)
+        out = {"logprobs": vocab_parallel_logprobs(logits, _labels(mb["tokens"]), temperature)}
+        if with_entropy:
+            out["entropy"] = vocab_parallel_entropy(logits, temperature, dims.tp_group)
+        return torch.zeros((), device=logits.device), torch.tensor(1), out
+
+    mbs = micro_batches({"tokens": tokens}, micro_batch_size)
+    model.module.eval()
+    with torch.no_grad():
+        store = _run_schedule(model, mbs, loss_fn, forward_only=True)
+    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    result: dict[str, torch.Tensor] = {}
+    for k in keys:
+        if dims.is_last_stage:
+            t = torch.cat([d[k] for d in store], dim=0).float().contiguous()
+        else:
+            t = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+        if dims.pp > 1:
+            src = dist.get_process_group_ranks(dims.pp_group)[-1]
+            dist.broadcast(t, src=src, group=dims.pp_group)
+        result[k] = t
+    return result
+
+
+def train_step(
+    model: Model,
+    batch: dict[str, torch.Tensor],
+    loss_fn: LossFn,
+    *,
+    micro_batch_size: int,
+    lr: float | None = None,
+    value_model: bool = False,
+) -> tuple[dict[str, float], float]:
+    """One optimizer step over ``batch`` (this DP rank's rows). Returns (stats, grad_norm).
+
+    ``loss_fn`` returns a loss already divided by its global denominator; stats are summed
+    over micro-batches here and over DP ranks (all-reduce) — so stats must be sums too
+    (e.g. loss numerators) that the caller normalises.
+    """
+    dims = model.dims
+
+    def schedule_loss(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
+        loss, stats = loss_fn(mb, model_logits(model, out) if not value_model else out)
+        return loss, torch.tensor(1), {k: v.detach() for k, v in stats.items()}
+
+    mbs = micro_batches(batch, micro_batch_size)
+    model.module.train()
+    model.module.zero_grad_buffer()
+    model.optimizer.zero_grad()
+    if lr is not None:
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr
+    store = _run_schedule(model, mbs, schedule_loss, forward_only=False)
+    ok, grad_norm, _ = model.optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped (non-finite gradients)")
+    keys = sorted(store[0].keys()) if store else []
+    n = len(keys)
+    flat = torch.zeros(n + 1, dtype=torch.float64)
+    if dims.is_last_stage and store:
+        for d in store:
+            for i, k in enumerate(keys):
+                flat[i] += d[k].double().sum()
+    # Stats live on the last stage; sum over DP, then share across the pipeline.
+    names = _broadcast_keys(keys, dims)
+    if len(names) != n:
+        flat = torch.zeros(len(names) + 1, dtype=torch.float64)
+    dist.all_reduce(flat, group=dims.dp_group)
+    if dims.pp > 1:
+        src = dist.get_process_group_ranks(dims.pp_group)[-1]
+        dist.broadcast(flat, src=src, group=dims.pp_group)
+    return {k: float(flat[i]) for i, k in enumerate(names)}, float(grad_norm or 0.0)
+
+
+def _broadcast_keys(keys: list[str], dims: Any) -> list[str]:
+    if dims.pp == 1:
+        return keys
+    obj = [keys]
+    src = dist.get_process_group_ranks(dims.pp_group)[-1]
+    dist.broadcast_object_list(obj, src=src, group=dims.pp_group)
+    return list(obj[0])
