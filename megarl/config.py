@@ -66,6 +66,8 @@ class ParallelConfig:
     """Tensor-parallel size of actor and reference."""
     pipeline_parallel: int = 1
     """Pipeline-parallel stages."""
+    data_parallel: int = 1
+    """Data-parallel replicas; trainer world size = TP × PP × DP."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on one DP rank."""
     use_distributed_optimizer: bool = False

@@ -1,0 +1,79 @@
+"""``megarl train|convert|report`` — parses, then calls; nothing else.
+
+``megarl train`` re-launches itself under torchrun when it is not already a torchrun rank,
+with ``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[megarl r{rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S",
+    )
+    for noisy in ("megatron", "vllm"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megarl.config import load_config
+
+    cfg = load_config(args.config, args.set)
+    p = cfg.parallel
+    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    cfg.validate(world)  # before any process group starts
+    if "RANK" not in os.environ and world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "-m", "megarl.cli", "train"]
+        if args.config:
+            cmd += ["--config", args.config]
+        for s in args.set or []:
+            cmd += ["--set", s]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.call(cmd, env=env)
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
+        from megarl.config import ConfigError
+
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel×pipeline_parallel"
+                          f"×data_parallel={world}")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megarl.loop import train
+
+    summary = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("megarl").info("summary %s", json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    ap = argparse.ArgumentParser(prog="megarl")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run RL training")
+    t.add_argument("--config", help="YAML config (examples/*.yaml)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=5")
+    t.set_defaults(fn=cmd_train)
+    args = ap.parse_args(argv)
+    from megarl.config import ConfigError
+
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"megarl: config error: {e}", file=sys.stderr)  # noqa: T201
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

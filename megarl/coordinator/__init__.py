@@ -1,0 +1,69 @@
+"""Critical-batch-size coordinator: noise scale, LR rules, step-time models, goodput plan.
+
+Pure Python (no processes, no torch.distributed). The trainer reports gradient norms and
+timings each step; `Coordinator.next_plan()` returns prompts per step, per-model learning
+rates and per-DP-rank shares. See each module's docstring for formulas and sources.
+"""
+
+from megarl.coordinator.config import CoordinatorConfig
+from megarl.coordinator.coordinator import Coordinator
+from megarl.coordinator.goodput import (
+    BatchChoice,
+    BatchGrid,
+    choose_batch,
+    efficiency,
+    goodput,
+)
+from megarl.coordinator.lr_rules import (
+    LR_RULES,
+    LrInputs,
+    adascale_gain,
+    adascale_sqrt_rule,
+    apply_lr_rule,
+    clip_lr,
+    linear_rule,
+    sqrt_rule,
+    surge_lr_max,
+    surge_rule,
+)
+from megarl.coordinator.noise import (
+    KIND_ADAM,
+    KIND_PLAIN,
+    NoiseScaleEstimator,
+    dp_estimates,
+    microbatch_estimates,
+    two_batch_estimates,
+)
+from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
+
+__all__ = [
+    "KIND_ADAM",
+    "KIND_PLAIN",
+    "LR_RULES",
+    "BatchChoice",
+    "BatchGrid",
+    "Coordinator",
+    "CoordinatorConfig",
+    "LinearTimeModel",
+    "LrInputs",
+    "ModelGradStats",
+    "NoiseScaleEstimator",
+    "StepPlan",
+    "StepTimeModel",
+    "StepTimings",
+    "adascale_gain",
+    "adascale_sqrt_rule",
+    "apply_lr_rule",
+    "choose_batch",
+    "clip_lr",
+    "dp_estimates",
+    "efficiency",
+    "goodput",
+    "linear_rule",
+    "microbatch_estimates",
+    "sqrt_rule",
+    "surge_lr_max",
+    "surge_rule",
+    "two_batch_estimates",
+]

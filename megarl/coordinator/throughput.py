@@ -1,0 +1,220 @@
+"""Online models of step time as a function of the rollout batch, for goodput planning.
+
+Each phase is modelled as affine in the batch B (responses per step):
+
+    t(B) = alpha + beta·B        [seconds]
+
+alpha is the fixed cost (weight sync, latency of the longest sequence, kernel launches),
+beta the marginal cost per response. This is the throughput model Pollux fits (Qiao et al., OSDI'21,
+§3.2, without its sync-overlap term). Coefficients come from ordinary least squares over a
+sliding window of the last `window` (B, seconds) observations, constrained to alpha >= 0 and
+beta >= 0 (time never falls as the batch grows):
+
+    beta = Σ(B-B̄)(t-t̄)/Σ(B-B̄)²,  alpha = t̄ - beta·B̄;   if beta < 0: beta = 0, alpha = t̄;
+    if alpha < 0: alpha = 0, beta = ΣB·t/ΣB².
+
+Prior with fewer than 2 distinct B values (the batch has never changed): the mean time t̄ at
+the one batch B̄ is split into a fixed part by `prior_fixed_fraction` f: alpha = f·t̄,
+beta = (1-f)·t̄/B̄. This prior is what makes the first batch change possible at all; once the
+batch has changed, the fit takes over.
+
+Invariants: pure Python, deterministic; `state_dict()` holds only JSON types and restores an
+identical model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+
+class LinearTimeModel:
+    """Sliding-window least squares t(B) = alpha + beta·B with a prior for one distinct B."""
+
+    def __init__(self, *, window: int = 32, prior_fixed_fraction: float = 0.3):
+        if window < 2:
+            raise ValueError(f"window={window} must be >= 2 observations")
+        if not 0.0 <= prior_fixed_fraction < 1.0:
+            raise ValueError(f"prior_fixed_fraction={prior_fixed_fraction} must be in [0, 1)")
+        self.window = window
+        self.prior_fixed_fraction = prior_fixed_fraction
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._coef: tuple[float, float] | None = None
+
+    def observe(self, b: float, seconds: float) -> None:
+        """Record that a phase with batch b took `seconds`."""
+        if not b > 0:
+            raise ValueError(f"batch b={b} must be > 0")
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"seconds={seconds} must be finite and >= 0")
+        self._obs.append((float(b), float(seconds)))
+        self._coef = self._fit()
+
+    @property
+    def ready(self) -> bool:
+        """True once at least one observation exists (predictions need one)."""
+        return self._coef is not None
+
+    @property
+    def num_distinct_batches(self) -> int:
+        """Distinct B values in the window (>= 2 means a real fit, else the prior)."""
+        return len({b for b, _ in self._obs})
+
+    def _fit(self) -> tuple[float, float] | None:
+        n = len(self._obs)
+        if n == 0:
+            return None
+        bs = [b for b, _ in self._obs]
+        ts = [t for _, t in self._obs]
+        b_mean = sum(bs) / n
+        t_mean = sum(ts) / n
+        if self.num_distinct_batches < 2:
+            f = self.prior_fixed_fraction
+            return f * t_mean, (1.0 - f) * t_mean / b_mean
+        sxx = sum((b - b_mean) ** 2 for b in bs)
+        sxy = sum((b - b_mean) * (t - t_mean) for b, t in zip(bs, ts, strict=True))
+        beta = sxy / sxx
+        alpha = t_mean - beta * b_mean
+        if beta < 0.0:
+            return t_mean, 0.0
+        if alpha < 0.0:
+            return 0.0, sum(b * t for b, t in zip(bs, ts, strict=True)) / sum(b * b for b in bs)
+        return alpha, beta
+
+    def coefficients(self) -> tuple[float, float]:
+        """(alpha seconds, beta seconds per sample); raises before the first observation."""
+        if self._coef is None:
+            raise ValueError("LinearTimeModel has no observations yet; call observe() first")
+        return self._coef
+
+    def predict(self, b: float) -> float:
+        """Predicted seconds for batch b."""
+        alpha, beta = self.coefficients()
+        return alpha + beta * b
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {
+            "window": self.window,
+            "prior_fixed_fraction": self.prior_fixed_fraction,
+            "obs": [[b, t] for b, t in self._obs],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (window and prior come from the state)."""
+        self.window = int(state["window"])
+        self.prior_fixed_fraction = float(state["prior_fixed_fraction"])
+        self._obs = deque(((float(b), float(t)) for b, t in state["obs"]), maxlen=self.window)
+        self._coef = self._fit()
+
+
+class Ema:
+    """Bias-corrected EMA of a scalar (raw/(1-beta^t)); `value` is None before any update."""
+
+    def __init__(self, beta: float):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"ema beta={beta} must be in [0, 1)")
+        self.beta = beta
+        self.raw = 0.0
+        self.steps = 0
+
+    def update(self, x: float) -> None:
+        """Add one value."""
+        self.raw = self.beta * self.raw + (1.0 - self.beta) * x
+        self.steps += 1
+
+    @property
+    def value(self) -> float | None:
+        """Bias-corrected average (None before the first update)."""
+        if self.steps == 0:
+            return None
+        return self.raw / (1.0 - self.beta**self.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"beta": self.beta, "raw": self.raw, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output."""
+        self.beta = float(state["beta"])
+        self.raw = float(state["raw"])
+        self.steps = int(state["steps"])
+
+
+class StepTimeModel:
+    """Step time t(B) = t_generate(B) + t_train(B) + t_other, B in responses per step.
+
+    `generate` and `train` are `LinearTimeModel`s over responses; `other` (scoring,
+    reference log-probs, weight sync not inside the two timers) is a bias-corrected EMA,
+    treated as batch-independent. Tokens per response are tracked to report generation
+    tokens/s and to convert a token-unit noise scale to responses.
+    """
+
+    def __init__(
+        self, *, window: int = 32, prior_fixed_fraction: float = 0.3, ema_beta: float = 0.9
+    ):
+        self.generate = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
+        self.train = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
+        self._other = Ema(ema_beta)
+        self._tokens_per_response = Ema(ema_beta)
+
+    def observe(
+        self, *, responses: int, tokens: int, generate_s: float, train_s: float, other_s: float
+    ) -> None:
+        """Record one step's phase times for a rollout of `responses` responses."""
+        if responses <= 0:
+            raise ValueError(f"rollout_responses={responses} must be > 0")
+        if tokens < 0:
+            raise ValueError(f"rollout_tokens={tokens} must be >= 0")
+        if not other_s >= 0:
+            raise ValueError(f"other_s={other_s} must be >= 0")
+        self.generate.observe(responses, generate_s)
+        self.train.observe(responses, train_s)
+        self._other.update(other_s)
+        self._tokens_per_response.update(tokens / responses)
+
+    @property
+    def ready(self) -> bool:
+        """True once a step was observed."""
+        return self.generate.ready and self.train.ready
+
+    @property
+    def tokens_per_response(self) -> float | None:
+        """Smoothed generated tokens per response (None before the first step)."""
+        return self._tokens_per_response.value
+
+    def predict(self, b: float) -> float:
+        """Predicted seconds per step with b responses."""
+        other = self._other.value or 0.0
+        return self.generate.predict(b) + self.train.predict(b) + other
+
+    def throughput(self, b: float) -> float:
+        """Predicted responses per second at batch b."""
+        return b / self.predict(b)
+
+    def generation_tokens_per_s(self, b: float) -> float:
+        """Predicted generated tokens per second of generation time at batch b."""
+        tpr = self.tokens_per_response or 0.0
+        t = self.generate.predict(b)
+        return b * tpr / t if t > 0 else math.inf
+
+    def train_s_per_sample(self, b: float) -> float:
+        """Predicted training seconds per response at batch b."""
+        return self.train.predict(b) / b
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {
+            "generate": self.generate.state_dict(),
+            "train": self.train.state_dict(),
+            "other": self._other.state_dict(),
+            "tokens_per_response": self._tokens_per_response.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output."""
+        self.generate.load_state_dict(state["generate"])
+        self.train.load_state_dict(state["train"])
+        self._other.load_state_dict(state["other"])
+        self._tokens_per_response.load_state_dict(state["tokens_per_response"])

@@ -1,0 +1,137 @@
+"""Turn prompts into a :class:`RolloutBatch`: sample on the fleet, score, pack, broadcast.
+
+Rank 0 talks to the fleet and scores rewards; :func:`broadcast_batch` then ships the packed
+tensors (no Python objects) to every trainer rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import RunConfig
+from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError
+from megarl.rollout.fleet import Fleet
+from megarl.rollout.rewards import RewardFn, score_all
+from megarl.rollout.tokenizer import Tokenizer
+from megarl.types import RolloutBatch
+
+log = logging.getLogger("megarl.rollout")
+
+
+@dataclass
+class PromptStats:
+    skipped_overlong: int = 0
+    truncated_overlong: int = 0
+
+
+def take_prompts(
+    sampler: PromptSampler, records: list[PromptRecord], tok: Tokenizer, k: int, cfg: RunConfig,
+    stats: PromptStats,
+) -> list[tuple[PromptRecord, list[int]]]:
+    """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted)."""
+    limit = cfg.rollout.max_prompt_len
+    out: list[tuple[PromptRecord, list[int]]] = []
+    scanned = 0
+    while len(out) < k:
+        for i in sampler.next(k - len(out)):
+            scanned += 1
+            ids = tok.encode(records[i].prompt)
+            if len(ids) > limit:
+                if cfg.data.overlong_prompt == "skip":
+                    stats.skipped_overlong += 1
+                    log.warning("skipping prompt %s: %d tokens > rollout.max_prompt_len=%d",
+                                records[i].where, len(ids), limit)
+                    continue
+                stats.truncated_overlong += 1
+                ids = [ids[0], *ids[len(ids) - limit + 1 :]]
+            out.append((records[i], ids))
+        if scanned > 10 * len(records) + k:
+            raise RolloutError(f"fewer than {k} prompts fit rollout.max_prompt_len={limit}")
+    return out
+
+
+def generate_batch(
+    fleet: Fleet, tok: Tokenizer, prompts: list[tuple[PromptRecord, list[int]]], cfg: RunConfig,
+    reward_fn: RewardFn, seed: int, samples: int,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rank 0: sample ``samples`` responses per prompt, score them and pack the batch."""
+    r = cfg.rollout
+    outs, version = fleet.generate(
+        [ids for _, ids in prompts], n=samples, max_tokens=r.max_response_len,
+        temperature=r.temperature, top_p=r.top_p, stop_token_ids=[tok.eos_id],
+        seeds=[seed * 100_003 + i for i in range(len(prompts))],
+    )
+    seqs: list[tuple[list[int], list[int], list[float], bool]] = []
+    texts, answers, prompt_texts, group_ids = [], [], [], []
+    for g, ((rec, pids), group) in enumerate(zip(prompts, outs)):
+        if len(group) != samples:
+            raise RolloutError(f"engine returned {len(group)} samples for prompt {rec.where}, want {samples}")
+        for s in group:
+            rids = list(s["token_ids"])
+            seqs.append((pids, rids, list(s["logprobs"]), s["finish_reason"] == "length"))
+            texts.append(tok.decode(rids))
+            answers.append(rec.answer)
+            prompt_texts.append(rec.prompt)
+            group_ids.append(g)
+    rewards, failed = score_all(reward_fn, prompt_texts, texts, answers)
+    B = len(seqs)
+    S = max(len(p) + len(rr) for p, rr, _, _ in seqs)
+    tokens = torch.full((B, S), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S)
+    elp = torch.zeros(B, S)
+    lens = torch.zeros(B, dtype=torch.long)
+    trunc = torch.zeros(B, dtype=torch.bool)
+    for b, (p, rr, lp, tr) in enumerate(seqs):
+        n = len(p) + len(rr)
+        tokens[b, :n] = torch.tensor(p + rr)
+        if rr:
+            mask[b, len(p) - 1 : n - 1] = 1.0
+            elp[b, len(p) - 1 : n - 1] = torch.tensor(lp[: len(rr)])
+        lens[b] = len(rr)
+        trunc[b] = tr
+    batch = RolloutBatch(tokens=tokens, mask=mask, engine_logprobs=elp,
+                         rewards=torch.tensor(rewards, dtype=torch.float32),
+                         group_ids=torch.tensor(group_ids, dtype=torch.long),
+                         response_lens=lens, truncated=trunc, version=version, texts=texts)
+    rw = batch.rewards
+    stats = {
+        "rollout/reward_mean": float(rw.mean()),
+        "rollout/reward_std": float(rw.std()) if B > 1 else 0.0,
+        "rollout/reward_failures": float(failed),
+        "rollout/response_len_mean": float(lens.float().mean()),
+        "rollout/truncated_frac": float(trunc.float().mean()),
+        "rollout/responses": float(B),
+        "rollout/tokens": float(lens.sum()),
+        "rollout/policy_version": float(version),
+    }
+    return batch, stats
+
+
+def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+    """Ship rank 0's batch to all trainer ranks as tensors."""
+    rank = dist.get_rank()
+    meta = torch.zeros(3, dtype=torch.long)
+    if rank == src:
+        assert batch is not None
+        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version])
+    dist.broadcast(meta, src=src)
+    B, S, version = (int(x) for x in meta)
+    if rank != src:
+        batch = RolloutBatch(
+            tokens=torch.empty(B, S, dtype=torch.long), mask=torch.empty(B, S),
+            engine_logprobs=torch.empty(B, S), rewards=torch.empty(B),
+            group_ids=torch.empty(B, dtype=torch.long), response_lens=torch.empty(B, dtype=torch.long),
+            truncated=torch.empty(B, dtype=torch.bool), version=version,
+        )
+    assert batch is not None
+    for t in (batch.tokens, batch.mask, batch.engine_logprobs, batch.rewards, batch.group_ids,
+              batch.response_lens):
+        dist.broadcast(t, src=src)
+    tr = batch.truncated.to(torch.uint8)
+    dist.broadcast(tr, src=src)
+    batch.truncated = tr.bool()
+    return batch

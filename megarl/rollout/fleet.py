@@ -1,0 +1,289 @@
+"""The generation fleet: N vLLM engine servers (local subprocesses or remote addresses).
+
+The trainer's rank 0 owns the fleet. Prompts are dispatched to balance outstanding tokens
+across engines (not round-robin); each engine's share is sent concurrently. If an engine
+dies mid-generation, its prompts are re-issued to the surviving engines (or to the engine
+after it is restarted and given the current weights), so a step always completes with the
+planned number of samples; the event is logged and counted in ``fleet.restarts``.
+
+Weight updates go to every engine as begin → load (all engines) → commit (all engines);
+a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
+serving the previous version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.rollout.data import RolloutError
+
+log = logging.getLogger("megarl.fleet")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update was rejected; the fleet still serves the previous version."""
+
+
+class EngineDead(RolloutError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Engine:
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    launch: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"http://{self.address}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("error", detail)
+            except json.JSONDecodeError:
+                pass
+            raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout) as e:
+            raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+
+    def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/health", timeout=timeout) as r:
+                return dict(json.loads(r.read()))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+            return None
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def log_tail(self, n: int = 15) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+class Fleet:
+    def __init__(self, engines: list[Engine], request_timeout_s: float, start_timeout_s: float) -> None:
+        self.engines = engines
+        self.timeout = request_timeout_s
+        self.start_timeout = start_timeout_s
+        self.restarts = 0
+        self.reissued_prompts = 0
+        self._last_update: tuple[int, list[str]] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def start_local(
+        cls,
+        model_dir: str | Path,
+        num_engines: int,
+        engine_tp: int,
+        kv_cache_gb: float,
+        log_dir: str | Path,
+        seed: int,
+        request_timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+    ) -> Fleet:
+        engines = []
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        for i in range(num_engines):
+            port = free_port()
+            cmd = [
+                sys.executable, "-m", "megarl.rollout.engine_server", "--model", str(model_dir),
+                "--port", str(port), "--tp", str(engine_tp), "--kv-cache-gb", str(kv_cache_gb),
+                "--seed", str(seed + i),
+            ]
+            env = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            engines.append(Engine(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env,
+                                  log_path=Path(log_dir) / f"engine{i}.log"))
+        fleet = cls(engines, request_timeout_s, start_timeout_s)
+        for e in engines:
+            fleet._spawn(e)
+        fleet.wait_healthy()
+        return fleet
+
+    @classmethod
+    def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float) -> Fleet:
+        fleet = cls([Engine(f"engine{i}", a) for i, a in enumerate(addresses)],
+                    request_timeout_s, start_timeout_s)
+        fleet.wait_healthy()
+        return fleet
+
+    def _spawn(self, e: Engine) -> None:
+        env = dict(os.environ)
+        env.update(e.env)
+        assert e.log_path is not None
+        fh = open(e.log_path, "ab")  # noqa: SIM115 (handed to the child)
+        e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        fh.close()
+
+    def wait_healthy(self, engines: list[Engine] | None = None) -> None:
+        pending = list(engines or self.engines)
+        deadline = time.monotonic() + self.start_timeout
+        while pending:
+            for e in list(pending):
+                if not e.alive():
+                    raise RolloutError(
+                        f"engine {e.name} exited with code {e.proc.returncode if e.proc else '?'} "
+                        f"during start; last log lines ({e.log_path}):\n{e.log_tail()}"
+                    )
+                if e.health() is not None:
+                    pending.remove(e)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{e.name} ({e.address})" for e in pending)
+                raise RolloutError(f"engines not healthy after {self.start_timeout:.0f}s: {names}")
+            if pending:
+                time.sleep(0.5)
+
+    def restart(self, e: Engine) -> None:
+        """Restart a local engine and bring it to the fleet's current weights."""
+        if not e.launch:
+            raise RolloutError(f"engine {e.name} ({e.address}) is remote and down; cannot restart")
+        if e.proc is not None and e.proc.poll() is None:
+            e.proc.kill()
+            e.proc.wait()
+        self._spawn(e)
+        self.wait_healthy([e])
+        if self._last_update is not None:
+            version, files = self._last_update
+            self._update_engines([e], version, files)
+        self.restarts += 1
+        log.warning("restarted %s (restart #%d)", e.name, self.restarts)
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            if e.proc is not None and e.proc.poll() is None:
+                try:
+                    e.post("/shutdown", {}, timeout=5)
+                    e.proc.wait(timeout=10)
+                except (RolloutError, subprocess.TimeoutExpired):
+                    e.proc.kill()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        seeds: list[int] | None = None,
+    ) -> tuple[list[list[dict[str, Any]]], int]:
+        """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
+        seeds = seeds or [0] * len(prompts)
+        results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
+        versions: list[int] = []
+        todo = list(range(len(prompts)))
+        while todo:
+            live = [e for e in self.engines if e.alive()]
+            if not live:
+                raise RolloutError("no live engine in the fleet")
+            shares = self._balance(todo, prompts, n, max_tokens, live)
+            failed: list[int] = []
+
+            def run(engine: Engine, idx: list[int]) -> tuple[Engine, list[int], Any]:
+                body = {"prompts": [prompts[i] for i in idx], "n": n, "max_tokens": max_tokens,
+                        "temperature": temperature, "top_p": top_p,
+                        "stop_token_ids": stop_token_ids, "seeds": [seeds[i] for i in idx]}
+                try:
+                    return engine, idx, engine.post("/generate", body, self.timeout)
+                except EngineDead as err:
+                    return engine, idx, err
+
+            with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+                outs = list(pool.map(lambda kv: run(*kv), [(e, i) for e, i in shares if i]))
+            for engine, idx, out in outs:
+                if isinstance(out, Exception):
+                    log.warning("%s died mid-generation (%s); re-issuing %d prompts",
+                                engine.name, out, len(idx))
+                    self.reissued_prompts += len(idx)
+                    failed.extend(idx)
+                    if engine.launch:
+                        self.restart(engine)
+                    continue
+                versions.append(int(out["version"]))
+                for i, group in zip(idx, out["outputs"]):
+                    results[i] = group
+            todo = failed
+        return [r for r in results if r is not None], min(versions) if versions else -1
+
+    @staticmethod
+    def _balance(todo: list[int], prompts: list[list[int]], n: int, max_tokens: int,
+                 engines: list[Engine]) -> list[tuple[Engine, list[int]]]:
+        """Greedy longest-first assignment by outstanding tokens (prompt + n × max response)."""
+        load = {e.name: 0 for e in engines}
+        shares: dict[str, list[int]] = {e.name: [] for e in engines}
+        for i in sorted(todo, key=lambda j: -len(prompts[j])):
+            target = min(engines, key=lambda e: load[e.name])
+            shares[target.name].append(i)
+            load[target.name] += len(prompts[i]) + n * max_tokens
+        return [(e, sorted(shares[e.name])) for e in engines]
+
+    def logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
+        """Prompt log-probs of each sequence on every engine (integrity probe)."""
+        return [e.post("/logprobs", {"sequences": sequences, "temperature": temperature},
+                       self.timeout)["logprobs"] for e in self.engines]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._update_engines(self.engines, version, files)
+        self._last_update = (version, files)
+        return {"fleet_update_s": time.perf_counter() - t0}
+
+    def _update_engines(self, engines: list[Engine], version: int, files: list[str]) -> None:
+        try:
+            for e in engines:
+                e.post("/weights/begin", {"version": version}, self.timeout)
+            with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+                list(pool.map(lambda e: e.post("/weights/load", {"version": version, "files": files},
+                                               self.timeout), engines))
+        except RolloutError as err:
+            for e in engines:
+                try:
+                    e.post("/weights/abort", {}, self.timeout)
+                except RolloutError:
+                    pass
+            raise WeightSyncError(f"weight update to version {version} rejected: {err}") from err
+        for e in engines:
+            try:
+                e.post("/weights/commit", {"version": version}, self.timeout)
+            except RolloutError as err:
+                raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
+
+    def versions(self) -> list[int]:
+        return [int((e.health() or {}).get("version", -2)) for e in self.engines]
