@@ -18,7 +18,8 @@ def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[megarl r{rank} %(asctime)s] %(message)s", datefmt="%H:%M:%S",
+        format=f"[megarl r{rank} %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
     )
     for noisy in ("megatron", "vllm"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -32,8 +33,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
     cfg.validate(world)  # before any process group starts
     if "RANK" not in os.environ and world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", "-m", "megarl.cli", "train"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "megarl.cli",
+            "train",
+        ]
         if args.config:
             cmd += ["--config", args.config]
         for s in args.set or []:
@@ -44,8 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
         from megarl.config import ConfigError
 
-        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel×pipeline_parallel"
-                          f"×data_parallel={world}")
+        raise ConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel×pipeline_parallel×data_parallel={world}"
+        )
     import warnings
 
     warnings.filterwarnings("ignore")

@@ -230,43 +230,67 @@ class RunConfig:
         m, p, r = self.model, self.parallel, self.rollout
         _positive(self)
         if m.hidden_size % m.num_attention_heads:
-            _fail("model.hidden_size", m.hidden_size,
-                  f"must be divisible by model.num_attention_heads={m.num_attention_heads}")
+            _fail(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+            )
         if m.num_attention_heads % m.num_query_groups:
-            _fail("model.num_query_groups", m.num_query_groups,
-                  f"must divide model.num_attention_heads={m.num_attention_heads}")
+            _fail(
+                "model.num_query_groups",
+                m.num_query_groups,
+                f"must divide model.num_attention_heads={m.num_attention_heads}",
+            )
         if m.num_attention_heads % p.tensor_parallel:
-            _fail("parallel.tensor_parallel", p.tensor_parallel,
-                  f"does not divide model.num_attention_heads={m.num_attention_heads}")
+            _fail(
+                "parallel.tensor_parallel",
+                p.tensor_parallel,
+                f"does not divide model.num_attention_heads={m.num_attention_heads}",
+            )
         if m.num_query_groups % p.tensor_parallel:
-            _fail("parallel.tensor_parallel", p.tensor_parallel,
-                  f"does not divide model.num_query_groups={m.num_query_groups}")
+            _fail(
+                "parallel.tensor_parallel",
+                p.tensor_parallel,
+                f"does not divide model.num_query_groups={m.num_query_groups}",
+            )
         if m.ffn_hidden_size % p.tensor_parallel:
-            _fail("parallel.tensor_parallel", p.tensor_parallel,
-                  f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}")
+            _fail(
+                "parallel.tensor_parallel",
+                p.tensor_parallel,
+                f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
+            )
         if m.num_layers % p.pipeline_parallel:
-            _fail("parallel.pipeline_parallel", p.pipeline_parallel,
-                  f"does not divide model.num_layers={m.num_layers}")
+            _fail("parallel.pipeline_parallel", p.pipeline_parallel, f"does not divide model.num_layers={m.num_layers}")
         if world_size % (p.tensor_parallel * p.pipeline_parallel):
-            _fail("parallel", f"TP×PP={p.tensor_parallel * p.pipeline_parallel}",
-                  f"does not divide the trainer world size {world_size}")
+            _fail(
+                "parallel",
+                f"TP×PP={p.tensor_parallel * p.pipeline_parallel}",
+                f"does not divide the trainer world size {world_size}",
+            )
         dp = world_size // (p.tensor_parallel * p.pipeline_parallel)
         if self.batch_size % (dp * p.micro_batch_size * self.algo.mini_batches):
-            _fail("rollout.num_prompts×samples_per_prompt", self.batch_size,
-                  f"must be divisible by DP={dp} × parallel.micro_batch_size="
-                  f"{p.micro_batch_size} × algo.mini_batches={self.algo.mini_batches}")
+            _fail(
+                "rollout.num_prompts×samples_per_prompt",
+                self.batch_size,
+                f"must be divisible by DP={dp} × parallel.micro_batch_size="
+                f"{p.micro_batch_size} × algo.mini_batches={self.algo.mini_batches}",
+            )
         if self.warm_start.steps and self.warm_start.batch_size % (dp * p.micro_batch_size):
-            _fail("warm_start.batch_size", self.warm_start.batch_size,
-                  f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}")
+            _fail(
+                "warm_start.batch_size",
+                self.warm_start.batch_size,
+                f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
+            )
         if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
-            _fail("rollout.max_prompt_len+max_response_len",
-                  r.max_prompt_len + r.max_response_len,
-                  f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
+            _fail(
+                "rollout.max_prompt_len+max_response_len",
+                r.max_prompt_len + r.max_response_len,
+                f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
+            )
         if r.engine_tp < 1:
             _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
         if m.num_query_groups % r.engine_tp:
-            _fail("rollout.engine_tp", r.engine_tp,
-                  f"does not divide model.num_query_groups={m.num_query_groups}")
+            _fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
         if self.algo.clip_low >= 1 or self.algo.clip_low < 0:
             _fail("algo.clip_low", self.algo.clip_low, "must be in [0, 1)")
         if self.algo.dual_clip and self.algo.dual_clip <= 1:
@@ -275,8 +299,11 @@ class RunConfig:
             import torch
 
             if not torch.cuda.is_available():
-                _fail("model.dtype/transformer_impl", f"{m.dtype}/{m.transformer_impl}",
-                      "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU")
+                _fail(
+                    "model.dtype/transformer_impl",
+                    f"{m.dtype}/{m.transformer_impl}",
+                    "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU",
+                )
 
 
 def _positive(cfg: RunConfig) -> None:

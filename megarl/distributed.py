@@ -81,9 +81,7 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
         )
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}"
-        )
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

@@ -65,9 +65,15 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 log.info(
                     "step %d/%d reward %.3f kl %.4f loss %.4f | gen %.2fs lp %.2fs upd %.2fs sync %.2fs%s",
-                    step + 1, cfg.train.steps, m["rollout/reward_mean"], m.get("train/kl", 0.0),
-                    m["train/loss"], m["timing/step/generate"], m["timing/step/logprobs"],
-                    m["timing/step/update"], m["timing/step/sync"],
+                    step + 1,
+                    cfg.train.steps,
+                    m["rollout/reward_mean"],
+                    m.get("train/kl", 0.0),
+                    m["train/loss"],
+                    m["timing/step/generate"],
+                    m["timing/step/logprobs"],
+                    m["timing/step/update"],
+                    m["timing/step/sync"],
                     f" | val {m['val/reward']:.3f}" if "val/reward" in m else "",
                 )
         summary["rl_wall_s"] = time.perf_counter() - t_rl
@@ -78,8 +84,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
         summary["wall_s"] = time.perf_counter() - t_start
         summary["steps"] = cfg.train.steps
         if rank0:
-            log.info("done: validation reward %.3f -> %.3f in %d steps; RL %.0fs, total %.0fs",
-                     val0, val1, cfg.train.steps, summary["rl_wall_s"], summary["wall_s"])
+            log.info(
+                "done: validation reward %.3f -> %.3f in %d steps; RL %.0fs, total %.0fs",
+                val0,
+                val1,
+                cfg.train.steps,
+                summary["rl_wall_s"],
+                summary["wall_s"],
+            )
     finally:
         metrics_log.close()
         tr.close()

@@ -61,7 +61,7 @@ class Timer:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
-    def __call__(self, name: str) -> "_Span":
+    def __call__(self, name: str) -> _Span:
         return _Span(self, name)
 
     def metrics(self) -> dict[str, float]:

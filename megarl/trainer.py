@@ -83,8 +83,9 @@ class Trainer:
         elif m.vocab_size == 0:
             self.cfg.model = dataclasses.replace(m, vocab_size=self.tok.vocab_size)
         if self.cfg.model.vocab_size < self.tok.vocab_size:
-            raise ValueError(f"model.vocab_size={self.cfg.model.vocab_size} < tokenizer vocabulary "
-                             f"{self.tok.vocab_size}")
+            raise ValueError(
+                f"model.vocab_size={self.cfg.model.vocab_size} < tokenizer vocabulary {self.tok.vocab_size}"
+            )
 
     def _write_engine_folder(self) -> None:
         """config.json + weight manifest: engines start with dummy weights and get synced."""
@@ -98,9 +99,16 @@ class Trainer:
         r = self.cfg.rollout
         if r.engine_addresses:
             return Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
-        return Fleet.start_local(self.model_dir, r.num_engines, r.engine_tp, r.kv_cache_gb,
-                                 self.run_dir / "logs", self.cfg.train.seed,
-                                 r.request_timeout_s, r.engine_start_timeout_s)
+        return Fleet.start_local(
+            self.model_dir,
+            r.num_engines,
+            r.engine_tp,
+            r.kv_cache_gb,
+            self.run_dir / "logs",
+            self.cfg.train.seed,
+            r.request_timeout_s,
+            r.engine_start_timeout_s,
+        )
 
     def build_reference(self) -> None:
         """Frozen copy of the current actor (same layout: shards copy one to one)."""
@@ -127,14 +135,21 @@ class Trainer:
             denom = float(mask.sum())
             rows_idx = self._dp_rows(tokens.shape[0])
 
-            def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            def loss_fn(
+                mb: dict[str, torch.Tensor], logits: torch.Tensor, denom: float = denom
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 lp = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 1.0)
                 nll = -(lp * mb["mask"]).sum()
                 return nll / denom, {"nll": nll}
 
             lr = lr_at(step, dataclasses.replace(self.cfg.optim, lr=ws.lr, warmup_steps=min(10, ws.steps)), ws.steps)
-            stats, _ = train_step(self.actor, {"tokens": tokens[rows_idx], "mask": mask[rows_idx]}, loss_fn,
-                                  micro_batch_size=self.cfg.parallel.micro_batch_size, lr=lr)
+            stats, _ = train_step(
+                self.actor,
+                {"tokens": tokens[rows_idx], "mask": mask[rows_idx]},
+                loss_fn,
+                micro_batch_size=self.cfg.parallel.micro_batch_size,
+                lr=lr,
+            )
             losses.append(stats["nll"] / denom)
             if self.dims.is_rank0 and (step % 50 == 0 or step == ws.steps - 1):
                 log.info("warm-start %d/%d nll %.4f", step + 1, ws.steps, losses[-1])
@@ -152,8 +167,15 @@ class Trainer:
         if self.dims.is_rank0:
             assert self.fleet is not None
             prompts = take_prompts(self.sampler, self.train_rows, self.tok, num_prompts, self.cfg, self.prompt_stats)
-            batch, stats = generate_batch(self.fleet, self.tok, prompts, self.cfg, self.reward_fn,
-                                          seed=self.cfg.train.seed + step, samples=samples)
+            batch, stats = generate_batch(
+                self.fleet,
+                self.tok,
+                prompts,
+                self.cfg,
+                self.reward_fn,
+                seed=self.cfg.train.seed + step,
+                samples=samples,
+            )
             stats["rollout/skipped_overlong_prompts"] = float(self.prompt_stats.skipped_overlong)
             stats["rollout/truncated_overlong_prompts"] = float(self.prompt_stats.truncated_overlong)
             stats["fleet/restarts"] = float(self.fleet.restarts)
@@ -166,24 +188,34 @@ class Trainer:
         a, mbs = self.cfg.algo, self.cfg.parallel.micro_batch_size
         out: dict[str, torch.Tensor] = {}
         if a.ppo_epochs * a.mini_batches > 1:
-            out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs,
-                                                   temperature=self.cfg.rollout.temperature)["logprobs"]
+            out["old_logprobs"] = forward_logprobs(
+                self.actor, batch.tokens, micro_batch_size=mbs, temperature=self.cfg.rollout.temperature
+            )["logprobs"]
         if a.kl_coef > 0:
             assert self.ref is not None
-            out["ref_logprobs"] = forward_logprobs(self.ref, batch.tokens, micro_batch_size=mbs,
-                                                   temperature=self.cfg.rollout.temperature)["logprobs"]
+            out["ref_logprobs"] = forward_logprobs(
+                self.ref, batch.tokens, micro_batch_size=mbs, temperature=self.cfg.rollout.temperature
+            )["logprobs"]
         return out
 
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        res = algo.compute_advantages(self.cfg.algo.advantage, mask=batch.mask, rewards=batch.rewards,
-                                      group_ids=batch.group_ids)
+        res = algo.compute_advantages(
+            self.cfg.algo.advantage, mask=batch.mask, rewards=batch.rewards, group_ids=batch.group_ids
+        )
         return res.advantages
 
-    def update(self, batch: RolloutBatch, adv: torch.Tensor, lps: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
+    def update(
+        self, batch: RolloutBatch, adv: torch.Tensor, lps: dict[str, torch.Tensor], lr: float
+    ) -> dict[str, float]:
         a = self.cfg.algo
         B = batch.size
-        rows: dict[str, torch.Tensor] = {"tokens": batch.tokens, "mask": batch.mask, "adv": adv,
-                                         "engine_logprobs": batch.engine_logprobs, **lps}
+        rows: dict[str, torch.Tensor] = {
+            "tokens": batch.tokens,
+            "mask": batch.mask,
+            "adv": adv,
+            "engine_logprobs": batch.engine_logprobs,
+            **lps,
+        }
         totals: dict[str, float] = {}
         n_updates = 0
         for _epoch in range(a.ppo_epochs):
@@ -191,18 +223,27 @@ class Trainer:
                 per = B // a.mini_batches
                 sl = slice(mb_idx * per, (mb_idx + 1) * per)
                 mini = {k: v[sl] for k, v in rows.items()}
-                denom = algo.global_denominator(a.loss_agg, mini["mask"],
-                                                fixed_normalizer=float(self.cfg.rollout.max_response_len))
+                denom = algo.global_denominator(
+                    a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
+                )
                 local = {k: v[self._dp_rows(per)] for k, v in mini.items()}
-                stats, gnorm = train_step(self.actor, local, self._policy_loss_fn(denom),
-                                          micro_batch_size=self.cfg.parallel.micro_batch_size, lr=lr)
+                stats, gnorm = train_step(
+                    self.actor,
+                    local,
+                    self._policy_loss_fn(denom),
+                    micro_batch_size=self.cfg.parallel.micro_batch_size,
+                    lr=lr,
+                )
                 n_updates += 1
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + gnorm
         tokens = max(totals.pop("tokens", 1.0), 1.0)
-        out = {"train/loss": totals.pop("loss") / n_updates, "train/grad_norm": totals.pop("grad_norm") / n_updates,
-               "train/lr": lr}
+        out = {
+            "train/loss": totals.pop("loss") / n_updates,
+            "train/grad_norm": totals.pop("grad_norm") / n_updates,
+            "train/lr": lr,
+        }
         for k, v in totals.items():
             out[f"train/{k.removesuffix('_sum')}"] = v / tokens
         return out
@@ -222,8 +263,16 @@ class Trainer:
             if a.tis_cap > 0:
                 tis, tstats = algo.tis_weights(old, mb["engine_logprobs"], mask, cap=a.tis_cap)
             adv_tok = algo.sequence_to_token(mb["adv"], mask) if mb["adv"].dim() == 1 else mb["adv"]
-            per_tok, pstats = algo.policy_loss(lp, old, adv_tok, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                               dual_clip=a.dual_clip or None, tis_weights=tis)
+            per_tok, pstats = algo.policy_loss(
+                lp,
+                old,
+                adv_tok,
+                mask,
+                clip_low=a.clip_low,
+                clip_high=a.clip_high,
+                dual_clip=a.dual_clip or None,
+                tis_weights=tis,
+            )
             n = mask.sum()
             if "ref_logprobs" in mb:
                 kl = algo.kl_estimate(lp, mb["ref_logprobs"], a.kl_estimator)
@@ -235,8 +284,14 @@ class Trainer:
                 stats["entropy_sum"] = (ent.detach() * mask).sum()
             loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
             mismatch = ((mb["engine_logprobs"] - lp.detach()).abs() * mask).sum()
-            stats.update({"loss": loss.detach(), "tokens": n, "clipfrac_sum": pstats["clipfrac"] * n,
-                          "engine_logprob_absdiff_sum": mismatch})
+            stats.update(
+                {
+                    "loss": loss.detach(),
+                    "tokens": n,
+                    "clipfrac_sum": pstats["clipfrac"] * n,
+                    "engine_logprob_absdiff_sum": mismatch,
+                }
+            )
             return loss, stats
 
         return loss_fn
@@ -246,8 +301,9 @@ class Trainer:
         stats = self.sync.push(self.version)
         out = {f"sync/{k}": v for k, v in stats.items()}
         if self.cfg.weight_sync.probe:
-            out["sync/probe_max_abs_diff"] = probe(self.actor, self.fleet, self.probe_tokens,
-                                                   self.cfg.rollout.temperature, self.cfg.weight_sync.probe_tol)
+            out["sync/probe_max_abs_diff"] = probe(
+                self.actor, self.fleet, self.probe_tokens, self.cfg.rollout.temperature, self.cfg.weight_sync.probe_tol
+            )
         return out
 
     def validate(self) -> float:
@@ -256,8 +312,14 @@ class Trainer:
         if self.dims.is_rank0:
             assert self.fleet is not None
             prompts = [self.tok.encode(r.prompt) for r in self.val_rows]
-            outs, _ = self.fleet.generate(prompts, n=1, max_tokens=self.cfg.rollout.max_response_len,
-                                          temperature=0.0, top_p=1.0, stop_token_ids=[self.tok.eos_id])
+            outs, _ = self.fleet.generate(
+                prompts,
+                n=1,
+                max_tokens=self.cfg.rollout.max_response_len,
+                temperature=0.0,
+                top_p=1.0,
+                stop_token_ids=[self.tok.eos_id],
+            )
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
             rewards = [self.reward_fn(r.prompt, t, r.answer) for r, t in zip(self.val_rows, texts)]
             value[0] = sum(rewards) / len(rewards)
@@ -300,17 +362,25 @@ def _hf_shapes(cfg: RunConfig) -> dict[str, list[int]]:
         shapes["lm_head.weight"] = [m.vocab_size, H]
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
-            p + "self_attn.q_proj.weight": [m.num_attention_heads * hd, H],
-            p + "self_attn.k_proj.weight": [m.num_query_groups * hd, H],
-            p + "self_attn.v_proj.weight": [m.num_query_groups * hd, H],
-            p + "self_attn.o_proj.weight": [H, m.num_attention_heads * hd],
-            p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H], p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
-            p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [H],
+                p + "post_attention_layernorm.weight": [H],
+                p + "self_attn.q_proj.weight": [m.num_attention_heads * hd, H],
+                p + "self_attn.k_proj.weight": [m.num_query_groups * hd, H],
+                p + "self_attn.v_proj.weight": [m.num_query_groups * hd, H],
+                p + "self_attn.o_proj.weight": [H, m.num_attention_heads * hd],
+                p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H],
+                p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
+                p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
+            }
+        )
         if m.arch == "qwen2":
-            shapes.update({p + "self_attn.q_proj.bias": [m.num_attention_heads * hd],
-                           p + "self_attn.k_proj.bias": [m.num_query_groups * hd],
-                           p + "self_attn.v_proj.bias": [m.num_query_groups * hd]})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": [m.num_attention_heads * hd],
+                    p + "self_attn.k_proj.bias": [m.num_query_groups * hd],
+                    p + "self_attn.v_proj.bias": [m.num_query_groups * hd],
+                }
+            )
     return shapes

@@ -32,8 +32,7 @@ class RolloutBatch:
         return int(self.tokens.shape[0])
 
     def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens[index], "mask": self.mask[index],
-                "engine_logprobs": self.engine_logprobs[index]}
+        return {"tokens": self.tokens[index], "mask": self.mask[index], "engine_logprobs": self.engine_logprobs[index]}
 
 
 @dataclass

@@ -108,10 +108,7 @@ def sequence_to_token(
 ) -> torch.Tensor:  # (B, T) adv[b] on every valid token of row b, 0 elsewhere
     """Broadcast a per-sequence value to every response token."""
     if adv.dim() != 1 or mask.dim() != 2 or mask.shape[0] != adv.shape[0]:
-        raise ValueError(
-            f"expected adv (B,) and mask (B, T), got adv={tuple(adv.shape)}, "
-            f"mask={tuple(mask.shape)}"
-        )
+        raise ValueError(f"expected adv (B,) and mask (B, T), got adv={tuple(adv.shape)}, mask={tuple(mask.shape)}")
     return masked_fill_zero(adv[:, None].expand(mask.shape), mask)
 
 
@@ -125,8 +122,7 @@ def sequence_to_last_token(
     """
     if rewards.dim() != 1 or mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
         raise ValueError(
-            f"expected rewards (B,) and mask (B, T), got rewards={tuple(rewards.shape)}, "
-            f"mask={tuple(mask.shape)}"
+            f"expected rewards (B,) and mask (B, T), got rewards={tuple(rewards.shape)}, mask={tuple(mask.shape)}"
         )
     m = as_bool_mask(mask)
     t = torch.arange(m.shape[1], device=m.device)
@@ -318,14 +314,10 @@ def compute_advantages(
     if name == "reinforce_pp_baseline":
         seq = _need(name, "rewards", rewards, "(B,)")
         gid = _need(name, "group_ids", group_ids, "(B,)")
-        return AdvantageResult(
-            advantages=reinforce_pp_baseline_advantages(seq, gid, mask), returns=None
-        )
+        return AdvantageResult(advantages=reinforce_pp_baseline_advantages(seq, gid, mask), returns=None)
     tok = _token_rewards(name, rewards, token_rewards, mask)
     if name == "reinforce_pp":
-        return AdvantageResult(
-            advantages=reinforce_pp_advantages(tok, mask, gamma=gamma), returns=None
-        )
+        return AdvantageResult(advantages=reinforce_pp_advantages(tok, mask, gamma=gamma), returns=None)
     vals = _need(name, "values", values, "(B, T)")
     adv, ret = gae_advantages(tok, vals, mask, gamma=gamma, lam=lam, whiten=whiten)
     return AdvantageResult(advantages=adv, returns=ret)

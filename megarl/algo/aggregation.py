@@ -49,9 +49,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 
 def _check_mode(mode: str) -> None:
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"unknown loss aggregation mode '{mode}'; valid options: {', '.join(LOSS_AGG_MODES)}"
-        )
+        raise ValueError(f"unknown loss aggregation mode '{mode}'; valid options: {', '.join(LOSS_AGG_MODES)}")
 
 
 def denominator_stats(
@@ -108,9 +106,7 @@ def global_denominator(
 ) -> float:
     """``make_denominator`` from a mask that already covers the whole global batch."""
     stats = denominator_stats(mask)
-    return make_denominator(
-        mode, tokens=stats["tokens"], seqs=stats["seqs"], fixed_normalizer=fixed_normalizer
-    )
+    return make_denominator(mode, tokens=stats["tokens"], seqs=stats["seqs"], fixed_normalizer=fixed_normalizer)
 
 
 def aggregate(

@@ -53,8 +53,7 @@ def overlong_soft_penalty(
     """DAPO eq. (13) soft overlong punishment (see module docstring)."""
     if max_len <= 0 or not 0 <= cache_len <= max_len:
         raise ValueError(
-            f"need max_len > 0 and 0 <= cache_len <= max_len, got max_len={max_len}, "
-            f"cache_len={cache_len}"
+            f"need max_len > 0 and 0 <= cache_len <= max_len, got max_len={max_len}, cache_len={cache_len}"
         )
     length = lengths.to(torch.float32)
     safe = float(max_len - cache_len)

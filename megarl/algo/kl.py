@@ -44,9 +44,7 @@ def kl_estimate(
 ) -> torch.Tensor:  # (B, T) per-token estimate of KL(π || π_ref)
     """Per-token KL(π || π_ref) estimate ``k1``, ``k2`` or ``k3`` (see module docstring)."""
     check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
-    dtype = torch.promote_types(
-        torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32
-    )
+    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
     log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
     if kind == "k1":
         return log_ratio
@@ -127,8 +125,7 @@ def make_kl_controller(
     if kind == "adaptive":
         if target_kl is None or horizon is None:
             raise ValueError(
-                f"adaptive KL controller needs target_kl and horizon, got "
-                f"target_kl={target_kl}, horizon={horizon}"
+                f"adaptive KL controller needs target_kl and horizon, got target_kl={target_kl}, horizon={horizon}"
             )
         return AdaptiveKLController(kl_coef, target_kl, horizon)
     raise ValueError(f"unknown KL controller '{kind}'; valid options: {', '.join(KL_CONTROLLERS)}")

@@ -164,9 +164,7 @@ class LlamaQwen2Adapter:
         if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
             padded_rows = shape[0] * tp
             if full.shape[0] > padded_rows:
-                raise AdapterError(
-                    f"'{mname}': HF vocabulary {full.shape[0]} exceeds padded size {padded_rows}"
-                )
+                raise AdapterError(f"'{mname}': HF vocabulary {full.shape[0]} exceeds padded size {padded_rows}")
             pad = full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])
             full = torch.cat([full, pad], dim=0)
         shard = full if dim is None else full.chunk(tp, dim=dim)[tp_rank]

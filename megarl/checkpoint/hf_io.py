@@ -23,7 +23,7 @@ from megarl.model.builder import Model
 
 
 def _named_params(model: Model) -> list[tuple[str, torch.Tensor]]:
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     for name, p in model.core.named_parameters():
         if name.startswith("value_head."):
             continue
@@ -103,11 +103,15 @@ def save_hf_folder(path: str | Path, tensors: dict[str, torch.Tensor], hf_config
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     hf_config.save_pretrained(str(tmp))
-    gen = {"bos_token_id": hf_config.bos_token_id, "eos_token_id": hf_config.eos_token_id,
-           "pad_token_id": hf_config.pad_token_id}
+    gen = {
+        "bos_token_id": hf_config.bos_token_id,
+        "eos_token_id": hf_config.eos_token_id,
+        "pad_token_id": hf_config.pad_token_id,
+    }
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     if path.exists():
         import shutil

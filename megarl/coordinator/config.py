@@ -95,10 +95,7 @@ class CoordinatorConfig:
         if not self.min_gain >= 0:
             raise ValueError(f"min_gain={self.min_gain} must be >= 0")
         if self.warmup_steps < 0 or self.cooldown_steps < 0:
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps} and cooldown_steps={self.cooldown_steps} "
-                "must be >= 0"
-            )
+            raise ValueError(f"warmup_steps={self.warmup_steps} and cooldown_steps={self.cooldown_steps} must be >= 0")
         if not 0.0 <= self.ema_beta < 1.0:
             raise ValueError(f"ema_beta={self.ema_beta} must be in [0, 1)")
         if not self.band_z > 0:
@@ -119,10 +116,7 @@ class CoordinatorConfig:
                 raise ValueError(f"lr_ref[{name!r}]={lr} must be > 0")
         for name in self.batch_models or []:
             if name not in self.lr_ref:
-                raise ValueError(
-                    f"batch_models contains {name!r}, which has no lr_ref (known: "
-                    f"{sorted(self.lr_ref)})"
-                )
+                raise ValueError(f"batch_models contains {name!r}, which has no lr_ref (known: {sorted(self.lr_ref)})")
         if self.time_window < 2:
             raise ValueError(f"time_window={self.time_window} must be >= 2")
         if not 0.0 <= self.prior_fixed_fraction < 1.0:

@@ -83,9 +83,7 @@ class Coordinator:
         leaves the coordinator exactly as it was.
         """
         if step <= self._last_step:
-            raise ValueError(
-                f"observe(step={step}) after step {self._last_step}: steps must increase"
-            )
+            raise ValueError(f"observe(step={step}) after step {self._last_step}: steps must increase")
         updates = self._grad_updates(grads)
         timings.validate()
         rank_tput = self._rank_throughputs(step, timings)
@@ -106,9 +104,7 @@ class Coordinator:
         self._last_step = step
         self._observed += 1
 
-    def _estimator(
-        self, table: dict[str, NoiseScaleEstimator], model: str, kind: NoiseKind
-    ) -> NoiseScaleEstimator:
+    def _estimator(self, table: dict[str, NoiseScaleEstimator], model: str, kind: NoiseKind) -> NoiseScaleEstimator:
         if model not in table:
             table[model] = NoiseScaleEstimator(self.config.ema_beta, kind, self.config.band_z)
         return table[model]
@@ -120,30 +116,22 @@ class Coordinator:
         for g in grads:
             if g.model not in self.config.lr_ref:
                 raise ValueError(
-                    f"model {g.model!r} has no lr_ref in CoordinatorConfig (known: "
-                    f"{sorted(self.config.lr_ref)})"
+                    f"model {g.model!r} has no lr_ref in CoordinatorConfig (known: {sorted(self.config.lr_ref)})"
                 )
             if g.model in seen:
                 raise ValueError(f"model {g.model!r} appears twice in one step's grads")
             seen.add(g.model)
             if g.batch_unit not in ("responses", "tokens"):
-                raise ValueError(
-                    f"model {g.model!r}: batch_unit={g.batch_unit!r} must be 'responses' or "
-                    "'tokens'"
-                )
+                raise ValueError(f"model {g.model!r}: batch_unit={g.batch_unit!r} must be 'responses' or 'tokens'")
             if self._units.get(g.model, g.batch_unit) != g.batch_unit:
                 raise ValueError(
                     f"model {g.model!r} reported batch_unit={g.batch_unit!r} but earlier steps "
                     f"used {self._units[g.model]!r}"
                 )
             if g.source not in ("dp", "microbatch"):
-                raise ValueError(
-                    f"model {g.model!r}: source={g.source!r} must be 'dp' or 'microbatch'"
-                )
+                raise ValueError(f"model {g.model!r}: source={g.source!r} must be 'dp' or 'microbatch'")
             estimate = dp_estimates if g.source == "dp" else microbatch_estimates
-            plain = estimate(
-                g.local_sq_norms, g.local_batches, g.global_sq_norm, grad_average=g.grad_average
-            )
+            plain = estimate(g.local_sq_norms, g.local_batches, g.global_sq_norm, grad_average=g.grad_average)
             adam: tuple[float, float] | None = None
             if g.precond_local_sq_norms is not None and g.precond_global_sq_norm is not None:
                 adam = estimate(
@@ -187,9 +175,7 @@ class Coordinator:
             out.append(n / sec)
         return out
 
-    def noise_estimator(
-        self, model: str, kind: NoiseKind = KIND_PLAIN
-    ) -> NoiseScaleEstimator | None:
+    def noise_estimator(self, model: str, kind: NoiseKind = KIND_PLAIN) -> NoiseScaleEstimator | None:
         """The raw estimator of `kind` for `model` (in the model's batch unit), if observed."""
         return (self._noise_adam if kind == KIND_ADAM else self._noise).get(model)
 
@@ -252,18 +238,13 @@ class Coordinator:
             return cur, "disabled"
         if self._observed < cfg.warmup_steps:
             return cur, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
-        if (
-            self._last_switch_step is not None
-            and step - self._last_switch_step < cfg.cooldown_steps
-        ):
+        if self._last_switch_step is not None and step - self._last_switch_step < cfg.cooldown_steps:
             return cur, f"cooldown (changed at step {self._last_switch_step})"
         if b_noise is None:
             return cur, "keep: noise scale not resolved yet"
         if not self._time.ready:
             return cur, "keep: no timings yet"
-        choice = choose_batch(
-            self._grid, b_noise, self._time, cur, min_gain=cfg.min_gain, b0=float(cfg.initial_batch)
-        )
+        choice = choose_batch(self._grid, b_noise, self._time, cur, min_gain=cfg.min_gain, b0=float(cfg.initial_batch))
         return choice.num_prompts, choice.reason
 
     def next_plan(self) -> StepPlan:
@@ -288,10 +269,7 @@ class Coordinator:
             lr={m: self._lr(m, b) for m in sorted(cfg.lr_ref)},
             dp_shares=self._dp_shares(),
             predicted_goodput=predicted,
-            b_noise={
-                m: self._b_noise_responses(m, self._decision_estimator(m))
-                for m in sorted(self._noise)
-            },
+            b_noise={m: self._b_noise_responses(m, self._decision_estimator(m)) for m in sorted(self._noise)},
             reason=reason,
         )
         return self._plan
@@ -334,9 +312,7 @@ class Coordinator:
         out["coord/goodput_pred"] = nan if pg is None else pg
         tpr = self._time.tokens_per_response
         out["coord/tokens_per_response"] = nan if tpr is None else tpr
-        out["coord/gen_tokens_per_s"] = (
-            self._time.generation_tokens_per_s(b) if self._time.ready else nan
-        )
+        out["coord/gen_tokens_per_s"] = self._time.generation_tokens_per_s(b) if self._time.ready else nan
         for r, share in enumerate(plan.dp_shares if plan is not None else self._dp_shares()):
             out[f"coord/dp_share/{r}"] = share
         return out
@@ -361,13 +337,10 @@ class Coordinator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output into a coordinator built with the same config."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"coordinator state version {state.get('version')!r}, expected {STATE_VERSION}"
-            )
+            raise ValueError(f"coordinator state version {state.get('version')!r}, expected {STATE_VERSION}")
         if len(state["rank_tput"]) != self.config.dp_size:
             raise ValueError(
-                f"coordinator state has {len(state['rank_tput'])} DP ranks, config dp_size="
-                f"{self.config.dp_size}"
+                f"coordinator state has {len(state['rank_tput'])} DP ranks, config dp_size={self.config.dp_size}"
             )
         self._last_step = int(state["last_step"])
         self._observed = int(state["observed"])

@@ -81,9 +81,7 @@ class BatchGrid:
         if self.min_prompts < 1:
             raise ValueError(f"min_prompts={self.min_prompts} must be >= 1")
         if self.max_prompts < self.min_prompts:
-            raise ValueError(
-                f"max_prompts={self.max_prompts} must be >= min_prompts={self.min_prompts}"
-            )
+            raise ValueError(f"max_prompts={self.max_prompts} must be >= min_prompts={self.min_prompts}")
         if not self.factor > 1.0:
             raise ValueError(f"grid_factor={self.factor} must be > 1")
         if self.divisor < 1:
@@ -100,8 +98,7 @@ class BatchGrid:
     def is_valid(self, prompts: int) -> bool:
         """True if `prompts` is inside the bounds and satisfies divisibility."""
         return (
-            self.min_prompts <= prompts <= self.max_prompts
-            and (prompts * self.samples_per_prompt) % self.divisor == 0
+            self.min_prompts <= prompts <= self.max_prompts and (prompts * self.samples_per_prompt) % self.divisor == 0
         )
 
     def prompts(self) -> list[int]:
@@ -196,10 +193,7 @@ def choose_batch(
     if best_p == current:
         reason = f"keep {current} prompts: best on grid (b_noise={b_noise:.4g} responses)"
     else:
-        reason = (
-            f"keep {current} prompts: best {best_p} gains {100 * gain:.1f}% <= "
-            f"min_gain {100 * min_gain:.1f}%"
-        )
+        reason = f"keep {current} prompts: best {best_p} gains {100 * gain:.1f}% <= min_gain {100 * min_gain:.1f}%"
     return BatchChoice(
         num_prompts=current,
         goodput=cur,

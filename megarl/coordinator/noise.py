@@ -53,9 +53,7 @@ KIND_ADAM: NoiseKind = "adam"
 """Estimator fed with norms of Adam-preconditioned gradients g/(sqrt(v̂)+eps)."""
 
 
-def two_batch_estimates(
-    g2_small: float, b_small: float, g2_big: float, b_big: float
-) -> tuple[float, float]:
+def two_batch_estimates(g2_small: float, b_small: float, g2_big: float, b_big: float) -> tuple[float, float]:
     """Unbiased (|G|², tr Σ) from squared gradient norms at two batch sizes.
 
     McCandlish et al. 2018, App. A:
@@ -83,13 +81,9 @@ def two_batch_estimates(
 
 def _check_parts(sq_norms: Sequence[float], batches: Sequence[float], what: str) -> None:
     if len(sq_norms) != len(batches):
-        raise ValueError(
-            f"{what}: got {len(sq_norms)} squared norms but {len(batches)} batch sizes"
-        )
+        raise ValueError(f"{what}: got {len(sq_norms)} squared norms but {len(batches)} batch sizes")
     if len(sq_norms) < 2:
-        raise ValueError(
-            f"{what}: need at least 2 parts for a two-batch estimate, got {len(sq_norms)}"
-        )
+        raise ValueError(f"{what}: need at least 2 parts for a two-batch estimate, got {len(sq_norms)}")
     for i, b in enumerate(batches):
         if not b > 0:
             raise ValueError(f"{what}: batch[{i}]={b} must be > 0")

@@ -113,9 +113,7 @@ class StepPlan:
             samples_per_prompt=int(d["samples_per_prompt"]),
             lr={k: float(v) for k, v in d["lr"].items()},
             dp_shares=[float(x) for x in d["dp_shares"]],
-            predicted_goodput=None
-            if d["predicted_goodput"] is None
-            else float(d["predicted_goodput"]),
+            predicted_goodput=None if d["predicted_goodput"] is None else float(d["predicted_goodput"]),
             b_noise={k: None if v is None else float(v) for k, v in d["b_noise"].items()},
             reason=str(d["reason"]),
         )

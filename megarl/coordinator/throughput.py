@@ -151,17 +151,13 @@ class StepTimeModel:
     tokens/s and to convert a token-unit noise scale to responses.
     """
 
-    def __init__(
-        self, *, window: int = 32, prior_fixed_fraction: float = 0.3, ema_beta: float = 0.9
-    ):
+    def __init__(self, *, window: int = 32, prior_fixed_fraction: float = 0.3, ema_beta: float = 0.9):
         self.generate = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self.train = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self._other = Ema(ema_beta)
         self._tokens_per_response = Ema(ema_beta)
 
-    def observe(
-        self, *, responses: int, tokens: int, generate_s: float, train_s: float, other_s: float
-    ) -> None:
+    def observe(self, *, responses: int, tokens: int, generate_s: float, train_s: float, other_s: float) -> None:
         """Record one step's phase times for a rollout of `responses` responses."""
         if responses <= 0:
             raise ValueError(f"rollout_responses={responses} must be > 0")

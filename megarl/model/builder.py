@@ -95,10 +95,10 @@ class Model:
     @property
     def core(self) -> torch.nn.Module:
         """The unwrapped GPTModel."""
-        m = self.module
+        m: Any = self.module
         while hasattr(m, "module"):
             m = m.module
-        return m
+        return m  # type: ignore[no-any-return]
 
 
 def build_gpt(
@@ -183,9 +183,7 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
         params_dtype=model.config.params_dtype,
         use_distributed_optimizer=pcfg.use_distributed_optimizer,
     )
-    model.optimizer = get_megatron_optimizer(
-        opt_cfg, [ddp], use_gloo_process_groups=torch.cuda.is_available()
-    )
+    model.optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=torch.cuda.is_available())
 
 
 def set_lr(model: Model, lr: float) -> None:

@@ -76,10 +76,7 @@ def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list
     n = batch["tokens"].shape[0]
     if n % micro_batch_size:
         raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size={micro_batch_size}")
-    return [
-        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
-        for i in range(0, n, micro_batch_size)
-    ]
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
 
 
 def _run_schedule(
@@ -177,7 +174,7 @@ def train_step(
 
     mbs = micro_batches(batch, micro_batch_size)
     model.module.train()
-    model.module.zero_grad_buffer()
+    model.module.zero_grad_buffer()  # type: ignore[operator]
     model.optimizer.zero_grad()
     if lr is not None:
         for group in model.optimizer.param_groups:
@@ -211,3 +208,51 @@ def _broadcast_keys(keys: list[str], dims: Any) -> list[str]:
     src = dist.get_process_group_ranks(dims.pp_group)[-1]
     dist.broadcast_object_list(obj, src=src, group=dims.pp_group)
     return list(obj[0])
+
+
+def _vocab_parallel_argmax(logits: torch.Tensor, tp_rank: int, tp_group: Any) -> torch.Tensor:
+    """Global argmax over the TP-sharded vocabulary (ties → lowest id). (b, s, v/tp) -> (b, s)."""
+    v_local = logits.shape[-1]
+    val, idx = logits.float().max(dim=-1)
+    gidx = idx + tp_rank * v_local
+    best = val.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=tp_group)
+    cand = torch.where(val == best, gidx, torch.full_like(gidx, torch.iinfo(torch.long).max))
+    dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=tp_group)
+    return cand
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: Model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int = 0
+) -> list[list[int]]:
+    """Greedy decoding with full re-forward per token (reference path for parity tests)."""
+    dims = model.dims
+    outs: list[list[int]] = [[] for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
+        S = max(len(s) for s in seqs)
+        tokens = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+
+        def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[Any, ...]:
+            am = _vocab_parallel_argmax(model_logits(model, logits), dims.tp_rank, dims.tp_group)
+            return torch.zeros(()), torch.tensor(1), {"argmax": am}
+
+        model.module.eval()
+        store = _run_schedule(model, [{"tokens": tokens}], loss_fn, forward_only=True)
+        am = store[0]["argmax"] if dims.is_last_stage else torch.empty(tokens.shape, dtype=torch.long)
+        if dims.pp > 1:
+            dist.broadcast(am, src=dist.get_process_group_ranks(dims.pp_group)[-1], group=dims.pp_group)
+        for i, s in enumerate(seqs):
+            if done[i]:
+                continue
+            nxt = int(am[i, len(s) - 1])
+            outs[i].append(nxt)
+            s.append(nxt)
+            done[i] = nxt == eos_id
+        if all(done):
+            break
+    return outs

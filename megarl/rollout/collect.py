@@ -29,7 +29,11 @@ class PromptStats:
 
 
 def take_prompts(
-    sampler: PromptSampler, records: list[PromptRecord], tok: Tokenizer, k: int, cfg: RunConfig,
+    sampler: PromptSampler,
+    records: list[PromptRecord],
+    tok: Tokenizer,
+    k: int,
+    cfg: RunConfig,
     stats: PromptStats,
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted)."""
@@ -43,8 +47,9 @@ def take_prompts(
             if len(ids) > limit:
                 if cfg.data.overlong_prompt == "skip":
                     stats.skipped_overlong += 1
-                    log.warning("skipping prompt %s: %d tokens > rollout.max_prompt_len=%d",
-                                records[i].where, len(ids), limit)
+                    log.warning(
+                        "skipping prompt %s: %d tokens > rollout.max_prompt_len=%d", records[i].where, len(ids), limit
+                    )
                     continue
                 stats.truncated_overlong += 1
                 ids = [ids[0], *ids[len(ids) - limit + 1 :]]
@@ -55,14 +60,23 @@ def take_prompts(
 
 
 def generate_batch(
-    fleet: Fleet, tok: Tokenizer, prompts: list[tuple[PromptRecord, list[int]]], cfg: RunConfig,
-    reward_fn: RewardFn, seed: int, samples: int,
+    fleet: Fleet,
+    tok: Tokenizer,
+    prompts: list[tuple[PromptRecord, list[int]]],
+    cfg: RunConfig,
+    reward_fn: RewardFn,
+    seed: int,
+    samples: int,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Rank 0: sample ``samples`` responses per prompt, score them and pack the batch."""
     r = cfg.rollout
     outs, version = fleet.generate(
-        [ids for _, ids in prompts], n=samples, max_tokens=r.max_response_len,
-        temperature=r.temperature, top_p=r.top_p, stop_token_ids=[tok.eos_id],
+        [ids for _, ids in prompts],
+        n=samples,
+        max_tokens=r.max_response_len,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        stop_token_ids=[tok.eos_id],
         seeds=[seed * 100_003 + i for i in range(len(prompts))],
     )
     seqs: list[tuple[list[int], list[int], list[float], bool]] = []
@@ -93,10 +107,17 @@ def generate_batch(
             elp[b, len(p) - 1 : n - 1] = torch.tensor(lp[: len(rr)])
         lens[b] = len(rr)
         trunc[b] = tr
-    batch = RolloutBatch(tokens=tokens, mask=mask, engine_logprobs=elp,
-                         rewards=torch.tensor(rewards, dtype=torch.float32),
-                         group_ids=torch.tensor(group_ids, dtype=torch.long),
-                         response_lens=lens, truncated=trunc, version=version, texts=texts)
+    batch = RolloutBatch(
+        tokens=tokens,
+        mask=mask,
+        engine_logprobs=elp,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        response_lens=lens,
+        truncated=trunc,
+        version=version,
+        texts=texts,
+    )
     rw = batch.rewards
     stats = {
         "rollout/reward_mean": float(rw.mean()),
@@ -122,14 +143,17 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
     B, S, version = (int(x) for x in meta)
     if rank != src:
         batch = RolloutBatch(
-            tokens=torch.empty(B, S, dtype=torch.long), mask=torch.empty(B, S),
-            engine_logprobs=torch.empty(B, S), rewards=torch.empty(B),
-            group_ids=torch.empty(B, dtype=torch.long), response_lens=torch.empty(B, dtype=torch.long),
-            truncated=torch.empty(B, dtype=torch.bool), version=version,
+            tokens=torch.empty(B, S, dtype=torch.long),
+            mask=torch.empty(B, S),
+            engine_logprobs=torch.empty(B, S),
+            rewards=torch.empty(B),
+            group_ids=torch.empty(B, dtype=torch.long),
+            response_lens=torch.empty(B, dtype=torch.long),
+            truncated=torch.empty(B, dtype=torch.bool),
+            version=version,
         )
     assert batch is not None
-    for t in (batch.tokens, batch.mask, batch.engine_logprobs, batch.rewards, batch.group_ids,
-              batch.response_lens):
+    for t in (batch.tokens, batch.mask, batch.engine_logprobs, batch.rewards, batch.group_ids, batch.response_lens):
         dist.broadcast(t, src=src)
     tr = batch.truncated.to(torch.uint8)
     dist.broadcast(tr, src=src)

@@ -62,7 +62,7 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
             raw.append((f"{path}:row {i}", row))
     else:
         raise RolloutError(f"{path}: unsupported prompt file type (use .jsonl or .parquet)")
-    out = []
+    out: list[PromptRecord] = []
     for where, row in raw:
         if not isinstance(row, dict):
             raise RolloutError(f"{where}: row must be an object, got {type(row).__name__}")
@@ -109,7 +109,7 @@ class PromptSampler:
         return order
 
     def next(self, k: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < k:
             if self.pos == self.n:
                 self.epoch, self.pos = self.epoch + 1, 0

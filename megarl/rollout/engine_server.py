@@ -115,9 +115,8 @@ class Engine:
         for r in results:
             group = []
             for c in r.outputs:
-                lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)]
-                group.append({"token_ids": list(c.token_ids), "logprobs": lps,
-                              "finish_reason": c.finish_reason})
+                lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids) if d is not None]
+                group.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
             outputs.append(group)
         return {"version": version, "outputs": outputs}
 
@@ -125,8 +124,9 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=float(req.get("temperature", 1.0)),
-                            detokenize=False)
+        sp = SamplingParams(
+            max_tokens=1, prompt_logprobs=0, temperature=float(req.get("temperature", 1.0)), detokenize=False
+        )
         with self.lock:
             res = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(s)) for s in req["sequences"]], sp, use_tqdm=False
@@ -135,7 +135,7 @@ class Engine:
         out = []
         for seq, r in zip(req["sequences"], res):
             pl = r.prompt_logprobs or []
-            out.append([float(d[t].logprob) for d, t in zip(pl[1:], seq[1:])])
+            out.append([float(d[t].logprob) for d, t in zip(pl[1:], seq[1:]) if d is not None])
         return {"version": version, "logprobs": out}
 
     # -- weights -------------------------------------------------------------------
@@ -160,9 +160,7 @@ class Engine:
                     t = fh.get_tensor(name)
                     want = self.manifest[name]
                     if list(t.shape) != want:
-                        raise EngineError(
-                            f"tensor '{name}' has shape {list(t.shape)}, engine expects {want}"
-                        )
+                        raise EngineError(f"tensor '{name}' has shape {list(t.shape)}, engine expects {want}")
                     if not t.is_floating_point():
                         raise EngineError(f"tensor '{name}' has dtype {t.dtype}, expected float")
                     if not bool(t.isfinite().all()):
@@ -179,8 +177,7 @@ class Engine:
                 raise EngineError(f"commit for version {version}, staged {self.staged_version}")
             missing = sorted(set(self.manifest) - set(self.staged))
             if missing:
-                raise EngineError(f"update {version} incomplete: missing {missing[:5]} "
-                                  f"({len(missing)} tensors)")
+                raise EngineError(f"update {version} incomplete: missing {missing[:5]} ({len(missing)} tensors)")
             files = sorted(set(self.staged.values()))
             t0 = time.perf_counter()
             self.llm.collective_rpc(_apply_weights, args=(files, sorted(self.staged)))

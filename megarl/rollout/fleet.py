@@ -71,14 +71,14 @@ class Engine:
             except json.JSONDecodeError:
                 pass
             raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
 
     def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
         try:
             with urllib.request.urlopen(f"http://{self.address}/health", timeout=timeout) as r:
                 return dict(json.loads(r.read()))
-        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
             return None
 
     def alive(self) -> bool:
@@ -118,13 +118,26 @@ class Fleet:
         for i in range(num_engines):
             port = free_port()
             cmd = [
-                sys.executable, "-m", "megarl.rollout.engine_server", "--model", str(model_dir),
-                "--port", str(port), "--tp", str(engine_tp), "--kv-cache-gb", str(kv_cache_gb),
-                "--seed", str(seed + i),
+                sys.executable,
+                "-m",
+                "megarl.rollout.engine_server",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+                "--tp",
+                str(engine_tp),
+                "--kv-cache-gb",
+                str(kv_cache_gb),
+                "--seed",
+                str(seed + i),
             ]
             env = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-            engines.append(Engine(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env,
-                                  log_path=Path(log_dir) / f"engine{i}.log"))
+            engines.append(
+                Engine(
+                    f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=Path(log_dir) / f"engine{i}.log"
+                )
+            )
         fleet = cls(engines, request_timeout_s, start_timeout_s)
         for e in engines:
             fleet._spawn(e)
@@ -133,8 +146,7 @@ class Fleet:
 
     @classmethod
     def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float) -> Fleet:
-        fleet = cls([Engine(f"engine{i}", a) for i, a in enumerate(addresses)],
-                    request_timeout_s, start_timeout_s)
+        fleet = cls([Engine(f"engine{i}", a) for i, a in enumerate(addresses)], request_timeout_s, start_timeout_s)
         fleet.wait_healthy()
         return fleet
 
@@ -143,8 +155,7 @@ class Fleet:
         env.update(e.env)
         assert e.log_path is not None
         fh = open(e.log_path, "ab")  # noqa: SIM115 (handed to the child)
-        e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+        e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         fh.close()
 
     def wait_healthy(self, engines: list[Engine] | None = None) -> None:
@@ -215,9 +226,15 @@ class Fleet:
             failed: list[int] = []
 
             def run(engine: Engine, idx: list[int]) -> tuple[Engine, list[int], Any]:
-                body = {"prompts": [prompts[i] for i in idx], "n": n, "max_tokens": max_tokens,
-                        "temperature": temperature, "top_p": top_p,
-                        "stop_token_ids": stop_token_ids, "seeds": [seeds[i] for i in idx]}
+                body = {
+                    "prompts": [prompts[i] for i in idx],
+                    "n": n,
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "stop_token_ids": stop_token_ids,
+                    "seeds": [seeds[i] for i in idx],
+                }
                 try:
                     return engine, idx, engine.post("/generate", body, self.timeout)
                 except EngineDead as err:
@@ -227,8 +244,7 @@ class Fleet:
                 outs = list(pool.map(lambda kv: run(*kv), [(e, i) for e, i in shares if i]))
             for engine, idx, out in outs:
                 if isinstance(out, Exception):
-                    log.warning("%s died mid-generation (%s); re-issuing %d prompts",
-                                engine.name, out, len(idx))
+                    log.warning("%s died mid-generation (%s); re-issuing %d prompts", engine.name, out, len(idx))
                     self.reissued_prompts += len(idx)
                     failed.extend(idx)
                     if engine.launch:
@@ -241,8 +257,9 @@ class Fleet:
         return [r for r in results if r is not None], min(versions) if versions else -1
 
     @staticmethod
-    def _balance(todo: list[int], prompts: list[list[int]], n: int, max_tokens: int,
-                 engines: list[Engine]) -> list[tuple[Engine, list[int]]]:
+    def _balance(
+        todo: list[int], prompts: list[list[int]], n: int, max_tokens: int, engines: list[Engine]
+    ) -> list[tuple[Engine, list[int]]]:
         """Greedy longest-first assignment by outstanding tokens (prompt + n × max response)."""
         load = {e.name: 0 for e in engines}
         shares: dict[str, list[int]] = {e.name: [] for e in engines}
@@ -254,8 +271,10 @@ class Fleet:
 
     def logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
         """Prompt log-probs of each sequence on every engine (integrity probe)."""
-        return [e.post("/logprobs", {"sequences": sequences, "temperature": temperature},
-                       self.timeout)["logprobs"] for e in self.engines]
+        return [
+            e.post("/logprobs", {"sequences": sequences, "temperature": temperature}, self.timeout)["logprobs"]
+            for e in self.engines
+        ]
 
     # ------------------------------------------------------------------ weights
 
@@ -270,8 +289,11 @@ class Fleet:
             for e in engines:
                 e.post("/weights/begin", {"version": version}, self.timeout)
             with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-                list(pool.map(lambda e: e.post("/weights/load", {"version": version, "files": files},
-                                               self.timeout), engines))
+                list(
+                    pool.map(
+                        lambda e: e.post("/weights/load", {"version": version, "files": files}, self.timeout), engines
+                    )
+                )
         except RolloutError as err:
             for e in engines:
                 try:

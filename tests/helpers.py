@@ -1,0 +1,56 @@
+"""Shared test helpers: run a worker script under torchrun, make a tiny HF model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: str | Path, nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` on ``nproc`` gloo ranks; raise with the output on failure."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONWARNINGS"] = "ignore"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def tiny_hf_model(path: Path, arch: str = "llama", vocab: int = 61, tie: bool = False, seed: int = 0) -> Path:
+    """A random tiny Llama/Qwen2 model saved by transformers itself (the independent oracle)."""
+    import torch
+
+    torch.manual_seed(seed)
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0)
+    if arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, head_dim=32))
+    # transformers inits norms to 1 and biases to 0: perturb them so the mapping is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
