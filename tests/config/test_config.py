@@ -1,0 +1,69 @@
+"""Config loading and validation: unknown keys, wrong types and inconsistent sizes fail
+before any process group starts, naming the field, the value and the rule."""
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_examples_load_and_validate() -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        cfg = load_config(path)
+        p = cfg.parallel
+        cfg.validate(p.tensor_parallel * p.pipeline_parallel * p.data_parallel)
+
+
+def test_overrides_are_typed() -> None:
+    cfg = load_config(None, ["train.steps=7", "optim.lr=3e-4", "train.tensorboard=false", "rollout.engine_addresses=a:1,b:2"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 3e-4 and cfg.train.tensorboard is False
+    assert cfg.rollout.engine_addresses == ["a:1", "b:2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.stpes=3"], "unknown config key 'train.stpes'"),
+        (["nosection.x=1"], "unknown config key 'nosection'"),
+        (["train.steps=abc"], "train.steps='abc' must be an int"),
+        (["optim.lr=fast"], "optim.lr='fast' must be a float"),
+        (["algo.kl_estimator=k9"], "algo.kl_estimator='k9' must be one of"),
+        (["train.tensorboard=maybe"], "train.tensorboard='maybe' must be a bool"),
+    ],
+)
+def test_bad_keys_and_types(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, overrides)
+
+
+def _cfg(**sections: dict) -> RunConfig:
+    return load_config(None, [f"{s}.{k}={v}" for s, kv in sections.items() for k, v in kv.items()])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "message"),
+    [
+        (_cfg(parallel={"tensor_parallel": 3}), 3, "parallel.tensor_parallel=3 does not divide model.num_attention_heads=4"),
+        (_cfg(parallel={"tensor_parallel": 4}), 4, "does not divide model.num_query_groups=2"),
+        (_cfg(parallel={"pipeline_parallel": 3}), 3, "parallel.pipeline_parallel=3 does not divide model.num_layers=2"),
+        (_cfg(parallel={"tensor_parallel": 2}), 3, "does not divide the trainer world size 3"),
+        (_cfg(rollout={"num_prompts": 3, "samples_per_prompt": 2}), 1, "must be divisible by DP=1 × parallel.micro_batch_size=8"),
+        (_cfg(parallel={"micro_batch_size": 4}, rollout={"num_prompts": 2, "samples_per_prompt": 2}), 2,
+         "must be divisible by DP=2"),
+        (_cfg(rollout={"max_prompt_len": 100, "max_response_len": 100}), 1, "exceeds model.max_position_embeddings"),
+        (_cfg(model={"num_query_groups": 3}), 1, "model.num_query_groups=3 must divide model.num_attention_heads=4"),
+        (_cfg(train={"steps": -1}), 1, "train.steps=-1 must be a positive integer"),
+        (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
+    ],
+)
+def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("×", ".")):
+        cfg.validate(world)
+
+
+def test_missing_file_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,102 @@
+"""Prompt files, overlong prompts, the resumable sampler and failing rewards."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megarl.config import DataConfig, RunConfig
+from megarl.rollout.collect import PromptStats, take_prompts
+from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
+from megarl.rollout.rewards import arithmetic, score_all
+from megarl.rollout.tokenizer import train_tokenizer
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_jsonl_and_parquet_give_the_same_records(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    j = _jsonl(tmp_path / "p.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    tj, vj = load_prompts(DataConfig(source=str(j), num_val=3), seed=0)
+    tp, vp = load_prompts(DataConfig(source=str(tmp_path / "p.parquet"), num_val=3), seed=0)
+    assert [(r.prompt, r.answer) for r in tj + vj] == [(r.prompt, r.answer) for r in tp + vp]
+    assert len(tj) == 7 and vj[-1].prompt == "9+1=" and tj[0].where.endswith("p.jsonl:1")
+
+
+def test_custom_keys_and_several_files(tmp_path: Path) -> None:
+    a = _jsonl(tmp_path / "a.jsonl", [{"q": "x", "a": "1"}] * 3)
+    b = _jsonl(tmp_path / "b.jsonl", [{"q": "y", "a": "2"}] * 3)
+    train, val = load_prompts(DataConfig(source=f"{a},{b}", prompt_key="q", answer_key="a", num_val=2), 0)
+    assert [r.prompt for r in train] == ["x", "x", "x", "y"] and [r.answer for r in val] == ["2", "2"]
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "2+2=", "answer": '], r"p.jsonl:2: invalid JSON"),
+        (['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "2+2="}'], r"p.jsonl:2: missing field 'answer'"),
+        (['["a", "b"]'], r"p.jsonl:1: row must be an object"),
+        (['{"prompt": ["x"], "answer": "2"}'], r"p.jsonl:1: field 'prompt' must be a string"),
+    ],
+)
+def test_malformed_rows_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", lines)
+    with pytest.raises(RolloutError, match=message):
+        load_prompts(DataConfig(source=str(path), num_val=0), 0)
+
+
+def test_unsupported_and_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(RolloutError, match="does not exist"):
+        load_prompts(DataConfig(source=str(tmp_path / "none.jsonl")), 0)
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(RolloutError, match="unsupported prompt file type"):
+        load_prompts(DataConfig(source=str(tmp_path / "x.csv")), 0)
+
+
+@pytest.mark.parametrize("mode", ["skip", "truncate"])
+def test_overlong_prompts_are_counted(tmp_path: Path, mode: str) -> None:
+    records = arithmetic_rows(20, 20, 0)
+    long = [PromptRecord(prompt="1+" * 10 + "1=", answer="11", where=f"long:{i}") for i in range(5)]
+    records = long + records
+    tok = train_tokenizer([r.prompt + r.answer for r in records], tmp_path / "tok")
+    cfg = RunConfig()
+    cfg.rollout.max_prompt_len = 8
+    cfg.data.overlong_prompt = mode  # type: ignore[assignment]
+    stats = PromptStats()
+    out = take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, cfg, stats)
+    assert len(out) == 10 and all(len(ids) <= 8 for _, ids in out)
+    if mode == "skip":
+        assert stats.skipped_overlong == 5 and stats.truncated_overlong == 0
+        assert not any(rec.where.startswith("long") for rec, _ in out)
+    else:
+        assert stats.truncated_overlong == 5 and stats.skipped_overlong == 0
+        assert out[0][1][0] == tok.bos_id and tok.decode(out[0][1]).endswith("1=")
+
+
+def test_sampler_resume_replays_nothing() -> None:
+    a = PromptSampler(7, seed=3)
+    first = a.next(5)
+    b = PromptSampler(7, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert a.next(12) == b.next(12)
+    whole = PromptSampler(7, seed=3).next(17)
+    assert whole[:5] == first
+    assert sorted(whole[:7]) == list(range(7)) and sorted(whole[7:14]) == list(range(7))  # epochs are permutations
+
+
+def test_failing_reward_is_counted_not_fatal() -> None:
+    def flaky(prompt: str, response: str, answer: str) -> float:
+        if response == "boom":
+            raise ValueError("verifier crashed")
+        return arithmetic(prompt, response, answer)
+
+    rewards, failed = score_all(flaky, ["1+1="] * 4, ["2", "boom", "3", " 2 "], ["2"] * 4)
+    assert rewards == [1.0, 0.0, 0.0, 1.0] and failed == 1
+    nan_rewards, nan_failed = score_all(lambda p, r, a: float("nan"), ["x"], ["y"], ["z"])
+    assert nan_rewards == [0.0] and nan_failed == 1
