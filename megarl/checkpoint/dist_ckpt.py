@@ -1,0 +1,410 @@
+"""Resumable training checkpoints: megatron ``dist_checkpointing`` for weights and optimizer
+state, plus the loop's own state and per-rank RNG states.
+
+Layout of one checkpoint ``<root>/<name>/``::
+
+    COMPLETE          written last (rank 0) once every rank finished writing; JSON
+    meta.json         format version, parallel layout, per-model shape config
+    state.json        the loop's ``extra`` dict (step, sampler, coordinator, ...)
+    <model>/          one megatron dist_checkpointing dir per model: {"model", "optimizer"}
+    rng/rank<r>.pt    torch (and megatron tracker) RNG states of global rank r
+    <root>/latest     text file: the name of the newest complete checkpoint
+
+Invariants:
+
+* A checkpoint is written into ``<root>/<name>.tmp/`` and only renamed to ``<name>/`` after
+  rank 0 wrote ``COMPLETE``; ``latest`` is replaced atomically afterwards. ``latest`` therefore
+  never names a partial checkpoint, and a ``*.tmp`` left by a crash is ignored (and removed
+  by the next save).
+* Weights and optimizer state are stored in model space (one global tensor per parameter and
+  per Adam moment), so a checkpoint saved at one TP/PP/DP layout loads into another. The
+  distributed optimizer uses megatron's ``fully_reshardable`` format for that reason.
+* Resuming is exact (bitwise for fp32 on the same layout): fp32 main params, both Adam
+  moments, Adam's step count and the param-group hyper-parameters (lr, ...) are restored,
+  and each rank's RNG states when the layout is unchanged. See :func:`_untie_adam_steps`
+  for the bug that otherwise makes a resumed distributed-optimizer run drift.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.model.builder import Model
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MARKER = "COMPLETE"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+FAULT_ENV = "MEGARL_CKPT_FAULT"
+"""Fault injection for tests: ``before_commit`` makes every rank ``os._exit(1)`` after all
+files of a checkpoint are written but before ``COMPLETE`` (a crash mid-save)."""
+
+DIST_OPT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""Model-space optimizer state for the distributed optimizer: reshardable over TP/PP/DP.
+(megatron's default, ``fully_sharded_model_space``, needs flattened ranges that the local
+layer spec does not provide: it raises ``flattened_range is not supported``.)"""
+
+# Fields of megatron's TransformerConfig that fix the parameter shapes (or their meaning).
+_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "add_qkv_bias",
+    "add_bias_linear",
+    "gated_linear_unit",
+    "normalization",
+    "layernorm_epsilon",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or does not match the models it is loaded into."""
+
+
+last_save_times: dict[str, float] = {}
+"""Seconds spent in the phases of the most recent :func:`save_checkpoint` on this rank."""
+last_load_times: dict[str, float] = {}
+"""Seconds spent in the phases of the most recent :func:`load_checkpoint` on this rank."""
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none).
+
+    Follows ``<root>/latest``; if it is missing or stale (a crash between the rename and its
+    update) falls back to the complete checkpoint with the highest recorded save order.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if name and _is_complete(root / name):
+            return root / name
+    done = _complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    models: dict[str, Model],
+    extra: dict[str, Any],
+    *,
+    keep_last: int,
+    name: str | None = None,
+) -> Path:
+    """Save ``models`` (weights + optimizer state) and ``extra`` as ``<ckpt_dir>/<name>/``.
+
+    Collective over all trainer ranks. ``extra`` must be JSON-serialisable and identical on
+    every rank (rank 0 writes it). ``name`` defaults to ``step_<extra["step"]:08d>``.
+    Keeps the ``keep_last`` newest complete checkpoints. Returns the checkpoint path.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    if not models:
+        raise ValueError("save_checkpoint needs at least one model")
+    text = json.dumps(extra, indent=1, sort_keys=True)  # every rank: fail before any collective
+    if name is None:
+        if "step" not in extra:
+            raise ValueError("save_checkpoint: pass name= or put 'step' in extra")
+        name = f"step_{int(extra['step']):08d}"
+    if "/" in name or name.endswith(TMP_SUFFIX) or name == LATEST:
+        raise ValueError(f"invalid checkpoint name {name!r}")
+    root = Path(ckpt_dir)
+    final, tmp = root / name, root / (name + TMP_SUFFIX)
+    rank = dist.get_rank()
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*" + TMP_SUFFIX):  # leftovers of crashed saves
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+        for mname in models:
+            (tmp / mname).mkdir()
+    dist.barrier()
+
+    t1 = time.perf_counter()
+    strategy = _save_strategy()
+    for mname, model in models.items():
+        dist_checkpointing.save(_sharded_state_dict(model, is_loading=False), str(tmp / mname), strategy)
+    t2 = time.perf_counter()
+
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        _write_text(tmp / "state.json", text)
+        _write_text(tmp / "meta.json", json.dumps(_meta(models), indent=1, sort_keys=True))
+    dist.barrier()
+
+    if os.environ.get(FAULT_ENV) == "before_commit":
+        os._exit(1)
+
+    if rank == 0:
+        order = 1 + max((_marker(p).get("order", 0) for p in _complete_checkpoints(root)), default=0)
+        _write_text(tmp / MARKER, json.dumps({"name": name, "order": order, "time": time.time()}))
+        if final.exists():  # re-saving the same name: the old copy goes only after the new is complete
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text(root / (LATEST + TMP_SUFFIX), name)
+        os.replace(root / (LATEST + TMP_SUFFIX), root / LATEST)
+        _fsync_dir(root)
+        _prune(root, keep_last)
+    dist.barrier()
+    t3 = time.perf_counter()
+    last_save_times.update(total_s=t3 - t0, models_s=t2 - t1)
+    logger.info("saved checkpoint %s in %.2fs (models %.2fs)", final, t3 - t0, t2 - t1)
+    return final
+
+
+def load_checkpoint(
+    ckpt_dir: str | Path,
+    models: dict[str, Model],
+    *,
+    load_optimizer: bool = True,
+) -> dict[str, Any]:
+    """Load ``models`` from a checkpoint; returns the ``extra`` dict saved with it.
+
+    ``ckpt_dir`` is a checkpoint root (its ``latest`` one is loaded) or one checkpoint dir.
+    Collective over all trainer ranks. The parallel layout may differ from the saving one;
+    RNG states are restored only when it is the same.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    path = resolve_checkpoint(ckpt_dir)
+    meta = json.loads((path / "meta.json").read_text())
+    saved_models: dict[str, Any] = meta["models"]
+    for mname, model in models.items():
+        if mname not in saved_models:
+            raise CheckpointError(
+                f"checkpoint {path} has no model '{mname}' (it holds: {', '.join(sorted(saved_models)) or 'none'})"
+            )
+        _check_shapes(path, mname, saved_models[mname]["shape"], _shape_config(model))
+        if load_optimizer and model.optimizer is not None and not saved_models[mname]["has_optimizer"]:
+            raise CheckpointError(
+                f"checkpoint {path} model '{mname}' was saved without optimizer state; "
+                "load it with load_optimizer=False"
+            )
+        saved_distopt = saved_models[mname]["distributed_optimizer"]
+        if load_optimizer and model.optimizer is not None and saved_distopt != _uses_distopt(model):
+            raise CheckpointError(
+                f"checkpoint {path} model '{mname}': use_distributed_optimizer={saved_distopt} in the "
+                f"checkpoint but {_uses_distopt(model)} now; optimizer state only loads into the same kind"
+            )
+
+    t1 = time.perf_counter()
+    for mname, model in models.items():
+        with_opt = load_optimizer and model.optimizer is not None
+        sharded = _sharded_state_dict(model, is_loading=True, with_optimizer=with_opt)
+        state = dist_checkpointing.load(sharded, str(path / mname))
+        model.core.load_state_dict(state["model"], strict=True)
+        if with_opt:
+            model.optimizer.load_state_dict(state["optimizer"])
+            if not os.environ.get("XX_NO_FIX"):
+                _untie_adam_steps(model.optimizer)
+        elif model.optimizer is not None:
+            model.optimizer.reload_model_params()  # fp32 main params follow the new weights
+    t2 = time.perf_counter()
+
+    dims = next(iter(models.values())).dims
+    if meta["layout"] == _layout(dims):
+        _set_rng_state(torch.load(path / "rng" / f"rank{dims.rank}.pt", weights_only=True))
+    else:
+        logger.info("checkpoint layout %s != current %s: RNG states not restored", meta["layout"], _layout(dims))
+    extra: dict[str, Any] = json.loads((path / "state.json").read_text())
+    dist.barrier()
+    last_load_times.update(total_s=time.perf_counter() - t0, models_s=t2 - t1)
+    logger.info("loaded checkpoint %s in %.2fs", path, last_load_times["total_s"])
+    return extra
+
+
+def resolve_checkpoint(ckpt_dir: str | Path) -> Path:
+    """One complete checkpoint dir: ``ckpt_dir`` itself, or the latest one under it."""
+    path = Path(ckpt_dir)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if _is_complete(path):
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        if path.name.endswith(TMP_SUFFIX) or (path / "meta.json").exists():
+            raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker): a save did not finish")
+        raise CheckpointError(f"no complete checkpoint in {path} (no '{LATEST}' file and no dir with {MARKER})")
+    return found
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+def _untie_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor after a distributed-optimizer load.
+
+    megatron's ``DistributedOptimizer.load_state_dict`` (torch-Adam path, no apex/TE) puts ONE
+    shared ``torch.tensor(step)`` into the state of every parameter; torch's Adam then
+    increments it in place once per parameter (``_foreach_add_(state_steps, 1)``), so after the
+    first resumed step the bias correction uses ``step + n_params`` instead of ``step + 1``
+    and the run drifts (~1e-4 at the second step). Fresh per-parameter copies fix it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        seen: set[int] = set()
+        for state in inner.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                seen.add(id(state["step"]))
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _uses_distopt(model: Model) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(model.optimizer, "chained_optimizers", [model.optimizer])
+    return any(isinstance(o, DistributedOptimizer) for o in opts)
+
+
+def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+    model_sd = model.core.sharded_state_dict()
+    out: dict[str, Any] = {"model": model_sd}
+    if with_optimizer and model.optimizer is not None:
+        metadata = dict(DIST_OPT_SHARDING) if _uses_distopt(model) else None
+        out["optimizer"] = model.optimizer.sharded_state_dict(model_sd, is_loading, metadata=metadata)
+    return out
+
+
+def _save_strategy() -> Any:
+    """megatron's torch_dist writer, synchronous, one file per rank."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def _shape_config(model: Model) -> dict[str, Any]:
+    cfg = model.config
+    shape: dict[str, Any] = {f: _jsonable(getattr(cfg, f, None)) for f in _SHAPE_FIELDS}
+    shape["vocab_size"] = model.vocab_size
+    shape["tie_embeddings"] = bool(getattr(model.core, "share_embeddings_and_output_weights", False))
+    shape["value_head"] = hasattr(model.core, "value_head")
+    shape["params_dtype"] = str(cfg.params_dtype)
+    return shape
+
+
+def _jsonable(v: Any) -> Any:
+    return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+
+
+def _check_shapes(path: Path, mname: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise CheckpointError(
+                f"checkpoint {path} model '{mname}' was saved with {key}={saved.get(key)!r}, "
+                f"the model being loaded has {key}={current.get(key)!r}"
+            )
+
+
+def _layout(dims: Any) -> dict[str, int]:
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+
+
+def _meta(models: dict[str, Model]) -> dict[str, Any]:
+    import megatron.core
+
+    dims = next(iter(models.values())).dims
+    return {
+        "format_version": FORMAT_VERSION,
+        "megatron_core": getattr(megatron.core, "__version__", ""),
+        "layout": _layout(dims),
+        "models": {
+            mname: {
+                "shape": _shape_config(m),
+                "has_optimizer": m.optimizer is not None,
+                "distributed_optimizer": m.optimizer is not None and _uses_distopt(m),
+                "padded_vocab": m.padded_vocab,
+            }
+            for mname, m in models.items()
+        },
+    }
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["torch_cuda"] = torch.cuda.get_rng_state()
+    for key, value in get_cuda_rng_tracker().get_states().items():
+        out[f"tracker/{key}"] = value
+    return out
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    tracker = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("tracker/")}
+    if tracker:
+        get_cuda_rng_tracker().set_states(tracker)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_complete(path: Path) -> bool:
+    return not path.name.endswith(TMP_SUFFIX) and (path / MARKER).is_file()
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((path / MARKER).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (by save order)."""
+    found = [p for p in root.iterdir() if p.is_dir() and _is_complete(p)]
+    return sorted(found, key=lambda p: (_marker(p).get("order", 0), p.name))
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = _complete_checkpoints(root)
+    for old in done[: max(0, len(done) - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
