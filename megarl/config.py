@@ -170,6 +170,40 @@ class AlgoConfig:
     """Optimizer steps per epoch."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap on exp(old - engine) (0 = off)."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """KL as a loss term (GRPO style) or as a per-token reward penalty (PPO/RLHF style)."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed kl_coef, or adaptive toward kl_target (Ziegler et al. 2019)."""
+    kl_target: float = 0.1
+    """Adaptive controller target KL per token, nats."""
+    kl_horizon: float = 10000.0
+    """Adaptive controller horizon, samples."""
+    gamma: float = 1.0
+    """Discount for GAE / REINFORCE++ returns."""
+    lam: float = 0.95
+    """GAE λ."""
+    whiten_advantages: bool = True
+    """Whiten token advantages over the batch (GAE, REINFORCE++)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill to the planned batch."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: generation rounds before giving up on a full batch."""
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong penalty: buffer before max_response_len, tokens (0 = off)."""
+    overlong_filter: bool = False
+    """Mask truncated responses out of the loss (DAPO overlong filtering)."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    lr: float = 1e-4
+    """Critic peak learning rate (own optimizer)."""
+    warmup_steps: int = 0
+    """Critic-only RL steps before the actor starts updating."""
+    value_clip: float = 0.2
+    """Clip of new values around old values (0 = off)."""
+    init_from_actor: bool = True
+    """Initialise the critic trunk from the (warm-started) actor; the value head starts at 0."""
 
 
 @dataclass(kw_only=True)
@@ -216,6 +250,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -293,6 +328,19 @@ class RunConfig:
             _fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
         if self.algo.clip_low >= 1 or self.algo.clip_low < 0:
             _fail("algo.clip_low", self.algo.clip_low, "must be in [0, 1)")
+        if self.algo.name == "ppo" and self.algo.advantage != "gae":
+            _fail("algo.advantage", self.algo.advantage, "must be 'gae' when algo.name='ppo' (critic)")
+        if self.algo.name == "grpo" and self.algo.advantage == "gae":
+            _fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
+        from megarl.algo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+
+        if self.algo.advantage not in ADVANTAGE_ESTIMATORS:
+            _fail("algo.advantage", self.algo.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        if self.algo.loss_agg not in LOSS_AGG_MODES:
+            _fail("algo.loss_agg", self.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
+        if self.algo.overlong_buffer_len >= r.max_response_len:
+            _fail("algo.overlong_buffer_len", self.algo.overlong_buffer_len,
+                  f"must be < rollout.max_response_len={r.max_response_len}")
         if self.algo.dual_clip and self.algo.dual_clip <= 1:
             _fail("algo.dual_clip", self.algo.dual_clip, "must be > 1 (or 0 = off)")
         if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
@@ -309,7 +357,7 @@ class RunConfig:
 def _positive(cfg: RunConfig) -> None:
     for path, value in _walk(cfg):
         if isinstance(value, int) and not isinstance(value, bool):
-            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every")
+            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len")
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")
 

@@ -25,12 +25,14 @@ def rl_step(tr: Trainer, step: int) -> dict[str, float]:
     lr = lr_at(step, cfg.optim, cfg.train.steps)
     with timer("generate"):  # 1. sample responses on the fleet and score them
         batch, metrics = tr.generate(step, cfg.rollout.num_prompts, cfg.rollout.samples_per_prompt)
-    with timer("logprobs"):  # 2. old-policy / reference log-probs (Megatron forward)
+    with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         lps = tr.logprobs(batch)
-    with timer("advantages"):  # 3. pure functions over rewards
-        adv = tr.advantages(batch)
-    with timer("update"):  # 4. Megatron forward/backward + optimizer step(s)
-        metrics.update(tr.update(batch, adv, lps, lr))
+        metrics.update(tr.mismatch(batch, lps))
+    with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)
+        adv, adv_metrics = tr.advantages(batch, lps)
+        metrics.update(adv_metrics)
+    with timer("update"):  # 4. Megatron forward/backward + optimizer step(s), actor and critic
+        metrics.update(tr.update(batch, adv, lps, lr, step))
     with timer("sync"):  # 5. new weights into every engine
         metrics.update(tr.push_weights())
     metrics.update(timer.metrics())
@@ -49,7 +51,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if cfg.warm_start.steps:
             losses = tr.warm_start()
             summary["warm_start/final_nll"] = losses[-1]
-        tr.build_reference() if cfg.algo.kl_coef > 0 else None
+        tr.build_reference_and_critic()
         tr.push_weights()  # version 1 = the starting policy
         val0 = tr.validate()
         summary["val/reward_start"] = val0
@@ -69,7 +71,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                     cfg.train.steps,
                     m["rollout/reward_mean"],
                     m.get("train/kl", 0.0),
-                    m["train/loss"],
+                    m.get("train/loss", float("nan")),
                     m["timing/step/generate"],
                     m["timing/step/logprobs"],
                     m["timing/step/update"],

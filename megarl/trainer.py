@@ -23,8 +23,16 @@ from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_fold
 from megarl.config import RunConfig
 from megarl.distributed import ParallelDims, init_distributed
 from megarl.model.builder import Model, build_gpt, lr_at
-from megarl.model.forward import _labels, forward_logprobs, train_step, vocab_parallel_logprobs
-from megarl.rollout.collect import PromptStats, broadcast_batch, generate_batch, take_prompts
+from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
+from megarl.rollout.collect import (
+    PromptStats,
+    batch_stats,
+    broadcast_batch,
+    has_signal,
+    pack_groups,
+    sample_groups,
+    take_prompts,
+)
 from megarl.rollout.data import PromptSampler, load_prompts
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
@@ -61,6 +69,10 @@ class Trainer:
             self._write_engine_folder()
             self.fleet = self._start_fleet()
         self.ref: Model | None = None
+        self.critic: Model | None = None
+        a = cfg.algo
+        self.kl_ctl = algo.make_kl_controller(a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target,
+                                              horizon=int(a.kl_horizon))
         self.sync = WeightSync(self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb)
         self.version = 0
         self.probe_tokens = self.tok.encode(self.val_rows[0].prompt + self.val_rows[0].answer)
@@ -110,13 +122,18 @@ class Trainer:
             r.engine_start_timeout_s,
         )
 
-    def build_reference(self) -> None:
-        """Frozen copy of the current actor (same layout: shards copy one to one)."""
-        self.ref = build_gpt(self.cfg.model, self.cfg.parallel, self.dims, trainable=False)
-        with torch.no_grad():
-            src = dict(self.actor.core.named_parameters())
-            for name, p in self.ref.core.named_parameters():
-                p.copy_(src[name])
+    def build_reference_and_critic(self) -> None:
+        """Frozen reference = copy of the current actor (same layout: shards copy one to one);
+        critic (PPO) = actor trunk + zero-initialised value head, own optimizer and LR."""
+        if self.cfg.algo.kl_coef > 0:
+            self.ref = build_gpt(self.cfg.model, self.cfg.parallel, self.dims, trainable=False)
+            _copy_params(self.actor, self.ref)
+        if self.cfg.algo.name == "ppo":
+            m = dataclasses.replace(self.cfg.model, tie_embeddings=False)
+            self.critic = build_gpt(m, self.cfg.parallel, self.dims, value_head=True,
+                                    optim=dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr))
+            if self.cfg.critic.init_from_actor:
+                _copy_params(self.actor, self.critic, skip_prefix="output_layer.")
 
     # ------------------------------------------------------------------ warm start
 
@@ -162,91 +179,166 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def generate(self, step: int, num_prompts: int, samples: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Rank 0 samples and scores; with DAPO dynamic sampling, groups without reward
+        signal are dropped and refilled (up to ``algo.max_sampling_rounds``)."""
+        a = self.cfg.algo
         stats: dict[str, float] = {}
         batch = None
+        kept: list[Any] = []
+        rounds, n_kept = 0, 0
+        while n_kept < num_prompts and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
+            # every rank advances the sampler identically (same position on resume)
+            prompts = take_prompts(self.sampler, self.train_rows, self.tok, num_prompts - n_kept, self.cfg,
+                                   self.prompt_stats)
+            rounds += 1
+            n = torch.zeros(1, dtype=torch.long)
+            if self.dims.is_rank0:
+                n[0] = self._sample_round(prompts, step, rounds, samples, kept)
+            dist.broadcast(n, src=0)
+            n_kept = int(n)
         if self.dims.is_rank0:
-            assert self.fleet is not None
-            prompts = take_prompts(self.sampler, self.train_rows, self.tok, num_prompts, self.cfg, self.prompt_stats)
-            batch, stats = generate_batch(
-                self.fleet,
-                self.tok,
-                prompts,
-                self.cfg,
-                self.reward_fn,
-                seed=self.cfg.train.seed + step,
-                samples=samples,
-            )
+            short = num_prompts - len(kept)
+            if short > 0:  # out of rounds: fill with signal-less groups (zero advantage), counted
+                kept.extend(self._reserve[:short])
+            stats["rollout/filled_without_signal"] = float(max(short, 0))
+            batch = pack_groups(kept[:num_prompts], self.tok.pad_id, self._round_version)
+            stats.update(batch_stats(batch, self._round_failed))
+            stats["rollout/sampling_rounds"] = float(rounds)
+            stats["rollout/dropped_groups"] = float(self._round_dropped)
             stats["rollout/skipped_overlong_prompts"] = float(self.prompt_stats.skipped_overlong)
             stats["rollout/truncated_overlong_prompts"] = float(self.prompt_stats.truncated_overlong)
+            assert self.fleet is not None
             stats["fleet/restarts"] = float(self.fleet.restarts)
-        else:  # keep the sampler position identical on every rank (resume)
-            take_prompts(self.sampler, self.train_rows, self.tok, num_prompts, self.cfg, self.prompt_stats)
+            stats["fleet/reissued_prompts"] = float(self.fleet.reissued_prompts)
         return broadcast_batch(batch), stats
 
+    def _sample_round(self, prompts: list[Any], step: int, rnd: int, samples: int, kept: list[Any]) -> int:
+        """Rank 0: one generation round appended to ``kept``; returns len(kept)."""
+        assert self.fleet is not None
+        if rnd == 1:
+            self._round_version, self._round_failed, self._round_dropped = 10**9, 0, 0
+            self._reserve: list[Any] = []
+        groups, v, nfail = sample_groups(self.fleet, self.tok, prompts, self.cfg, self.reward_fn,
+                                         seed=self.cfg.train.seed + 7919 * step + rnd, samples=samples)
+        self._round_version = min(self._round_version, v)
+        self._round_failed += nfail
+        if self.cfg.algo.dynamic_sampling:
+            good = [g for g in groups if has_signal(g)]
+            self._round_dropped += len(groups) - len(good)
+            self._reserve.extend(g for g in groups if not has_signal(g))
+            groups = good
+        kept.extend(groups)
+        return len(kept)
+
     def logprobs(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
-        """Old-policy (if several updates per rollout) and reference log-probs, (B, S) each."""
-        a, mbs = self.cfg.algo, self.cfg.parallel.micro_batch_size
+        """Old-policy, reference log-probs and critic values, (B, S) each, as needed."""
+        a, mbs, temp = self.cfg.algo, self.cfg.parallel.micro_batch_size, self.cfg.rollout.temperature
         out: dict[str, torch.Tensor] = {}
-        if a.ppo_epochs * a.mini_batches > 1:
-            out["old_logprobs"] = forward_logprobs(
-                self.actor, batch.tokens, micro_batch_size=mbs, temperature=self.cfg.rollout.temperature
-            )["logprobs"]
+        if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or self.critic is not None:
+            out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs,
+                                                   temperature=temp)["logprobs"]
         if a.kl_coef > 0:
             assert self.ref is not None
-            out["ref_logprobs"] = forward_logprobs(
-                self.ref, batch.tokens, micro_batch_size=mbs, temperature=self.cfg.rollout.temperature
-            )["logprobs"]
+            out["ref_logprobs"] = forward_logprobs(self.ref, batch.tokens, micro_batch_size=mbs,
+                                                   temperature=temp)["logprobs"]
+        if self.critic is not None:
+            out["old_values"] = forward_values(self.critic, batch.tokens, micro_batch_size=mbs)
         return out
 
-    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
-        res = algo.compute_advantages(
-            self.cfg.algo.advantage, mask=batch.mask, rewards=batch.rewards, group_ids=batch.group_ids
-        )
-        return res.advantages
+    @staticmethod
+    def mismatch(batch: RolloutBatch, lps: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Train/inference mismatch on the sampled tokens: mean |Δlogp| and max p_train/p_engine."""
+        if "old_logprobs" not in lps:
+            return {}
+        m = batch.mask.bool()
+        d = lps["old_logprobs"][m] - batch.engine_logprobs[m]
+        if d.numel() == 0:
+            return {}
+        return {"rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
+                "rollout/mismatch_max_prob_ratio": float(d.exp().max())}
 
-    def update(
-        self, batch: RolloutBatch, adv: torch.Tensor, lps: dict[str, torch.Tensor], lr: float
-    ) -> dict[str, float]:
+    def advantages(self, batch: RolloutBatch, lps: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Advantages (and critic returns). KL in the reward is a per-token penalty β·KL."""
+        a = self.cfg.algo
+        mask = batch.mask
+        if a.overlong_filter:
+            mask = mask * (~batch.truncated).float()[:, None]
+        token_rewards = algo.sequence_to_last_token(batch.rewards, mask)
+        stats: dict[str, float] = {}
+        if a.kl_mode == "reward" and "ref_logprobs" in lps:
+            kl = algo.kl_estimate(lps["old_logprobs"], lps["ref_logprobs"], a.kl_estimator) * mask
+            token_rewards = token_rewards - self.kl_ctl.value * kl
+            kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
+            stats.update({"train/kl_reward": kl_mean, "train/kl_coef": self.kl_ctl.value})
+            self.kl_ctl.update(kl_mean, batch.size)
+        res = algo.compute_advantages(a.advantage, mask=mask, rewards=batch.rewards, token_rewards=token_rewards,
+                                      group_ids=batch.group_ids, values=lps.get("old_values"), gamma=a.gamma,
+                                      lam=a.lam, whiten=a.whiten_advantages)
+        out = {"adv": res.advantages, "mask": mask}
+        if res.returns is not None:
+            out["returns"] = res.returns
+        return out, stats
+
+    def update(self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], lr: float,
+               step: int) -> dict[str, float]:
+        """PPO epochs × mini-batches over one rollout; actor (after critic warm-up) and critic."""
         a = self.cfg.algo
         B = batch.size
-        rows: dict[str, torch.Tensor] = {
-            "tokens": batch.tokens,
-            "mask": batch.mask,
-            "adv": adv,
-            "engine_logprobs": batch.engine_logprobs,
-            **lps,
-        }
+        rows: dict[str, torch.Tensor] = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs,
+                                         **adv, **lps}
+        update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
         totals: dict[str, float] = {}
         n_updates = 0
         for _epoch in range(a.ppo_epochs):
             for mb_idx in range(a.mini_batches):
                 per = B // a.mini_batches
-                sl = slice(mb_idx * per, (mb_idx + 1) * per)
-                mini = {k: v[sl] for k, v in rows.items()}
-                denom = algo.global_denominator(
-                    a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
-                )
+                mini = {k: v[mb_idx * per : (mb_idx + 1) * per] for k, v in rows.items()}
+                denom = algo.global_denominator(a.loss_agg, mini["mask"],
+                                                fixed_normalizer=float(self.cfg.rollout.max_response_len))
                 local = {k: v[self._dp_rows(per)] for k, v in mini.items()}
-                stats, gnorm = train_step(
-                    self.actor,
-                    local,
-                    self._policy_loss_fn(denom),
-                    micro_batch_size=self.cfg.parallel.micro_batch_size,
-                    lr=lr,
-                )
+                mbs = self.cfg.parallel.micro_batch_size
+                if update_actor:
+                    stats, gnorm = train_step(self.actor, local, self._policy_loss_fn(denom), micro_batch_size=mbs, lr=lr)
+                    stats["grad_norm"] = gnorm
+                    _accumulate(totals, stats, "")
+                if self.critic is not None:
+                    cstats, cnorm = train_step(self.critic, local, self._value_loss_fn(denom), micro_batch_size=mbs,
+                                               lr=self.critic_lr(step), value_model=True)
+                    cstats["grad_norm"] = cnorm
+                    _accumulate(totals, cstats, "critic/")
                 n_updates += 1
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + gnorm
-        tokens = max(totals.pop("tokens", 1.0), 1.0)
-        out = {
-            "train/loss": totals.pop("loss") / n_updates,
-            "train/grad_norm": totals.pop("grad_norm") / n_updates,
-            "train/lr": lr,
-        }
-        for k, v in totals.items():
-            out[f"train/{k.removesuffix('_sum')}"] = v / tokens
+        out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}
+        if update_actor:
+            tokens = max(totals.pop("tokens", 1.0), 1.0)
+            out["train/loss"] = totals.pop("loss") / n_updates
+            out["train/grad_norm"] = totals.pop("grad_norm") / n_updates
+            for k in [k for k in totals if not k.startswith("critic/")]:
+                out[f"train/{k.removesuffix('_sum')}"] = totals.pop(k) / tokens
+        if self.critic is not None:
+            ctok = max(totals.pop("critic/tokens", 1.0), 1.0)
+            out["critic/value_loss"] = totals.pop("critic/loss") / n_updates
+            out["critic/grad_norm"] = totals.pop("critic/grad_norm") / n_updates
+            out["critic/lr"] = self.critic_lr(step)
+            for k in list(totals):
+                out[k.removesuffix("_sum")] = totals.pop(k) / ctok
         return out
+
+    def critic_lr(self, step: int) -> float:
+        return lr_at(step, dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr), self.cfg.train.steps)
+
+    def _value_loss_fn(self, denom: float) -> Any:
+        a, clip = self.cfg.algo, self.cfg.critic.value_clip
+
+        def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            values = out[..., 0].float()
+            mask = mb["mask"]
+            per_tok = algo.value_loss(values, mb["old_values"], mb["returns"], mask, clip=clip or None)
+            loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
+            err = ((values.detach() - mb["returns"]) ** 2 * mask).sum()
+            return loss, {"loss": loss.detach(), "tokens": mask.sum(), "value_mse_sum": err,
+                          "value_mean_sum": (values.detach() * mask).sum()}
+
+        return loss_fn
 
     def _policy_loss_fn(self, denom: float) -> Any:
         a, temp = self.cfg.algo, self.cfg.rollout.temperature
@@ -274,7 +366,7 @@ class Trainer:
                 tis_weights=tis,
             )
             n = mask.sum()
-            if "ref_logprobs" in mb:
+            if "ref_logprobs" in mb and a.kl_mode == "loss":
                 kl = algo.kl_estimate(lp, mb["ref_logprobs"], a.kl_estimator)
                 per_tok = per_tok + a.kl_coef * kl
                 stats["kl_sum"] = (kl.detach() * mask).sum()
@@ -340,6 +432,22 @@ class Trainer:
             self.fleet.shutdown()
         if self.dims.is_rank0:
             self.sync.cleanup()
+
+
+@torch.no_grad()
+def _copy_params(src: Model, dst: Model, skip_prefix: str | None = None) -> None:
+    params = dict(src.core.named_parameters())
+    for name, p in dst.core.named_parameters():
+        if skip_prefix and name.startswith(skip_prefix):
+            continue
+        p.copy_(params[name])
+    if dst.optimizer is not None and hasattr(dst.optimizer, "reload_model_params"):
+        dst.optimizer.reload_model_params()
+
+
+def _accumulate(totals: dict[str, float], stats: dict[str, float], prefix: str) -> None:
+    for k, v in stats.items():
+        totals[prefix + k] = totals.get(prefix + k, 0.0) + v
 
 
 def _pack(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

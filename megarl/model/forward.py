@@ -126,18 +126,43 @@ def forward_logprobs(
     """
     dims = model.dims
 
-    def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[Any, ...]:
+    def fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = model_logits(model, logits)
         out = {"logprobs": vocab_parallel_logprobs(logits, _labels(mb["tokens"]), temperature)}
         if with_entropy:
             out["entropy"] = vocab_parallel_entropy(logits, temperature, dims.tp_group)
-        return torch.zeros((), device=logits.device), torch.tensor(1), out
+        return out
+
+    return _forward_collect(model, tokens, micro_batch_size, fn, ["logprobs"] + (["entropy"] if with_entropy else []))
+
+
+def forward_values(model: Model, tokens: torch.Tensor, *, micro_batch_size: int) -> torch.Tensor:
+    """Critic values (B, S): ``values[:, t] = V(tokens[:, :t+1])``, the state before token t+1."""
+
+    def fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"values": out[..., 0].float()}
+
+    return _forward_collect(model, tokens, micro_batch_size, fn, ["values"])["values"]
+
+
+def _forward_collect(
+    model: Model,
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
+    keys: list[str],
+) -> dict[str, torch.Tensor]:
+    """Forward-only pass; ``fn`` maps the last stage's output to (B, S) tensors, which are
+    broadcast over the pipeline group so every rank returns them."""
+    dims = model.dims
+
+    def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
+        return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
     mbs = micro_batches({"tokens": tokens}, micro_batch_size)
     model.module.eval()
     with torch.no_grad():
         store = _run_schedule(model, mbs, loss_fn, forward_only=True)
-    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     result: dict[str, torch.Tensor] = {}
     for k in keys:
         if dims.is_last_stage:

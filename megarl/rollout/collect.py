@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl import algo
 from megarl.config import RunConfig
 from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError
 from megarl.rollout.fleet import Fleet
@@ -59,42 +60,58 @@ def take_prompts(
     return out
 
 
-def generate_batch(
-    fleet: Fleet,
-    tok: Tokenizer,
-    prompts: list[tuple[PromptRecord, list[int]]],
-    cfg: RunConfig,
-    reward_fn: RewardFn,
-    seed: int,
-    samples: int,
-) -> tuple[RolloutBatch, dict[str, float]]:
-    """Rank 0: sample ``samples`` responses per prompt, score them and pack the batch."""
+@dataclass
+class Group:
+    """One prompt's samples: ``samples[j]`` = (response ids, engine logprobs, truncated)."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+    samples: list[tuple[list[int], list[float], bool]]
+    texts: list[str]
+    rewards: list[float]
+
+
+def sample_groups(
+    fleet: Fleet, tok: Tokenizer, prompts: list[tuple[PromptRecord, list[int]]], cfg: RunConfig,
+    reward_fn: RewardFn, seed: int, samples: int,
+) -> tuple[list[Group], int, int]:
+    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, failed rewards)."""
     r = cfg.rollout
     outs, version = fleet.generate(
-        [ids for _, ids in prompts],
-        n=samples,
-        max_tokens=r.max_response_len,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        stop_token_ids=[tok.eos_id],
+        [ids for _, ids in prompts], n=samples, max_tokens=r.max_response_len,
+        temperature=r.temperature, top_p=r.top_p, stop_token_ids=[tok.eos_id],
         seeds=[seed * 100_003 + i for i in range(len(prompts))],
     )
-    seqs: list[tuple[list[int], list[int], list[float], bool]] = []
-    texts, answers, prompt_texts, group_ids = [], [], [], []
-    for g, ((rec, pids), group) in enumerate(zip(prompts, outs)):
-        if len(group) != samples:
-            raise RolloutError(f"engine returned {len(group)} samples for prompt {rec.where}, want {samples}")
-        for s in group:
-            rids = list(s["token_ids"])
-            seqs.append((pids, rids, list(s["logprobs"]), s["finish_reason"] == "length"))
-            texts.append(tok.decode(rids))
-            answers.append(rec.answer)
-            prompt_texts.append(rec.prompt)
-            group_ids.append(g)
-    rewards, failed = score_all(reward_fn, prompt_texts, texts, answers)
+    groups: list[Group] = []
+    failed = 0
+    for (rec, pids), out in zip(prompts, outs):
+        if len(out) != samples:
+            raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
+        smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
+        texts = [tok.decode(ids) for ids, _, _ in smp]
+        rewards, nfail = score_all(reward_fn, [rec.prompt] * samples, texts, [rec.answer] * samples)
+        failed += nfail
+        if cfg.algo.overlong_buffer_len:
+            lengths = torch.tensor([len(ids) for ids, _, _ in smp], dtype=torch.float32)
+            pen = algo.overlong_soft_penalty(lengths, max_len=r.max_response_len,
+                                             cache_len=cfg.algo.overlong_buffer_len)
+            rewards = [x + float(p) for x, p in zip(rewards, pen)]
+        groups.append(Group(rec, pids, smp, texts, rewards))
+    return groups, version, failed
+
+
+def has_signal(g: Group) -> bool:
+    """DAPO dynamic sampling keeps a group only if its rewards are not all equal."""
+    rw = torch.tensor(g.rewards)
+    return bool(algo.groups_with_signal(rw, torch.zeros(len(g.rewards), dtype=torch.long)).any())
+
+
+def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
+    """Groups -> (B, S) tensors in the forward.py layout."""
+    seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
     B = len(seqs)
     S = max(len(p) + len(rr) for p, rr, _, _ in seqs)
-    tokens = torch.full((B, S), tok.pad_id, dtype=torch.long)
+    tokens = torch.full((B, S), pad_id, dtype=torch.long)
     mask = torch.zeros(B, S)
     elp = torch.zeros(B, S)
     lens = torch.zeros(B, dtype=torch.long)
@@ -107,29 +124,27 @@ def generate_batch(
             elp[b, len(p) - 1 : n - 1] = torch.tensor(lp[: len(rr)])
         lens[b] = len(rr)
         trunc[b] = tr
-    batch = RolloutBatch(
-        tokens=tokens,
-        mask=mask,
-        engine_logprobs=elp,
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-        group_ids=torch.tensor(group_ids, dtype=torch.long),
-        response_lens=lens,
-        truncated=trunc,
-        version=version,
-        texts=texts,
+    return RolloutBatch(
+        tokens=tokens, mask=mask, engine_logprobs=elp,
+        rewards=torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32),
+        group_ids=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long),
+        response_lens=lens, truncated=trunc, version=version, texts=[t for g in groups for t in g.texts],
     )
-    rw = batch.rewards
-    stats = {
+
+
+def batch_stats(batch: RolloutBatch, failed: int) -> dict[str, float]:
+    rw, lens, trunc = batch.rewards, batch.response_lens, batch.truncated
+    return {
         "rollout/reward_mean": float(rw.mean()),
-        "rollout/reward_std": float(rw.std()) if B > 1 else 0.0,
+        "rollout/reward_std": float(rw.std()) if batch.size > 1 else 0.0,
         "rollout/reward_failures": float(failed),
         "rollout/response_len_mean": float(lens.float().mean()),
+        "rollout/response_len_max": float(lens.max()),
         "rollout/truncated_frac": float(trunc.float().mean()),
-        "rollout/responses": float(B),
+        "rollout/responses": float(batch.size),
         "rollout/tokens": float(lens.sum()),
-        "rollout/policy_version": float(version),
+        "rollout/policy_version": float(batch.version),
     }
-    return batch, stats
 
 
 def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:

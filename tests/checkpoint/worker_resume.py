@@ -75,7 +75,7 @@ def main() -> None:
         info["losses"].append(loss)
         info["grad_norms"].append(gn)
         if step == k:
-            w1 = hf_state_dict(model, adapter)
+            w1 = {n: t.clone() for n, t in hf_state_dict(model, adapter).items()}  # not live views
     final = hf_state_dict(model, adapter)
     save_results(out, args.phase, {**final, **{f"first:{n}": t for n, t in w1.items()}}, info, dims.is_rank0)
 
@@ -86,7 +86,7 @@ def main() -> None:
         info = {}
         extra = load_checkpoint(args.root, {"actor": model})
         info["extra"] = extra
-        loaded = hf_state_dict(model, adapter)
+        loaded = {n: t.clone() for n, t in hf_state_dict(model, adapter).items()}
         loss, gn = sft_step(model, k)
         info["losses"], info["grad_norms"] = [loss], [gn]
         after = hf_state_dict(model, adapter)

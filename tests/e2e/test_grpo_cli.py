@@ -65,3 +65,30 @@ def test_exported_actor_loads_in_transformers(run_dir: Path) -> None:
     with torch.no_grad():
         logits = model(ids).logits
     assert torch.isfinite(logits).all() and logits.shape == (1, ids.shape[1], tok.vocab_size)
+
+
+def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
+    """Dynamic sampling (refill to the planned batch), overlong soft penalty + filter, TIS,
+    clip-higher, Dr.GRPO advantages and aggregation, all wired through one real run."""
+    run = tmp_path / "run"
+    sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=40", "rollout.num_prompts=8",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
+            "data.num_val=16", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
+            "algo.overlong_buffer_len=2", "algo.overlong_filter=true", "algo.tis_cap=2.0", "algo.clip_high=0.28",
+            "algo.advantage=drgrpo", "algo.loss_agg=seq-mean-token-sum-norm", "train.tensorboard=false",
+            f"train.run_dir={run}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/grpo_cpu.yaml")]
+    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(run) if "rollout/reward_mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["rollout/responses"] == 32  # always the planned batch
+        assert 1 <= r["rollout/sampling_rounds"] <= 3
+        # dropped groups trigger another round unless the rounds ran out (then filled, counted)
+        if r["rollout/dropped_groups"] > 0:
+            assert r["rollout/sampling_rounds"] > 1 or r["rollout/filled_without_signal"] > 0
+        assert "rollout/mismatch_max_prob_ratio" in r and r["rollout/mismatch_abs_logp_mean"] < 2e-3
+        assert "train/engine_logprob_absdiff" in r

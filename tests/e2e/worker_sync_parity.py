@@ -24,7 +24,7 @@ tr = Trainer(cfg)
 result: dict = {}
 try:
     tr.warm_start()
-    tr.build_reference()
+    tr.build_reference_and_critic()
     tr.push_weights()
     steps = [rl_step(tr, s) for s in range(cfg.train.steps)]
     result["versions"] = [m.get("rollout/policy_version", -1.0) for m in steps]

@@ -13,11 +13,13 @@ WORKER = ROOT / "tests/parallel/worker_parity.py"
 
 LAYOUTS = {  # name: (nproc, extra args)
     "tp1": (1, []),
-    "tp2": (2, ["--tp", "2"]),
+    "tp2": (2, ["--tp", "2", "--critic-steps", "25"]),
     "pp2": (2, ["--pp", "2"]),
     "dp2": (2, ["--mbs", "2"]),
     "dp2_distopt": (2, ["--dist-opt"]),
+    "tp1_mbs16": (1, ["--mbs", "16"]),
 }
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +48,52 @@ def test_tp1_logprobs_match_transformers(results: dict) -> None:
     assert diff < 1e-4, diff
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
 def test_layout_matches_tp1(results: dict, layout: str) -> None:
     a, b = results["tp1"], results[layout]
     assert (a["logprobs"] - b["logprobs"]).abs().max().item() < 5e-6
     assert (a["entropy"] - b["entropy"]).abs().max().item() < 5e-6
-    assert abs(a["loss"].item() - b["loss"].item()) < 1e-6
-    assert abs(a["grad_norm"].item() - b["grad_norm"].item()) < 1e-5 * max(1.0, a["grad_norm"].item())
-    weights = [k for k in a if k.startswith("w:")]
-    assert weights and set(weights) == {k for k in b if k.startswith("w:")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
+def test_step_invariant_to_layout_and_split(results: dict, layout: str, mode: str) -> None:
+    """Same global batch, different TP/PP/DP/micro-batch split -> same loss, grad norm and
+    updated weights, for every loss-aggregation mode (global denominators)."""
+    a, b = results["tp1"], results[layout]
+    assert abs(a[f"{mode}/loss"].item() - b[f"{mode}/loss"].item()) < 1e-6
+    g = a[f"{mode}/grad_norm"].item()
+    assert g > 0 and abs(g - b[f"{mode}/grad_norm"].item()) < 1e-5 * max(1.0, g)
+    weights = [k for k in a if k.startswith(f"w:{mode}/")]
+    assert weights and set(weights) == {k for k in b if k.startswith(f"w:{mode}/")}
     for k in weights:
         assert (a[k] - b[k]).abs().max().item() < 2e-6, k
+
+
+def test_modes_differ(results: dict) -> None:
+    """The modes really are different objectives on this ragged batch (the test can fail)."""
+    losses = {m: results["tp1"][f"{m}/loss"].item() for m in MODES}
+    assert len({round(v, 6) for v in losses.values()}) == len(MODES), losses
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
+def test_critic_value_head_matches_tp1(results: dict, layout: str) -> None:
+    a, b = results["tp1"], results[layout]
+    for k in ("critic/values0", "critic/values1"):
+        assert (a[k] - b[k]).abs().max().item() < 5e-6, k
+    assert abs(a["critic/loss"].item() - b["critic/loss"].item()) < 1e-6
+    assert abs(a["critic/grad_norm"].item() - b["critic/grad_norm"].item()) < 1e-5
+    assert (a["critic/values1"] - a["critic/values0"]).abs().max().item() > 1e-4  # the step moved values
 
 
 def test_step_changed_the_weights(results: dict) -> None:
     """The compared step is a real update: weights moved away from the initial HF tensors."""
     init = load_file(str(Path(results["hf"]["dir"]) / "model.safetensors"))
-    moved = max((results["tp1"][f"w:{k}"] - v).abs().max().item() for k, v in init.items())
+    moved = max((results["tp1"][f"w:token-mean/{k}"] - v).abs().max().item() for k, v in init.items())
     assert moved > 1e-4
+
+
+def test_critic_value_loss_falls_on_fixed_batch(results: dict) -> None:
+    losses = results["tp2"]["critic/fixed_batch_losses"]
+    assert len(losses) == 25
+    assert losses[-1].item() < 0.5 * losses[0].item(), losses

@@ -2,6 +2,7 @@
 optimizer step with a fixed GRPO loss, and save log-probs + updated HF weights (rank 0)."""
 
 import argparse
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_fold
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
-from megarl.model.forward import _labels, forward_logprobs, train_step, vocab_parallel_logprobs  # noqa: E402
+from megarl.model.forward import (  # noqa: E402
+    _labels,
+    forward_logprobs,
+    forward_values,
+    train_step,
+    vocab_parallel_logprobs,
+)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
@@ -25,6 +32,7 @@ ap.add_argument("--pp", type=int, default=1)
 ap.add_argument("--mbs", type=int, default=4)
 ap.add_argument("--agg", default="token-mean")
 ap.add_argument("--dist-opt", action="store_true")
+ap.add_argument("--critic-steps", type=int, default=0)
 args = ap.parse_args()
 
 dims = init_distributed(args.tp, args.pp, seed=7)
@@ -34,7 +42,8 @@ pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, micro_
                       use_distributed_optimizer=args.dist_opt)
 # adam_eps well above fp32 gradient noise: with eps=1e-8 the first Adam step is ~lr·sign(g),
 # which turns 1e-9 reduction-order differences in tiny gradients into lr-sized ones.
-model = build_gpt(mcfg, pcfg, dims, optim=OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-4))
+OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-4)
+model = build_gpt(mcfg, pcfg, dims, optim=OPTIM)
 adapter = LlamaQwen2Adapter(mcfg)
 load_hf_tensors(model, adapter, hf)
 
@@ -49,27 +58,81 @@ group_ids = torch.arange(B) // 4
 adv = algo.grpo_advantages(rewards, group_ids)
 
 lp = forward_logprobs(model, tokens, micro_batch_size=args.mbs, temperature=1.0, with_entropy=True)
-denom = algo.global_denominator(args.agg, mask, fixed_normalizer=16.0)
 per = B // dims.dp
 rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
 old = lp["logprobs"].clone()
+result = {"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens}
+weights = {}
 
 
-def loss_fn(mb, logits):
-    cur = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 0.7)
-    per_tok, _ = algo.policy_loss(cur, mb["old"], algo.sequence_to_token(mb["adv"], mb["mask"]), mb["mask"])
-    loss = algo.aggregate(per_tok, mb["mask"], mode=args.agg, global_denominator=denom)
+def policy_loss_fn(mode, denom):
+    def loss_fn(mb, logits):
+        cur = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 0.7)
+        per_tok, _ = algo.policy_loss(cur, mb["old"], algo.sequence_to_token(mb["adv"], mb["mask"]), mb["mask"])
+        loss = algo.aggregate(per_tok, mb["mask"], mode=mode, global_denominator=denom)
+        return loss, {"loss": loss.detach()}
+
+    return loss_fn
+
+
+# One optimizer step per aggregation mode, each on a fresh copy of the same HF weights.
+for mode in algo.LOSS_AGG_MODES:
+    m = model if mode == args.agg else build_gpt(mcfg, pcfg, dims, optim=OPTIM)
+    if m is not model:
+        load_hf_tensors(m, adapter, hf)
+    denom = algo.global_denominator(mode, mask, fixed_normalizer=16.0)
+    batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
+    stats, gnorm = train_step(m, batch, policy_loss_fn(mode, denom), micro_batch_size=args.mbs)
+    result[f"{mode}/loss"] = torch.tensor([stats["loss"]])
+    result[f"{mode}/grad_norm"] = torch.tensor([gnorm])
+    sd = hf_state_dict(m, adapter)
+    weights.update({f"{mode}/{k}": v for k, v in sd.items()})
+
+# Critic: value head on the same trunk, one clipped value-loss step.
+critic = build_gpt(dataclasses.replace(mcfg, tie_embeddings=False), pcfg, dims, value_head=True, optim=OPTIM)
+with torch.no_grad():
+    src = dict(model.core.named_parameters())
+    for name, p in critic.core.named_parameters():
+        if name.startswith("output_layer."):
+            p.copy_(torch.linspace(-0.05, 0.05, p.numel()).reshape(p.shape))
+        else:
+            p.copy_(src[name])
+critic.optimizer.reload_model_params()
+v0 = forward_values(critic, tokens, micro_batch_size=args.mbs)
+returns = torch.rand(B, S, generator=g)
+denom = algo.global_denominator("token-mean", mask)
+
+
+def value_loss_fn(mb, out):
+    per_tok = algo.value_loss(out[..., 0], mb["old_values"], mb["returns"], mb["mask"], clip=0.2)
+    loss = algo.aggregate(per_tok, mb["mask"], mode="token-mean", global_denominator=denom)
     return loss, {"loss": loss.detach()}
 
 
-stats, gnorm = train_step(model, {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]},
-                          loss_fn, micro_batch_size=args.mbs)
-sd = hf_state_dict(model, adapter)
+vbatch = {"tokens": tokens[rows], "mask": mask[rows], "old_values": v0[rows], "returns": returns[rows]}
+vstats, vnorm = train_step(critic, vbatch, value_loss_fn, micro_batch_size=args.mbs, value_model=True)
+v1 = forward_values(critic, tokens, micro_batch_size=args.mbs)
+# Value loss on a fixed batch keeps falling over further steps (value targets held fixed).
+fixed = {**vbatch, "old_values": v1[rows], "returns": rewards[:, None].expand(B, S)[rows]}
+
+
+def fixed_loss_fn(mb, out):
+    per_tok = algo.value_loss(out[..., 0], mb["old_values"], mb["returns"], mb["mask"], clip=None)
+    loss = algo.aggregate(per_tok, mb["mask"], mode="token-mean", global_denominator=denom)
+    return loss, {"loss": loss.detach()}
+
+
+losses = []
+for _ in range(args.critic_steps):
+    st, _ = train_step(critic, fixed, fixed_loss_fn, micro_batch_size=args.mbs, value_model=True)
+    losses.append(st["loss"])
+result["critic/fixed_batch_losses"] = torch.tensor(losses or [0.0])
+result.update({"critic/values0": v0, "critic/values1": v1, "critic/loss": torch.tensor([vstats["loss"]]),
+               "critic/grad_norm": torch.tensor([vnorm])})
+
 if dims.is_rank0:
     from safetensors.torch import save_file
 
     out = Path(args.out)
-    save_file({"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens,
-               "loss": torch.tensor([stats["loss"]]), "grad_norm": torch.tensor([gnorm])},
-              str(out / "result.safetensors"))
-    save_file(sd, str(out / "updated.safetensors"))
+    save_file(result, str(out / "result.safetensors"))
+    save_file(weights, str(out / "updated.safetensors"))

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One vLLM engine server per task (run by srun from common.sh:megarl_start_engines).
+# Port MEGARL_ENGINE_PORT + SLURM_PROCID (block distribution, so the batch script can list
+# every address up front). Waits for the trainer to write <run_dir>/hf_engine/ first: the
+# engine starts from config.json + weights_manifest.json and gets its weights by sync.
+set -euo pipefail
+port=$((MEGARL_ENGINE_PORT + SLURM_PROCID))
+model="$MEGARL_RUN_DIR/hf_engine"
+node="${SLURMD_NODENAME:-$(hostname)}"
+# GPUs: engine k on a node gets the k-th group of engine_tp devices (wrapping around, so
+# colocated engines share the trainer's GPUs). No GPUs on the node: leave it alone.
+if [[ "${SLURM_GPUS_ON_NODE:-0}" -gt 0 ]]; then
+    IFS=, read -ra visible <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((SLURM_GPUS_ON_NODE - 1)))}"
+    mine=()
+    for ((g = 0; g < MEGARL_ENGINE_TP; g++)); do
+        mine+=("${visible[$(((SLURM_LOCALID * MEGARL_ENGINE_TP + g) % ${#visible[@]}))]}")
+    done
+    CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${mine[*]}")"
+    export CUDA_VISIBLE_DEVICES
+fi
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" # CPU builds: KV cache GiB (the megarl flag sets the real budget)
+echo "megarl-slurm: engine $SLURM_PROCID on $node:$port waiting for $model/weights_manifest.json"
+deadline=$((SECONDS + MEGARL_ENGINE_WAIT_S))
+until "$MEGARL_PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$model/weights_manifest.json" 2>/dev/null; do
+    if ((SECONDS > deadline)); then
+        echo "megarl-slurm: error: engine $SLURM_PROCID on $node: no readable $model/weights_manifest.json after ${MEGARL_ENGINE_WAIT_S}s (did the trainer start? is $MEGARL_RUN_DIR on a shared filesystem?)" >&2
+        exit 3
+    fi
+    sleep 2
+done
+echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}"
+# shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
+exec "$MEGARL_PY" -m megarl.rollout.engine_server --model "$model" --host 0.0.0.0 --port "$port" \
+    --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \
+    ${MEGARL_ENGINE_ARGS:-}
