@@ -339,8 +339,11 @@ class RunConfig:
         if self.algo.loss_agg not in LOSS_AGG_MODES:
             _fail("algo.loss_agg", self.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
         if self.algo.overlong_buffer_len >= r.max_response_len:
-            _fail("algo.overlong_buffer_len", self.algo.overlong_buffer_len,
-                  f"must be < rollout.max_response_len={r.max_response_len}")
+            _fail(
+                "algo.overlong_buffer_len",
+                self.algo.overlong_buffer_len,
+                f"must be < rollout.max_response_len={r.max_response_len}",
+            )
         if self.algo.dual_clip and self.algo.dual_clip <= 1:
             _fail("algo.dual_clip", self.algo.dual_clip, "must be > 1 (or 0 = off)")
         if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":

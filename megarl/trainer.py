@@ -71,8 +71,9 @@ class Trainer:
         self.ref: Model | None = None
         self.critic: Model | None = None
         a = cfg.algo
-        self.kl_ctl = algo.make_kl_controller(a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target,
-                                              horizon=int(a.kl_horizon))
+        self.kl_ctl = algo.make_kl_controller(
+            a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
+        )
         self.sync = WeightSync(self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb)
         self.version = 0
         self.probe_tokens = self.tok.encode(self.val_rows[0].prompt + self.val_rows[0].answer)
@@ -130,8 +131,13 @@ class Trainer:
             _copy_params(self.actor, self.ref)
         if self.cfg.algo.name == "ppo":
             m = dataclasses.replace(self.cfg.model, tie_embeddings=False)
-            self.critic = build_gpt(m, self.cfg.parallel, self.dims, value_head=True,
-                                    optim=dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr))
+            self.critic = build_gpt(
+                m,
+                self.cfg.parallel,
+                self.dims,
+                value_head=True,
+                optim=dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr),
+            )
             if self.cfg.critic.init_from_actor:
                 _copy_params(self.actor, self.critic, skip_prefix="output_layer.")
 
@@ -188,8 +194,9 @@ class Trainer:
         rounds, n_kept = 0, 0
         while n_kept < num_prompts and rounds < (a.max_sampling_rounds if a.dynamic_sampling else 1):
             # every rank advances the sampler identically (same position on resume)
-            prompts = take_prompts(self.sampler, self.train_rows, self.tok, num_prompts - n_kept, self.cfg,
-                                   self.prompt_stats)
+            prompts = take_prompts(
+                self.sampler, self.train_rows, self.tok, num_prompts - n_kept, self.cfg, self.prompt_stats
+            )
             rounds += 1
             n = torch.zeros(1, dtype=torch.long)
             if self.dims.is_rank0:
@@ -218,8 +225,15 @@ class Trainer:
         if rnd == 1:
             self._round_version, self._round_failed, self._round_dropped = 10**9, 0, 0
             self._reserve: list[Any] = []
-        groups, v, nfail = sample_groups(self.fleet, self.tok, prompts, self.cfg, self.reward_fn,
-                                         seed=self.cfg.train.seed + 7919 * step + rnd, samples=samples)
+        groups, v, nfail = sample_groups(
+            self.fleet,
+            self.tok,
+            prompts,
+            self.cfg,
+            self.reward_fn,
+            seed=self.cfg.train.seed + 7919 * step + rnd,
+            samples=samples,
+        )
         self._round_version = min(self._round_version, v)
         self._round_failed += nfail
         if self.cfg.algo.dynamic_sampling:
@@ -235,12 +249,14 @@ class Trainer:
         a, mbs, temp = self.cfg.algo, self.cfg.parallel.micro_batch_size, self.cfg.rollout.temperature
         out: dict[str, torch.Tensor] = {}
         if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or self.critic is not None:
-            out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs,
-                                                   temperature=temp)["logprobs"]
+            out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs, temperature=temp)[
+                "logprobs"
+            ]
         if a.kl_coef > 0:
             assert self.ref is not None
-            out["ref_logprobs"] = forward_logprobs(self.ref, batch.tokens, micro_batch_size=mbs,
-                                                   temperature=temp)["logprobs"]
+            out["ref_logprobs"] = forward_logprobs(self.ref, batch.tokens, micro_batch_size=mbs, temperature=temp)[
+                "logprobs"
+            ]
         if self.critic is not None:
             out["old_values"] = forward_values(self.critic, batch.tokens, micro_batch_size=mbs)
         return out
@@ -254,10 +270,14 @@ class Trainer:
         d = lps["old_logprobs"][m] - batch.engine_logprobs[m]
         if d.numel() == 0:
             return {}
-        return {"rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
-                "rollout/mismatch_max_prob_ratio": float(d.exp().max())}
+        return {
+            "rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
+            "rollout/mismatch_max_prob_ratio": float(d.exp().max()),
+        }
 
-    def advantages(self, batch: RolloutBatch, lps: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def advantages(
+        self, batch: RolloutBatch, lps: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Advantages (and critic returns). KL in the reward is a per-token penalty β·KL."""
         a = self.cfg.algo
         mask = batch.mask
@@ -271,21 +291,29 @@ class Trainer:
             kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
             stats.update({"train/kl_reward": kl_mean, "train/kl_coef": self.kl_ctl.value})
             self.kl_ctl.update(kl_mean, batch.size)
-        res = algo.compute_advantages(a.advantage, mask=mask, rewards=batch.rewards, token_rewards=token_rewards,
-                                      group_ids=batch.group_ids, values=lps.get("old_values"), gamma=a.gamma,
-                                      lam=a.lam, whiten=a.whiten_advantages)
+        res = algo.compute_advantages(
+            a.advantage,
+            mask=mask,
+            rewards=batch.rewards,
+            token_rewards=token_rewards,
+            group_ids=batch.group_ids,
+            values=lps.get("old_values"),
+            gamma=a.gamma,
+            lam=a.lam,
+            whiten=a.whiten_advantages,
+        )
         out = {"adv": res.advantages, "mask": mask}
         if res.returns is not None:
             out["returns"] = res.returns
         return out, stats
 
-    def update(self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], lr: float,
-               step: int) -> dict[str, float]:
+    def update(
+        self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], lr: float, step: int
+    ) -> dict[str, float]:
         """PPO epochs × mini-batches over one rollout; actor (after critic warm-up) and critic."""
         a = self.cfg.algo
         B = batch.size
-        rows: dict[str, torch.Tensor] = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs,
-                                         **adv, **lps}
+        rows: dict[str, torch.Tensor] = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs, **adv, **lps}
         update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
         totals: dict[str, float] = {}
         n_updates = 0
@@ -293,17 +321,26 @@ class Trainer:
             for mb_idx in range(a.mini_batches):
                 per = B // a.mini_batches
                 mini = {k: v[mb_idx * per : (mb_idx + 1) * per] for k, v in rows.items()}
-                denom = algo.global_denominator(a.loss_agg, mini["mask"],
-                                                fixed_normalizer=float(self.cfg.rollout.max_response_len))
+                denom = algo.global_denominator(
+                    a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
+                )
                 local = {k: v[self._dp_rows(per)] for k, v in mini.items()}
                 mbs = self.cfg.parallel.micro_batch_size
                 if update_actor:
-                    stats, gnorm = train_step(self.actor, local, self._policy_loss_fn(denom), micro_batch_size=mbs, lr=lr)
+                    stats, gnorm = train_step(
+                        self.actor, local, self._policy_loss_fn(denom), micro_batch_size=mbs, lr=lr
+                    )
                     stats["grad_norm"] = gnorm
                     _accumulate(totals, stats, "")
                 if self.critic is not None:
-                    cstats, cnorm = train_step(self.critic, local, self._value_loss_fn(denom), micro_batch_size=mbs,
-                                               lr=self.critic_lr(step), value_model=True)
+                    cstats, cnorm = train_step(
+                        self.critic,
+                        local,
+                        self._value_loss_fn(denom),
+                        micro_batch_size=mbs,
+                        lr=self.critic_lr(step),
+                        value_model=True,
+                    )
                     cstats["grad_norm"] = cnorm
                     _accumulate(totals, cstats, "critic/")
                 n_updates += 1
@@ -313,7 +350,10 @@ class Trainer:
             out["train/loss"] = totals.pop("loss") / n_updates
             out["train/grad_norm"] = totals.pop("grad_norm") / n_updates
             for k in [k for k in totals if not k.startswith("critic/")]:
-                out[f"train/{k.removesuffix('_sum')}"] = totals.pop(k) / tokens
+                if k.endswith("_max"):
+                    out[f"train/{k}"] = totals.pop(k)
+                else:
+                    out[f"train/{k.removesuffix('_sum')}"] = totals.pop(k) / tokens
         if self.critic is not None:
             ctok = max(totals.pop("critic/tokens", 1.0), 1.0)
             out["critic/value_loss"] = totals.pop("critic/loss") / n_updates
@@ -335,8 +375,12 @@ class Trainer:
             per_tok = algo.value_loss(values, mb["old_values"], mb["returns"], mask, clip=clip or None)
             loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
             err = ((values.detach() - mb["returns"]) ** 2 * mask).sum()
-            return loss, {"loss": loss.detach(), "tokens": mask.sum(), "value_mse_sum": err,
-                          "value_mean_sum": (values.detach() * mask).sum()}
+            return loss, {
+                "loss": loss.detach(),
+                "tokens": mask.sum(),
+                "value_mse_sum": err,
+                "value_mean_sum": (values.detach() * mask).sum(),
+            }
 
         return loss_fn
 
@@ -375,13 +419,16 @@ class Trainer:
                 per_tok = per_tok - a.entropy_coef * ent
                 stats["entropy_sum"] = (ent.detach() * mask).sum()
             loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
-            mismatch = ((mb["engine_logprobs"] - lp.detach()).abs() * mask).sum()
+            delta = (lp.detach() - mb["engine_logprobs"]) * mask
+            mismatch = delta.abs().sum()
+            ratio_max = torch.where(mask.bool(), delta.exp(), torch.zeros_like(delta)).max()
             stats.update(
                 {
                     "loss": loss.detach(),
                     "tokens": n,
                     "clipfrac_sum": pstats["clipfrac"] * n,
                     "engine_logprob_absdiff_sum": mismatch,
+                    "engine_prob_ratio_max": ratio_max,
                 }
             )
             return loss, stats
@@ -447,7 +494,10 @@ def _copy_params(src: Model, dst: Model, skip_prefix: str | None = None) -> None
 
 def _accumulate(totals: dict[str, float], stats: dict[str, float], prefix: str) -> None:
     for k, v in stats.items():
-        totals[prefix + k] = totals.get(prefix + k, 0.0) + v
+        if k.endswith("_max"):
+            totals[prefix + k] = max(totals.get(prefix + k, -float("inf")), v)
+        else:
+            totals[prefix + k] = totals.get(prefix + k, 0.0) + v
 
 
 def _pack(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ megarl_init() {
     set +f
     MEGARL_SETS=("${sets[@]}")
     MEGARL_TRAIN_ARGS=()
-    [[ -n "${MEGARL_CONFIG:-}" ]] && MEGARL_TRAIN_ARGS+=(--config "$MEGARL_CONFIG")
+    if [[ -n "${MEGARL_CONFIG:-}" ]]; then MEGARL_TRAIN_ARGS+=(--config "$MEGARL_CONFIG"); fi
     local s
     for s in "${MEGARL_SETS[@]}"; do MEGARL_TRAIN_ARGS+=(--set "$s"); done
 
@@ -127,7 +127,7 @@ megarl_rendezvous() {
 # ---------------------------------------------------------------------------- steps
 
 # megarl_start_engines NODES_CSV NNODES PER_NODE: one engine server per task, ports from
-# MEGARL_ENGINE_PORT upward; sets MEGARL_ENGINE_PID and appends to MEGARL_ENGINE_ADDRS.
+# MEGARL_ENGINE_PORT upward; sets MEGARL_ENGINE_PID, MEGARL_ENGINE_ADDRS, MEGARL_ENGINE_LOGS.
 megarl_start_engines() {
     local nodes_csv=$1 nnodes=$2 per=$3
     export MEGARL_ENGINE_PORT="${MEGARL_ENGINE_PORT:-$((MASTER_PORT + 1))}"
@@ -143,9 +143,12 @@ megarl_start_engines() {
         for ((i = 0; i < per; i++)); do addrs+=("${hosts[j]}:$((MEGARL_ENGINE_PORT + j * per + i))"); done
     done
     MEGARL_ENGINE_ADDRS="$(IFS=,; echo "${addrs[*]}")"
-    megarl_log "engines: $per per node on $nodes_csv (engine_tp=$MEGARL_ENGINE_TP) → $MEGARL_ENGINE_ADDRS"
-    srun --nodes="$nnodes" --nodelist="$nodes_csv" --ntasks="$((nnodes * per))" --ntasks-per-node="$per" \
-        --distribution=block --overlap --label --kill-on-bad-exit=0 \
+    MEGARL_ENGINE_LOGS="$MEGARL_RUN_DIR/logs"
+    mkdir -p "$MEGARL_ENGINE_LOGS"
+    megarl_log "engines: $per per node on $nodes_csv (engine_tp=$MEGARL_ENGINE_TP) → $MEGARL_ENGINE_ADDRS; logs $MEGARL_ENGINE_LOGS/slurm-engine-<node>-<task>.log"
+    srun --job-name=megarl-engines --nodes="$nnodes" --nodelist="$nodes_csv" --ntasks="$((nnodes * per))" \
+        --ntasks-per-node="$per" --distribution=block --overlap --kill-on-bad-exit=0 \
+        --output="$MEGARL_ENGINE_LOGS/slurm-engine-%N-%t.log" --open-mode=append \
         bash "$MEGARL_ROOT/slurm/engine_task.sh" &
     MEGARL_ENGINE_PID=$!
 }
@@ -156,10 +159,10 @@ megarl_run_trainer() {
     export MEGARL_NNODES="$nnodes" MEGARL_NPROC_PER_NODE
     export MEGARL_SHUTDOWN_TIMEOUT_S="${MEGARL_SHUTDOWN_TIMEOUT_S:-300}"
     local -a args=("${MEGARL_TRAIN_ARGS[@]}")
-    [[ -n "${MEGARL_ENGINE_ADDRS:-}" ]] && args+=(--set "rollout.engine_addresses=$MEGARL_ENGINE_ADDRS")
+    if [[ -n "${MEGARL_ENGINE_ADDRS:-}" ]]; then args+=(--set "rollout.engine_addresses=$MEGARL_ENGINE_ADDRS"); fi
     megarl_log "trainer step: srun on $nodes_csv: megarl train ${args[*]}"
-    srun --nodes="$nnodes" --nodelist="$nodes_csv" --ntasks="$nnodes" --ntasks-per-node=1 \
-        --overlap --label --kill-on-bad-exit=1 \
+    srun --job-name=megarl-trainer --nodes="$nnodes" --nodelist="$nodes_csv" --ntasks="$nnodes" \
+        --ntasks-per-node=1 --overlap --label --kill-on-bad-exit=1 \
         bash "$MEGARL_ROOT/slurm/trainer_task.sh" "${args[@]}" &
     MEGARL_TRAINER_PID=$!
     local rc=0
@@ -175,12 +178,26 @@ megarl_run_trainer() {
     megarl_log "trainer step exited with code $MEGARL_TRAINER_RC${MEGARL_GOT_SIGNAL:+ after SIG$MEGARL_GOT_SIGNAL}"
 }
 
-# Trap body: pass the signal to srun, which forwards it to every torchrun agent, which
-# forwards it to the ranks (--signals-to-handle in trainer_task.sh).
+# Trap body. Slurm delivers a step signal to every process of the step (torchrun agents,
+# ranks and anything rank 0 spawned), so the ranks see it directly; torchrun must survive it
+# (--signals-to-handle in trainer_task.sh). `kill srun` would not do: srun aborts the step on
+# TERM. A TERM that arrives while the job is no longer RUNNING (scancel, time limit,
+# preemption) was already sent to the steps by Slurm: a second one would cut torchrun's wait.
 megarl_forward() {
     MEGARL_GOT_SIGNAL=$1
-    megarl_log "caught SIG$1, forwarding to the trainer step (srun pid ${MEGARL_TRAINER_PID:-?})"
-    [[ -n "${MEGARL_TRAINER_PID:-}" ]] && kill -s "$1" "$MEGARL_TRAINER_PID" 2>/dev/null || true
+    local state step
+    state="$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null || true)"
+    if [[ "$1" == TERM && -n "$state" && "$state" != RUNNING ]]; then
+        megarl_log "caught SIGTERM while the job is $state: Slurm signals the steps itself, not forwarding"
+        return 0
+    fi
+    step="$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk '$2 == "megarl-trainer" {print $1; exit}' || true)"
+    if [[ -z "$step" ]]; then
+        megarl_log "caught SIG$1 but no trainer step is running; nothing to forward"
+        return 0
+    fi
+    megarl_log "caught SIG$1, sending it to trainer step $step"
+    scancel --signal="$1" "$step" || megarl_log "warning: scancel --signal=$1 $step failed"
 }
 
 # megarl_stop_engines: TERM the engine step, SIGKILL it after 30 s.
@@ -202,6 +219,15 @@ megarl_stop_engines() {
 # SLURM_RESTART_COUNT > 0.
 megarl_finish() {
     megarl_stop_engines
+    if ((MEGARL_TRAINER_RC != 0)) && [[ -n "${MEGARL_ENGINE_LOGS:-}" ]]; then
+        local f
+        for f in "$MEGARL_ENGINE_LOGS"/slurm-engine-*.log; do
+            if [[ -f "$f" ]]; then
+                megarl_log "last lines of $f:"
+                tail -n 20 "$f"
+            fi
+        done
+    fi
     if [[ "$MEGARL_GOT_SIGNAL" == USR1 && "${MEGARL_REQUEUE_ON_USR1:-1}" == 1 ]]; then
         megarl_log "requeueing job $SLURM_JOB_ID (next SLURM_RESTART_COUNT=$((${SLURM_RESTART_COUNT:-0} + 1)))"
         scontrol requeue "$SLURM_JOB_ID" || megarl_die "scontrol requeue $SLURM_JOB_ID failed (submitted without --requeue?)"

@@ -209,21 +209,27 @@ def train_step(
     if not ok:
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")
     keys = sorted(store[0].keys()) if store else []
-    n = len(keys)
-    flat = torch.zeros(n + 1, dtype=torch.float64)
+    # Stats live on the last stage: keys ending in "_max" are maxima, all others sums;
+    # reduce over micro-batches and DP, then share across the pipeline.
+    names = _broadcast_keys(keys, dims)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+    maxes = torch.full((len(names) + 1,), -float("inf"), dtype=torch.float64)
     if dims.is_last_stage and store:
         for d in store:
-            for i, k in enumerate(keys):
-                flat[i] += d[k].double().sum()
-    # Stats live on the last stage; sum over DP, then share across the pipeline.
-    names = _broadcast_keys(keys, dims)
-    if len(names) != n:
-        flat = torch.zeros(len(names) + 1, dtype=torch.float64)
-    dist.all_reduce(flat, group=dims.dp_group)
+            for i, k in enumerate(names):
+                v = d[k].double()
+                if k.endswith("_max"):
+                    maxes[i] = torch.maximum(maxes[i], v.max())
+                else:
+                    sums[i] += v.sum()
+    dist.all_reduce(sums, group=dims.dp_group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dims.dp_group)
     if dims.pp > 1:
         src = dist.get_process_group_ranks(dims.pp_group)[-1]
-        dist.broadcast(flat, src=src, group=dims.pp_group)
-    return {k: float(flat[i]) for i, k in enumerate(names)}, float(grad_norm or 0.0)
+        dist.broadcast(sums, src=src, group=dims.pp_group)
+        dist.broadcast(maxes, src=src, group=dims.pp_group)
+    out = {k: float(maxes[i] if k.endswith("_max") else sums[i]) for i, k in enumerate(names)}
+    return out, float(grad_norm or 0.0)
 
 
 def _broadcast_keys(keys: list[str], dims: Any) -> list[str]:

@@ -23,8 +23,9 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.linear.weight)
         torch.nn.init.zeros_(self.linear.bias)
 
-    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
         # Same call/return convention as megatron's ColumnParallelLinear output layer.
         return self.linear(hidden), None
 

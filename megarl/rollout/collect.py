@@ -72,14 +72,23 @@ class Group:
 
 
 def sample_groups(
-    fleet: Fleet, tok: Tokenizer, prompts: list[tuple[PromptRecord, list[int]]], cfg: RunConfig,
-    reward_fn: RewardFn, seed: int, samples: int,
+    fleet: Fleet,
+    tok: Tokenizer,
+    prompts: list[tuple[PromptRecord, list[int]]],
+    cfg: RunConfig,
+    reward_fn: RewardFn,
+    seed: int,
+    samples: int,
 ) -> tuple[list[Group], int, int]:
     """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, failed rewards)."""
     r = cfg.rollout
     outs, version = fleet.generate(
-        [ids for _, ids in prompts], n=samples, max_tokens=r.max_response_len,
-        temperature=r.temperature, top_p=r.top_p, stop_token_ids=[tok.eos_id],
+        [ids for _, ids in prompts],
+        n=samples,
+        max_tokens=r.max_response_len,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        stop_token_ids=[tok.eos_id],
         seeds=[seed * 100_003 + i for i in range(len(prompts))],
     )
     groups: list[Group] = []
@@ -93,8 +102,9 @@ def sample_groups(
         failed += nfail
         if cfg.algo.overlong_buffer_len:
             lengths = torch.tensor([len(ids) for ids, _, _ in smp], dtype=torch.float32)
-            pen = algo.overlong_soft_penalty(lengths, max_len=r.max_response_len,
-                                             cache_len=cfg.algo.overlong_buffer_len)
+            pen = algo.overlong_soft_penalty(
+                lengths, max_len=r.max_response_len, cache_len=cfg.algo.overlong_buffer_len
+            )
             rewards = [x + float(p) for x, p in zip(rewards, pen)]
         groups.append(Group(rec, pids, smp, texts, rewards))
     return groups, version, failed
@@ -125,10 +135,15 @@ def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
         lens[b] = len(rr)
         trunc[b] = tr
     return RolloutBatch(
-        tokens=tokens, mask=mask, engine_logprobs=elp,
+        tokens=tokens,
+        mask=mask,
+        engine_logprobs=elp,
         rewards=torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32),
         group_ids=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long),
-        response_lens=lens, truncated=trunc, version=version, texts=[t for g in groups for t in g.texts],
+        response_lens=lens,
+        truncated=trunc,
+        version=version,
+        texts=[t for g in groups for t in g.texts],
     )
 
 

@@ -90,5 +90,6 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
         # dropped groups trigger another round unless the rounds ran out (then filled, counted)
         if r["rollout/dropped_groups"] > 0:
             assert r["rollout/sampling_rounds"] > 1 or r["rollout/filled_without_signal"] > 0
-        assert "rollout/mismatch_max_prob_ratio" in r and r["rollout/mismatch_abs_logp_mean"] < 2e-3
-        assert "train/engine_logprob_absdiff" in r
+        # train/inference mismatch on the sampled tokens, every step (first update = old policy)
+        assert 0 < r["train/engine_logprob_absdiff"] < 2e-3
+        assert 1.0 <= r["train/engine_prob_ratio_max"] < 1.01

@@ -13,7 +13,7 @@ edits are the Debian packages and one ``127.0.0.1 node1 node2`` line in /etc/hos
 names must resolve or torch rendezvous on ``MASTER_ADDR=node1`` hangs).
 
 Run by hand (``python -m tests.slurm.local_cluster DIR``) to get a cluster to poke at;
-Ctrl-C stops it.
+Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -321,9 +321,14 @@ def main() -> int:
     install_packages()
     ensure_hosts_entry()
     cluster = LocalSlurm(base)
+
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops it cleanly too
     try:
         cluster.start()
-        print(f"cluster up: export SLURM_CONF={cluster.conf}   (Ctrl-C stops it)", flush=True)  # noqa: T201
+        print(f"cluster up: export SLURM_CONF={cluster.conf}   (Ctrl-C or kill stops it)", flush=True)  # noqa: T201
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
