@@ -229,6 +229,38 @@ class WeightSyncConfig:
 
 
 @dataclass(kw_only=True)
+class CoordSection:
+    enabled: bool = False
+    """Measure gradient noise per model and plan batch + LR (see docs/COORDINATOR.md)."""
+    adapt: bool = True
+    """Change batch and LR from the estimates (False = measure and log only)."""
+    min_prompts: int = 8
+    """Smallest prompts per step the coordinator may choose."""
+    max_prompts: int = 256
+    """Largest prompts per step (memory / KV cache / dataset bound)."""
+    grid_factor: float = 1.4142135623730951
+    """Ratio between neighbouring candidate prompt counts (> 1)."""
+    min_gain: float = 0.05
+    """Switch only if predicted goodput improves by more than this fraction (hysteresis)."""
+    warmup_steps: int = 10
+    """Observed steps before the first batch change."""
+    cooldown_steps: int = 5
+    """Steps after a change before the next one."""
+    ema_beta: float = 0.9
+    """EMA decay per step of |G|², tr(Σ) and timings."""
+    lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
+    """How LR follows the batch from (b_ref = initial batch, lr_ref = optim.lr / critic.lr)."""
+    lr_min: float = 0.0
+    """Lower clip of every planned LR."""
+    lr_max: float = 1.0e-2
+    """Upper clip of every planned LR."""
+    noise_kind: Literal["plain", "adam"] = "plain"
+    """Which noise scale drives decisions."""
+    noise_calibration: float = 1.0
+    """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 20
     """RL optimizer steps."""
@@ -253,6 +285,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    coordinator: CoordSection = field(default_factory=CoordSection)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @property
@@ -343,6 +376,19 @@ class RunConfig:
                 "algo.overlong_buffer_len",
                 self.algo.overlong_buffer_len,
                 f"must be < rollout.max_response_len={r.max_response_len}",
+            )
+        c = self.coordinator
+        if c.enabled and self.optim.clip_grad <= 0:
+            _fail(
+                "optim.clip_grad",
+                self.optim.clip_grad,
+                "must be > 0 with coordinator.enabled (its grad norm is reused)",
+            )
+        if c.enabled and not c.min_prompts <= r.num_prompts <= c.max_prompts:
+            _fail(
+                "rollout.num_prompts",
+                r.num_prompts,
+                f"must lie in [coordinator.min_prompts={c.min_prompts}, coordinator.max_prompts={c.max_prompts}]",
             )
         if self.algo.dual_clip and self.algo.dual_clip <= 1:
             _fail("algo.dual_clip", self.algo.dual_clip, "must be > 1 (or 0 = off)")

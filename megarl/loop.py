@@ -1,6 +1,6 @@
 """The RL loop: numbered phases of one step, each in a named timer.
 
-    1 generate → 2 logprobs → 3 advantages → 4 update → 5 sync → 6 plan
+    0 plan → 1 generate → 2 logprobs → 3 advantages → 4 update → 5 sync → 6 observe
 
 The loop holds no algorithm math (``megarl.algo``) and no transport details
 (``megarl.weight_sync``); it only calls the trainer's phases and logs what they measured.
@@ -13,18 +13,17 @@ import time
 
 from megarl.config import RunConfig
 from megarl.metrics import MetricsLogger, Timer
-from megarl.model.builder import lr_at
 from megarl.trainer import Trainer
 
 log = logging.getLogger("megarl")
 
 
 def rl_step(tr: Trainer, step: int) -> dict[str, float]:
-    cfg, timer = tr.cfg, Timer()
+    timer = Timer()
     t0 = time.perf_counter()
-    lr = lr_at(step, cfg.optim, cfg.train.steps)
+    plan = tr.planner.plan(step)  # batch and LR per model: fixed, or from the coordinator
     with timer("generate"):  # 1. sample responses on the fleet and score them
-        batch, metrics = tr.generate(step, cfg.rollout.num_prompts, cfg.rollout.samples_per_prompt)
+        batch, metrics = tr.generate(step, plan.num_prompts, plan.samples_per_prompt)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         lps = tr.logprobs(batch)
         metrics.update(tr.mismatch(batch, lps))
@@ -32,9 +31,12 @@ def rl_step(tr: Trainer, step: int) -> dict[str, float]:
         adv, adv_metrics = tr.advantages(batch, lps)
         metrics.update(adv_metrics)
     with timer("update"):  # 4. Megatron forward/backward + optimizer step(s), actor and critic
-        metrics.update(tr.update(batch, adv, lps, lr, step))
+        metrics.update(tr.update(batch, adv, lps, plan, step))
     with timer("sync"):  # 5. new weights into every engine
         metrics.update(tr.push_weights())
+    with timer("plan"):  # 6. noise estimates + timings -> the coordinator's next plan
+        tr.observe(step, batch, timer.times)
+        metrics.update(tr.planner.metrics())
     metrics.update(timer.metrics())
     metrics["timing/step/total"] = time.perf_counter() - t0
     return metrics

@@ -24,6 +24,8 @@ from megarl.config import RunConfig
 from megarl.distributed import ParallelDims, init_distributed
 from megarl.model.builder import Model, build_gpt, lr_at
 from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
+from megarl.model.grad_stats import GradProbe
+from megarl.planning import Planner, grad_stats
 from megarl.rollout.collect import (
     PromptStats,
     batch_stats,
@@ -38,7 +40,7 @@ from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import get_reward_fn
 from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
-from megarl.types import RolloutBatch
+from megarl.types import RolloutBatch, StepPlan
 from megarl.weight_sync.sync import WeightSync, probe
 
 log = logging.getLogger("megarl")
@@ -71,6 +73,11 @@ class Trainer:
         self.ref: Model | None = None
         self.critic: Model | None = None
         a = cfg.algo
+        models = ["actor", "critic"] if a.name == "ppo" else ["actor"]
+        self.planner = Planner(cfg, self.dims.dp, models)
+        self.grad_stats: list[Any] = []
+        if self.planner.coord is not None:
+            self.actor.probe = self._probe()
         self.kl_ctl = algo.make_kl_controller(
             a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
         )
@@ -140,6 +147,16 @@ class Trainer:
             )
             if self.cfg.critic.init_from_actor:
                 _copy_params(self.actor, self.critic, skip_prefix="output_layer.")
+            if self.planner.coord is not None:
+                self.critic.probe = self._probe()
+
+    def _probe(self) -> GradProbe:
+        if self.dims.dp == 1 and self.dims.pp > 1:
+            raise ValueError(
+                "coordinator.enabled needs data_parallel > 1 or pipeline_parallel = 1 "
+                "(the micro-batch noise estimator needs PP = 1)"
+            )
+        return GradProbe(self.dims, microbatch=self.dims.dp == 1)
 
     # ------------------------------------------------------------------ warm start
 
@@ -156,7 +173,7 @@ class Trainer:
                 seqs.append((pids, self.tok.encode(r.answer, bos=False) + [self.tok.eos_id]))
             tokens, mask = _pack(seqs, self.tok.pad_id)
             denom = float(mask.sum())
-            rows_idx = self._dp_rows(tokens.shape[0])
+            rows_idx, _ = self._dp_rows(tokens.shape[0])
 
             def loss_fn(
                 mb: dict[str, torch.Tensor], logits: torch.Tensor, denom: float = denom
@@ -178,9 +195,29 @@ class Trainer:
                 log.info("warm-start %d/%d nll %.4f", step + 1, ws.steps, losses[-1])
         return losses
 
-    def _dp_rows(self, n: int) -> slice:
-        per = n // self.dims.dp
-        return slice(self.dims.dp_rank * per, (self.dims.dp_rank + 1) * per)
+    def _dp_rows(self, n: int, shares: list[float] | None = None) -> tuple[slice, list[slice]]:
+        """This DP rank's rows of ``n`` (and every rank's), split by ``shares`` in whole
+        micro-batches (equal when None)."""
+        dp, mbs = self.dims.dp, self.cfg.parallel.micro_batch_size
+        if shares is None or dp == 1:
+            counts = [n // dp] * dp
+        else:
+            chunks = n // mbs
+            counts = [max(1, round(s * chunks)) * mbs for s in shares]
+            counts[-1] = n - sum(counts[:-1])
+            if counts[-1] < mbs or counts[-1] % mbs:
+                counts = [n // dp] * dp
+        starts = [sum(counts[:i]) for i in range(dp)]
+        slices = [slice(s, s + c) for s, c in zip(starts, counts, strict=True)]
+        return slices[self.dims.dp_rank], slices
+
+    @property
+    def _unit(self) -> str:
+        return "tokens" if self.cfg.algo.loss_agg == "token-mean" else "responses"
+
+    def _units(self, mask: torch.Tensor) -> torch.Tensor:
+        """Per-row batch units the loss averages over: tokens or responses (with ≥ 1 token)."""
+        return mask.sum(1) if self._unit == "tokens" else (mask.sum(1) > 0).float()
 
     # ------------------------------------------------------------------ phases
 
@@ -308,11 +345,15 @@ class Trainer:
         return out, stats
 
     def update(
-        self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], lr: float, step: int
+        self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], plan: StepPlan, step: int
     ) -> dict[str, float]:
-        """PPO epochs × mini-batches over one rollout; actor (after critic warm-up) and critic."""
+        """PPO epochs × mini-batches over one rollout; actor (after critic warm-up) and critic.
+
+        The first mini-batch of each rollout is measured by the grad probes (coordinator)."""
         a = self.cfg.algo
         B = batch.size
+        lr, critic_lr = plan.lr["actor"], plan.lr.get("critic", self.cfg.critic.lr)
+        self.grad_stats = []
         rows: dict[str, torch.Tensor] = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs, **adv, **lps}
         update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
         totals: dict[str, float] = {}
@@ -324,27 +365,33 @@ class Trainer:
                 denom = algo.global_denominator(
                     a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
                 )
-                local = {k: v[self._dp_rows(per)] for k, v in mini.items()}
+                rows_sl, all_rows = self._dp_rows(per, plan.dp_shares)
+                local = {k: v[rows_sl] for k, v in mini.items()}
                 mbs = self.cfg.parallel.micro_batch_size
-                if update_actor:
+                measure = n_updates == 0 and self.planner.coord is not None
+                for name, model, loss_fn, model_lr, is_value in (
+                    ("actor", self.actor if update_actor else None, self._policy_loss_fn(denom), lr, False),
+                    ("critic", self.critic, self._value_loss_fn(denom), critic_lr, True),
+                ):
+                    if model is None:
+                        continue
+                    if measure:
+                        model.probe.start()
                     stats, gnorm = train_step(
-                        self.actor, local, self._policy_loss_fn(denom), micro_batch_size=mbs, lr=lr
+                        model, local, loss_fn, micro_batch_size=mbs, lr=model_lr, value_model=is_value
                     )
                     stats["grad_norm"] = gnorm
-                    _accumulate(totals, stats, "")
-                if self.critic is not None:
-                    cstats, cnorm = train_step(
-                        self.critic,
-                        local,
-                        self._value_loss_fn(denom),
-                        micro_batch_size=mbs,
-                        lr=self.critic_lr(step),
-                        value_model=True,
-                    )
-                    cstats["grad_norm"] = cnorm
-                    _accumulate(totals, cstats, "critic/")
+                    _accumulate(totals, stats, "" if name == "actor" else "critic/")
+                    if measure:
+                        model.probe.active = False
+                        units = self._units(mini["mask"])
+                        rank_units = [float(units[sl].sum()) for sl in all_rows]
+                        mb_units = [float(u.sum()) for u in units[rows_sl].split(mbs)]
+                        self.grad_stats.append(grad_stats(name, model.probe, gnorm, self._unit, rank_units, mb_units))
                 n_updates += 1
         out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}
+        if self.critic is not None:
+            out["critic/lr"] = critic_lr
         if update_actor:
             tokens = max(totals.pop("tokens", 1.0), 1.0)
             out["train/loss"] = totals.pop("loss") / n_updates
@@ -358,13 +405,9 @@ class Trainer:
             ctok = max(totals.pop("critic/tokens", 1.0), 1.0)
             out["critic/value_loss"] = totals.pop("critic/loss") / n_updates
             out["critic/grad_norm"] = totals.pop("critic/grad_norm") / n_updates
-            out["critic/lr"] = self.critic_lr(step)
             for k in list(totals):
                 out[k.removesuffix("_sum")] = totals.pop(k) / ctok
         return out
-
-    def critic_lr(self, step: int) -> float:
-        return lr_at(step, dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr), self.cfg.train.steps)
 
     def _value_loss_fn(self, denom: float) -> Any:
         a, clip = self.cfg.algo, self.cfg.critic.value_clip
@@ -434,6 +477,33 @@ class Trainer:
             return loss, stats
 
         return loss_fn
+
+    def observe(self, step: int, batch: RolloutBatch, times: dict[str, float]) -> None:
+        """Feed the coordinator this step's gradient statistics and phase timings."""
+        if self.planner.coord is None:
+            return
+        from megarl.coordinator import StepTimings
+
+        other = sum(v for k, v in times.items() if k not in ("generate", "update"))
+        # every rank must plan identically: use rank 0's clock
+        t = torch.tensor([times["generate"], times["update"], other], dtype=torch.float64)
+        dist.broadcast(t, src=0)
+        # each DP rank's own update time (shares follow measured per-rank throughput)
+        mine = torch.tensor([times["update"]], dtype=torch.float64)
+        ranks = [torch.zeros_like(mine) for _ in range(self.dims.dp)]
+        dist.all_gather(ranks, mine, group=self.dims.dp_group)
+        gathered = torch.cat(ranks)
+        dist.broadcast(gathered, src=0)  # identical on every rank (other DP groups time differently)
+        rank_s = [float(x) for x in gathered]
+        timings = StepTimings(
+            generate_s=float(t[0]),
+            train_s=float(t[1]),
+            other_s=float(t[2]),
+            rollout_responses=batch.size,
+            rollout_tokens=int(batch.response_lens.sum()),
+            rank_train_s=rank_s if self.dims.dp > 1 else None,
+        )
+        self.planner.observe(step, self.grad_stats, timings)
 
     def push_weights(self) -> dict[str, float]:
         self.version += 1

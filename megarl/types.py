@@ -43,3 +43,5 @@ class StepPlan:
     samples_per_prompt: int
     lr: dict[str, float]
     """Learning rate per trained model name ('actor', 'critic')."""
+    dp_shares: list[float] | None = None
+    """Fraction of the batch per DP rank (None = equal)."""

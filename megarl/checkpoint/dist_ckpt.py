@@ -218,9 +218,7 @@ def load_checkpoint(
         state = dist_checkpointing.load(sharded, str(path / mname))
         model.core.load_state_dict(state["model"], strict=True)
         if with_opt:
-            model.optimizer.load_state_dict(state["optimizer"])
-            if not os.environ.get("XX_NO_FIX"):
-                _untie_adam_steps(model.optimizer)
+            _load_optimizer_state(model.optimizer, state["optimizer"])
         elif model.optimizer is not None:
             model.optimizer.reload_model_params()  # fp32 main params follow the new weights
     t2 = time.perf_counter()
@@ -255,6 +253,59 @@ def resolve_checkpoint(ckpt_dir: str | Path) -> Path:
 # --------------------------------------------------------------------------- exact resume
 
 
+def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict`` plus the two fixes the distributed optimizer needs."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) != 1:
+        raise CheckpointError(f"chained optimizers ({len(opts)}) are not supported by megarl checkpoints")
+    opt = opts[0]
+    if not isinstance(opt, DistributedOptimizer):
+        opt.load_state_dict(state)
+        return
+    state = dict(state)
+    param_state = state.pop("param_state")
+    sharding = state.pop("param_state_sharding_type")
+    if sharding != DIST_OPT_SHARDING["distrib_optim_sharding_type"]:
+        raise CheckpointError(f"distributed optimizer state of sharding type {sharding!r} is not supported")
+    opt.load_state_dict(state)  # param groups (lr, betas, ...), Adam step, state allocation
+    _untie_adam_steps(opt)
+    _load_fully_reshardable(opt, param_state)
+
+
+@torch.no_grad()
+def _load_fully_reshardable(opt: Any, param_state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Copy this rank's slice of model-space main params and Adam moments into ``opt``.
+
+    megatron's ``load_parameter_state_from_fully_reshardable`` with one difference: it copies
+    into every key of the torch-Adam state, ``step`` included, which the checkpoint's
+    model-space tensors never hold (KeyError 'step'); the step comes from the param groups.
+    The iteration order (buffers, then ``param_index_map``) defines ``param_state``'s keys,
+    exactly as in ``DistributedOptimizer.sharded_param_state_fully_reshardable``.
+    """
+    param_idx = -1
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        if len(gbuf_range_maps) != 1:
+            raise CheckpointError("distributed optimizer with several grad-buffer dtypes is not supported")
+        for range_maps in gbuf_range_maps.values():
+            local: dict[Any, Any] = {}
+            for range_map in range_maps:
+                local.update(range_map["param_map"])
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                param_idx += 1
+                if model_param not in local:
+                    continue  # no element of this parameter lives on this DP rank
+                rng = local[model_param]["param"]
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+                dst = {"param": main_param, **opt.optimizer.state[main_param]}
+                for key, value in param_state[param_idx].items():
+                    if key == "step":
+                        continue
+                    dst["param" if key == "fp32_param" else key].copy_(value.flatten()[rng.start : rng.end])
+
+
 def _untie_adam_steps(optimizer: Any) -> None:
     """Give every parameter its own Adam ``step`` tensor after a distributed-optimizer load.
 
@@ -277,6 +328,24 @@ def _untie_adam_steps(optimizer: Any) -> None:
                 seen.add(id(state["step"]))
 
 
+def _init_distopt_state(optimizer: Any) -> None:
+    """Allocate Adam state (zero moments, step 0) in a fresh distributed optimizer.
+
+    ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` calls its own
+    ``state_dict()``, which (torch-Adam path) asserts that every parameter has a ``step``:
+    a never-stepped optimizer has none. The values are placeholders, overwritten by the load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].update(
+                    exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
+                )
+
+
 # --------------------------------------------------------------------------- internals
 
 
@@ -292,15 +361,46 @@ def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool 
     out: dict[str, Any] = {"model": model_sd}
     if with_optimizer and model.optimizer is not None:
         metadata = dict(DIST_OPT_SHARDING) if _uses_distopt(model) else None
+        if is_loading and metadata is not None:
+            _init_distopt_state(model.optimizer)
         out["optimizer"] = model.optimizer.sharded_state_dict(model_sd, is_loading, metadata=metadata)
     return out
 
 
 def _save_strategy() -> Any:
-    """megatron's torch_dist writer, synchronous, one file per rank."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    """megatron's ``torch_dist`` format, written synchronously by this process.
 
-    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    megatron's own writer (``TorchDistSaveShardedStrategy``, also in its synchronous mode)
+    hands the files to forked writer processes and collects their results through a
+    ``spawn`` multiprocessing Manager: ~1-5 s of process start-up on the first save, a
+    re-import of ``__main__`` (entry scripts without a ``__main__`` guard hang), and a
+    ``psutil`` dependency. torch's plain ``FileSystemWriter`` writes the same format
+    (``.metadata`` + ``__<rank>_0.distcp``) that megatron's loader reads.
+    """
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+
+    class InProcessTorchDistSave(SaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                MCoreSavePlanner,
+                _replace_state_dict_keys_with_sharded_keys,
+                mcore_to_pyt_state_dict,
+            )
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint import save as dcp_save
+
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+            dcp_save(
+                mcore_to_pyt_state_dict(flat, False),
+                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False),
+            )
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+    return InProcessTorchDistSave("torch_dist", 1)
 
 
 def _shape_config(model: Model) -> dict[str, Any]:

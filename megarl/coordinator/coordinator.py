@@ -99,7 +99,7 @@ class Coordinator:
             train_s=timings.train_s,
             other_s=timings.other_s,
         )
-        for ema, x in zip(self._rank_tput, rank_tput, strict=True):
+        for ema, x in zip(self._rank_tput, rank_tput, strict=True) if rank_tput else ():
             ema.update(x)
         self._last_step = step
         self._observed += 1

@@ -91,6 +91,8 @@ class Model:
     padded_vocab: int
     optimizer: Any = None
     scheduler: Any = None
+    probe: Any = None
+    """megarl.model.grad_stats.GradProbe when the coordinator measures this model."""
 
     @property
     def core(self) -> torch.nn.Module:
@@ -168,7 +170,12 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model.module)
     model.module = ddp
-    model.config.finalize_model_grads_func = _no_token_scaling_finalize()
+
+    def pre_reduce(chunks: list[Any]) -> None:
+        if model.probe is not None:
+            model.probe.before_reduce(chunks[0])
+
+    model.config.finalize_model_grads_func = _no_token_scaling_finalize(pre_reduce)
     model.config.grad_scale_func = None
     opt_cfg = OptimizerConfig(
         optimizer="adam",

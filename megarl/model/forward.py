@@ -87,8 +87,13 @@ def _run_schedule(
 ) -> list[Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    seen = [0]
+
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
         mb = next(data_iterator)
+        if seen[0] > 0 and model.probe is not None and not forward_only:
+            model.probe.microbatch_boundary(module)  # the previous micro-batch's backward is done
+        seen[0] += 1
         tokens = mb["tokens"]
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         out = module(tokens, positions, None)
