@@ -67,6 +67,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from megarl.report import draw
+
+    page = draw(args.run_dir, args.out)
+    logging.getLogger("megarl").info("wrote %s", page)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     ap = argparse.ArgumentParser(prog="megarl")
@@ -75,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", help="YAML config (examples/*.yaml)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=5")
     t.set_defaults(fn=cmd_train)
+    r = sub.add_parser("report", help="plots + HTML page of a run's metrics")
+    r.add_argument("run_dir")
+    r.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    r.set_defaults(fn=cmd_report)
     args = ap.parse_args(argv)
     from megarl.config import ConfigError
 

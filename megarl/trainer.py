@@ -511,7 +511,7 @@ class Trainer:
         out = {f"sync/{k}": v for k, v in stats.items()}
         if self.cfg.weight_sync.probe:
             out["sync/probe_max_abs_diff"] = probe(
-                self.actor, self.fleet, self.probe_tokens, self.cfg.rollout.temperature, self.cfg.weight_sync.probe_tol
+                self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
             )
         return out
 

@@ -41,6 +41,12 @@ class GradProbe:
     _weights: list[torch.Tensor] | None = None
     _prev: list[torch.Tensor] | None = None
 
+    def __post_init__(self) -> None:
+        if self.microbatch and self.dims.pp > 1:
+            # pipeline schedules interleave stages' forwards: the per-micro-batch all-reduce
+            # over the model-parallel group would pair up different micro-batches (deadlock)
+            raise ValueError("micro-batch gradient norms need pipeline_parallel = 1")
+
     def _buffers(self, ddp: Any) -> list[torch.Tensor]:
         return [b.grad_data for b in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))]
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
+    # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
+    # the trainer can checkpoint; the engine must keep serving while it finishes the step.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if args.tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

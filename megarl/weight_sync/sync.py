@@ -113,11 +113,14 @@ class WeightSync:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def probe(model: Model, fleet: Fleet | None, tokens: list[int], temperature: float, tol: float) -> float:
+def probe(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> float:
     """Max |engine − trainer| log-prob over a fixed sequence, across engines (collective).
 
-    Raises WeightSyncError beyond ``tol``. Returns the max difference (on every rank).
+    Compared at temperature 1: vLLM's prompt log-probs are raw (pre-temperature), and the
+    probe checks weights, not sampling. Raises WeightSyncError beyond ``tol``. Returns the
+    max difference (on every rank).
     """
+    temperature = 1.0
     from megarl.model.forward import forward_logprobs
 
     t = torch.tensor([tokens], dtype=torch.long)

@@ -13,8 +13,12 @@ TINY = ["model.max_position_embeddings=64", "rollout.num_prompts=4", "rollout.sa
         "train.tensorboard=false"]
 
 
-@pytest.mark.parametrize("layout", [["parallel.tensor_parallel=2"], ["parallel.pipeline_parallel=2"]],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    # temperature 0.8: engine log-probs are of softmax(logits / T), like the trainer's
+    [["parallel.tensor_parallel=2", "rollout.temperature=0.8"], ["parallel.pipeline_parallel=2"]],
+    ids=["tp2_t0.8", "pp2"],
+)
 def test_engine_matches_trainer_after_steps(tmp_path, layout) -> None:
     out = tmp_path / "result.json"
     sets = [*TINY, *layout, f"train.run_dir={tmp_path / 'run'}"]

@@ -15,6 +15,7 @@ from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
+from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import (  # noqa: E402
     _labels,
@@ -87,6 +88,37 @@ for mode in algo.LOSS_AGG_MODES:
     result[f"{mode}/grad_norm"] = torch.tensor([gnorm])
     sd = hf_state_dict(m, adapter)
     weights.update({f"{mode}/{k}": v for k, v in sd.items()})
+
+# Gradient-noise probe: DP ranks' local mean-gradient norms and per-micro-batch norms,
+# against brute force (fresh models stepped on each part alone, own denominator).
+PROBE_OPTIM = OptimConfig(lr=1e-3, clip_grad=1e9, adam_eps=1e-4)
+units = mask.sum(1)
+pm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
+load_hf_tensors(pm, adapter, hf)
+pm.probe = GradProbe(dims, microbatch=dims.dp == 1 and dims.pp == 1)
+pm.probe.start()
+denom = algo.global_denominator("token-mean", mask)
+_, gn = train_step(pm, {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]},
+                   policy_loss_fn("token-mean", denom), micro_batch_size=args.mbs)
+total = float(units.sum())
+per_rank = [float(units[r * per : (r + 1) * per].sum()) for r in range(dims.dp)]
+result["probe/global_sq"] = torch.tensor([gn**2])
+result["probe/rank_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.gather_local(), per_rank)])
+if dims.dp == 1 and dims.pp == 1:
+    mb_units = [float(u.sum()) for u in units.split(args.mbs)]
+    result["probe/mb_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.mb_sq, mb_units)])
+    # brute force: each half (= a DP2 rank's rows) and each micro-batch alone
+    for name, size in (("half", B // 2), ("part", args.mbs)):
+        norms = []
+        for i in range(0, B, size):
+            sl = slice(i, i + size)
+            fm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
+            load_hf_tensors(fm, adapter, hf)
+            d = algo.global_denominator("token-mean", mask[sl])
+            _, g2 = train_step(fm, {"tokens": tokens[sl], "mask": mask[sl], "adv": adv[sl], "old": old[sl]},
+                               policy_loss_fn("token-mean", d), micro_batch_size=min(args.mbs, size))
+            norms.append(g2**2)
+        result[f"probe/brute_{name}_sq"] = torch.tensor(norms)
 
 # Critic: value head on the same trunk, one clipped value-loss step.
 critic = build_gpt(dataclasses.replace(mcfg, tie_embeddings=False), pcfg, dims, value_head=True, optim=OPTIM)
