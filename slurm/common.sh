@@ -145,10 +145,10 @@ megarl_start_engines() {
     MEGARL_ENGINE_ADDRS="$(IFS=,; echo "${addrs[*]}")"
     MEGARL_ENGINE_LOGS="$MEGARL_RUN_DIR/logs"
     mkdir -p "$MEGARL_ENGINE_LOGS"
-    megarl_log "engines: $per per node on $nodes_csv (engine_tp=$MEGARL_ENGINE_TP) → $MEGARL_ENGINE_ADDRS; logs $MEGARL_ENGINE_LOGS/slurm-engine-<node>-<task>.log"
+    megarl_log "engines: $per per node on $nodes_csv (engine_tp=$MEGARL_ENGINE_TP) → $MEGARL_ENGINE_ADDRS; logs $MEGARL_ENGINE_LOGS/slurm-engine-<task>.log"
     srun --job-name=megarl-engines --nodes="$nnodes" --nodelist="$nodes_csv" --ntasks="$((nnodes * per))" \
         --ntasks-per-node="$per" --distribution=block --overlap --kill-on-bad-exit=0 \
-        --output="$MEGARL_ENGINE_LOGS/slurm-engine-%N-%t.log" --open-mode=append \
+        --output="$MEGARL_ENGINE_LOGS/slurm-engine-%t.log" --open-mode=append \
         bash "$MEGARL_ROOT/slurm/engine_task.sh" &
     MEGARL_ENGINE_PID=$!
 }
@@ -165,14 +165,17 @@ megarl_run_trainer() {
         --ntasks-per-node=1 --overlap --label --kill-on-bad-exit=1 \
         bash "$MEGARL_ROOT/slurm/trainer_task.sh" "${args[@]}" &
     MEGARL_TRAINER_PID=$!
-    local rc=0
+    local rc r
     while :; do
-        wait "$MEGARL_TRAINER_PID" && rc=0 || rc=$?
+        rc=0
+        wait "$MEGARL_TRAINER_PID" || rc=$?
         # A trapped signal interrupts wait with rc > 128; keep waiting while srun lives.
         kill -0 "$MEGARL_TRAINER_PID" 2>/dev/null || break
     done
     if ((rc > 128)); then # srun may have ended during the trap: bash kept its real status
-        wait "$MEGARL_TRAINER_PID" && rc=0 || { local r=$?; ((r == 127)) || rc=$r; }
+        r=0
+        wait "$MEGARL_TRAINER_PID" || r=$?
+        ((r == 127)) || rc=$r # 127: that status was already collected, rc is real
     fi
     MEGARL_TRAINER_RC=$rc
     megarl_log "trainer step exited with code $MEGARL_TRAINER_RC${MEGARL_GOT_SIGNAL:+ after SIG$MEGARL_GOT_SIGNAL}"

@@ -15,7 +15,6 @@ from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
-from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import (  # noqa: E402
     _labels,
@@ -24,6 +23,7 @@ from megarl.model.forward import (  # noqa: E402
     train_step,
     vocab_parallel_logprobs,
 )
+from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)

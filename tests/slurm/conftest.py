@@ -35,5 +35,6 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlu
         if _in_ci():
             pytest.fail(f"local SLURM cluster unavailable under CI=true: {e}", pytrace=False)
         pytest.skip(f"local SLURM cluster unavailable: {e}")
+    assert cluster is not None
     yield cluster
     cluster.stop()

@@ -7,8 +7,9 @@ writes a private ``slurm.conf`` under a scratch folder (client commands find it 
 See /work/shared/FACTS.md "Real SLURM on one machine" for why each setting is there.
 
 Invariants: every daemon this module starts is its own child (started in the foreground
-with ``-D``/``-F``) and is stopped by pid in :meth:`LocalSlurm.stop`; a ``munged`` that was
-already running is reused and left alone; every wait is bounded. The only machine-wide
+with ``-D``/``-F``) and is stopped by pid in :meth:`LocalSlurm.stop`; munged listens on a
+private socket (``AuthInfo=socket=``), so a system munged or a concurrent test session is
+never touched; every wait is bounded. The only machine-wide
 edits are the Debian packages and one ``127.0.0.1 node1 node2`` line in /etc/hosts (node
 names must resolve or torch rendezvous on ``MASTER_ADDR=node1`` hangs).
 
@@ -24,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,7 +88,7 @@ def install_packages() -> None:
     upd = _run(["apt-get", "update", "-q"], timeout=300, env=env)
     if upd.returncode != 0:
         raise ClusterUnavailable(f"apt-get update failed ({upd.returncode}):\n{upd.stderr[-2000:]}")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *need]
+    cmd = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=120", "--no-install-recommends", *need]
     inst = _run(cmd, timeout=900, env=env)
     if inst.returncode != 0:
         raise ClusterUnavailable(f"`{' '.join(cmd)}` failed ({inst.returncode}):\n{inst.stderr[-2000:]}")
@@ -129,10 +131,15 @@ class LocalSlurm:
         self.conf = base / "etc" / "slurm.conf"
         self.log_dir = base / "log"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
-        for k in [k for k in self.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
-            if k != "SLURM_CONF":
-                del self.env[k]  # a surrounding allocation must not leak into our jobs
+        # A surrounding allocation, torchrun or megarl launch settings must not leak into our jobs.
+        leaky = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "MEGARL_", "TORCHELASTIC_")
+        torch_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+        for k in [k for k in self.env if (k.startswith(leaky) or k in torch_vars) and k != "SLURM_CONF"]:
+            del self.env[k]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Short, root-free path for munged's socket (unix socket paths are limited to 108 bytes).
+        self.munge_dir = Path(tempfile.gettempdir()) / f"megarl-munge-{os.getpid()}-{_free_port()}"
+        self.munge_socket = self.munge_dir / "munge.socket"
 
     # ------------------------------------------------------------------ configuration
 
@@ -153,7 +160,8 @@ class LocalSlurm:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            "AuthInfo=cred_expire=5",  # a requeued job may restart after ~7 s instead of ~130 s
+            # cred_expire=5: a requeued job restarts after ~7 s instead of ~130 s
+            f"AuthInfo=cred_expire=5,socket={self.munge_socket}",
             f"StateSaveLocation={b}/state",
             f"SlurmdSpoolDir={b}/spool/%n",
             f"SlurmctldPidFile={b}/run/slurmctld.pid",
@@ -194,38 +202,50 @@ class LocalSlurm:
 
     def _spawn(self, name: str, cmd: list[str], user: str | None = None) -> None:
         out = (self.log_dir / f"{name}.stdout").open("ab")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, user=user,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, user=user, start_new_session=True
+        )
         out.close()
         self._procs[name] = proc
 
     def _munge_works(self) -> bool:
-        if shutil.which("munge") is None or shutil.which("unmunge") is None:
-            return False
+        sock = f"--socket={self.munge_socket}"
         try:
-            cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
+            cred = subprocess.run(["munge", sock, "-n"], capture_output=True, timeout=10)
             if cred.returncode != 0:
                 return False
-            dec = subprocess.run(["unmunge"], input=cred.stdout, capture_output=True, timeout=10)
-        except subprocess.TimeoutExpired:
+            dec = subprocess.run(["unmunge", sock], input=cred.stdout, capture_output=True, timeout=10)
+        except (subprocess.TimeoutExpired, OSError):
             return False
         return dec.returncode == 0
 
     def start_munge(self) -> None:
-        if self._munge_works():
-            return  # someone else's munged: reuse, never stop it
+        """Our own munged on a private socket: a system or other session's munged stays untouched."""
         key = Path("/etc/munge/munge.key")
         if not key.exists():
-            r = _run(["mungekey", "--create", "--force"], timeout=30)
-            if r.returncode != 0:
-                raise ClusterUnavailable(f"no {key} and mungekey failed: {r.stderr}")
-        for d in (Path("/run/munge"), Path("/var/lib/munge"), Path("/var/log/munge")):
-            d.mkdir(parents=True, exist_ok=True)
-            shutil.chown(d, "munge", "munge")
-        shutil.chown(key, "munge", "munge")
-        key.chmod(0o400)
-        self._spawn("munged", ["munged", "--foreground", "--force"], user="munge")
-        self._wait(self._munge_works, 20, "munged to answer `munge -n | unmunge`")
+            r = _run(["mungekey", "--create"], timeout=30)
+            if r.returncode != 0 or not key.exists():
+                raise ClusterUnavailable(f"no {key} and `mungekey --create` failed: {r.stderr}")
+            shutil.chown(key, "munge", "munge")
+            key.chmod(0o400)
+        # munged runs as user munge, which cannot enter pytest's 0700 temp dirs: own folder.
+        self.munge_dir.mkdir(mode=0o755)
+        shutil.chown(self.munge_dir, "munge", "munge")
+        d = self.munge_dir
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={d}/munged.pid",
+                f"--seed-file={d}/munged.seed",
+                f"--log-file={d}/munged.log",
+            ],
+            user="munge",
+        )
+        self._wait(self._munge_works, 20, f"munged to answer on {self.munge_socket}")
 
     def start(self) -> None:
         """Write the config, start every daemon, return once all nodes are idle."""
@@ -280,11 +300,13 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=15)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ clients
 
-    def cmd(self, args: list[str], timeout: float = 30, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def cmd(
+        self, args: list[str], timeout: float = 30, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run a SLURM client command against this cluster (never raises on exit code)."""
         full_env = dict(self.env, **(env or {}))
         try:
@@ -306,7 +328,7 @@ class LocalSlurm:
     def diagnostics(self, job_output: Path | None = None) -> str:
         """Daemon log tails, node states, the queue and (optionally) a job's output file."""
         parts = [f"== slurm.conf ({self.conf})\n{_tail(self.conf, 3000)}"]
-        for p in sorted(self.log_dir.glob("*")):
+        for p in [*sorted(self.log_dir.glob("*")), self.munge_dir / "munged.log"]:
             parts.append(f"== {p.name}\n{_tail(p, 3000)}")
         parts.append("== sinfo\n" + self.cmd(["sinfo", "-N", "-l"], 10).stdout)
         parts.append("== squeue\n" + self.cmd(["squeue", "-l"], 10).stdout)

@@ -59,8 +59,9 @@ def submit(cluster: LocalSlurm, script: str, sbatch_args: list[str], env: dict[s
     return r.stdout.strip().split(";")[0]
 
 
-def wait_job(cluster: LocalSlurm, job: str, out: Path, timeout: float = JOB_TIMEOUT_S,
-             min_restarts: int = 0) -> dict[str, str]:
+def wait_job(
+    cluster: LocalSlurm, job: str, out: Path, timeout: float = JOB_TIMEOUT_S, min_restarts: int = 0
+) -> dict[str, str]:
     """Poll until the job is in a terminal state (after ``min_restarts`` requeues); bounded."""
     deadline = time.monotonic() + timeout
     info: dict[str, str] = {}
@@ -70,8 +71,10 @@ def wait_job(cluster: LocalSlurm, job: str, out: Path, timeout: float = JOB_TIME
             return info
         time.sleep(1)
     cluster.cmd(["scancel", job], 10)
-    pytest.fail(f"job {job} not finished after {timeout:.0f}s (last state {info.get('JobState')}, "
-                f"restarts {info.get('Restarts')})\n{cluster.diagnostics(out)}")
+    pytest.fail(
+        f"job {job} not finished after {timeout:.0f}s (last state {info.get('JobState')}, "
+        f"restarts {info.get('Restarts')})\n{cluster.diagnostics(out)}"
+    )
 
 
 def rl_steps(run_dir: Path) -> list[int]:
@@ -82,8 +85,17 @@ def test_colocated_two_nodes_tp_across_nodes(slurm_cluster: LocalSlurm, tmp_path
     """2 nodes × 1 task, torchrun nnodes=2 nproc-per-node=1, TP=2: one TP group over both nodes."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     name = f"megarl-colo-{os.getpid()}"
-    cmd = ["sbatch", "--wait", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--job-name={name}",
-           f"--output={out}", "--time=10", str(SCRIPTS / "megarl_colocated.sbatch")]
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--parsable",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        f"--job-name={name}",
+        f"--output={out}",
+        "--time=10",
+        str(SCRIPTS / "megarl_colocated.sbatch"),
+    ]
     r = slurm_cluster.cmd(cmd, timeout=JOB_TIMEOUT_S, cwd=ROOT, env=job_env(run, steps=3))
     if r.returncode == 124:
         slurm_cluster.cmd(["scancel", f"--name={name}"], 10)
@@ -108,31 +120,39 @@ def test_disaggregated_trainer_node_and_fleet_node(slurm_cluster: LocalSlurm, tm
     assert "split: trainer nodes node1 | fleet nodes node2" in log, diag
     m = re.search(r"rollout\.engine_addresses=(node2:\d+)\b", log)
     assert m, diag
-    engine_log = (run / "logs" / "slurm-engine-node2-0.log").read_text()
-    assert f"starting on {m.group(1)}" in engine_log and "engine ready" in engine_log, engine_log[-3000:]
+    engine_log = (run / "logs" / "slurm-engine-0.log").read_text()
+    assert f"engine 0 starting on {m.group(1)}" in engine_log and "engine ready" in engine_log, engine_log[-3000:]
     assert rl_steps(run) == [1, 2, 3], diag
     assert "engine step stopped" in log
 
 
-@pytest.mark.parametrize(
-    ("script", "sbatch_args", "extra_env", "message"),
-    [
-        ("megarl_disaggregated.sbatch", ["--nodes=2"], {"MEGARL_FLEET_NODES": "2"},
-         "MEGARL_FLEET_NODES=2 needs at least 3"),
-        ("megarl_colocated.sbatch", ["--nodes=2", "--ntasks-per-node=1"], {"MEGARL_SET_EXTRA": "parallel.tensor_parallel=4"},
-         "= 2 is not divisible by tensor_parallel×pipeline_parallel = 4×1"),
-        ("megarl_colocated.sbatch", ["--nodes=2"], {"MEGARL_NPROC_PER_NODE": "2"},
-         "= 4 but the config wants TP×PP×DP = 2; add parallel.data_parallel=2"),
-        ("megarl_single_node.sbatch", ["--nodes=2"], {}, "this script runs on one node but the allocation has 2"),
-    ],
-    ids=["too-few-nodes-for-fleet", "world-not-divisible-by-tp", "world-mismatch", "single-node-on-two"],
-)
-def test_misfit_allocation_fails_before_launch(slurm_cluster: LocalSlurm, tmp_path: Path, script: str,
-                                               sbatch_args: list[str], extra_env: dict[str, str],
-                                               message: str) -> None:
+MISFITS = {
+    # id: (script, sbatch args, env, extra --set items, expected message)
+    "too-few-nodes-for-fleet": (
+        "megarl_disaggregated.sbatch", ["--nodes=2"], {"MEGARL_FLEET_NODES": "2"}, [],
+        "MEGARL_FLEET_NODES=2 needs at least 3",
+    ),
+    "world-not-divisible-by-tp": (
+        "megarl_colocated.sbatch", ["--nodes=2", "--ntasks-per-node=1"], {}, ["parallel.tensor_parallel=4"],
+        "= 2 is not divisible by tensor_parallel×pipeline_parallel = 4×1",
+    ),
+    "world-mismatch": (
+        "megarl_colocated.sbatch", ["--nodes=2"], {"MEGARL_NPROC_PER_NODE": "2"}, [],
+        "= 4 but the config wants TP×PP×DP = 2; add parallel.data_parallel=2",
+    ),
+    "single-node-on-two": (
+        "megarl_single_node.sbatch", ["--nodes=2"], {}, [],
+        "this script runs on one node but the allocation has 2",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_misfit_allocation_fails_before_launch(slurm_cluster: LocalSlurm, tmp_path: Path, case: str) -> None:
+    """A clear error (exit 2) from the batch script itself, before any srun step starts."""
+    script, sbatch_args, extra_env, extra_sets, message = MISFITS[case]
     run, out = tmp_path / "run", tmp_path / "job.out"
-    extra = extra_env.pop("MEGARL_SET_EXTRA", None)
-    env = job_env(run, steps=3, extra_sets=[extra] if extra else None, **extra_env)
+    env = job_env(run, steps=3, extra_sets=extra_sets, **extra_env)
     job = submit(slurm_cluster, script, sbatch_args, env, out)
     info = wait_job(slurm_cluster, job, out, timeout=60)
     log = out.read_text()
@@ -141,8 +161,9 @@ def test_misfit_allocation_fails_before_launch(slurm_cluster: LocalSlurm, tmp_pa
     assert "trainer step:" not in log and not run.exists(), "launched despite the misfit:\n" + log
 
 
-@pytest.mark.skipif(not (ROOT / "megarl/checkpoint/state.py").exists(),
-                    reason="trainer checkpointing not available yet")
+@pytest.mark.skipif(
+    not (ROOT / "megarl/checkpoint/state.py").exists(), reason="trainer checkpointing not available yet"
+)
 def test_preempt_checkpoint_requeue_resume(slurm_cluster: LocalSlurm, tmp_path: Path) -> None:
     """USR1 to the batch script → trainer checkpoints and exits → script requeues → resume.
 
@@ -153,8 +174,7 @@ def test_preempt_checkpoint_requeue_resume(slurm_cluster: LocalSlurm, tmp_path: 
     steps = 40
     run, out = tmp_path / "run", tmp_path / "job.out"
     env = job_env(run, steps=steps, extra_sets=["train.eval_every=0"])
-    job = submit(slurm_cluster, "megarl_colocated.sbatch", ["--nodes=2", "--ntasks-per-node=1", "--requeue"],
-                 env, out)
+    job = submit(slurm_cluster, "megarl_colocated.sbatch", ["--nodes=2", "--ntasks-per-node=1", "--requeue"], env, out)
 
     def fail(msg: str) -> None:
         slurm_cluster.cmd(["scancel", job], 10)
