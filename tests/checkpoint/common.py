@@ -18,15 +18,22 @@ from megarl.model.forward import _labels, train_step, vocab_parallel_logprobs
 B, S, MBS = 8, 16, 2
 
 
-def build(hf_dir: str | Path, dims: ParallelDims, *, dist_opt: bool = False, trainable: bool = True,
-          hidden_size: int | None = None) -> tuple[Model, LlamaQwen2Adapter]:
+def build(
+    hf_dir: str | Path,
+    dims: ParallelDims,
+    *,
+    dist_opt: bool = False,
+    trainable: bool = True,
+    hidden_size: int | None = None,
+) -> tuple[Model, LlamaQwen2Adapter]:
     """A model of ``dims``' layout initialised from the HF folder (Adam, lr 1e-3, clip 1.0)."""
     hf_cfg, hf = read_hf_folder(hf_dir)
     mcfg = model_config_from_hf(hf_cfg, ModelConfig())
     if hidden_size is not None:  # a deliberately different shape
         mcfg.hidden_size = hidden_size
-    pcfg = ParallelConfig(tensor_parallel=dims.tp, pipeline_parallel=dims.pp, micro_batch_size=MBS,
-                          use_distributed_optimizer=dist_opt)
+    pcfg = ParallelConfig(
+        tensor_parallel=dims.tp, pipeline_parallel=dims.pp, micro_batch_size=MBS, use_distributed_optimizer=dist_opt
+    )
     ocfg = OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6, weight_decay=0.01)
     model = build_gpt(mcfg, pcfg, dims, trainable=trainable, optim=ocfg)
     adapter = LlamaQwen2Adapter(mcfg)
