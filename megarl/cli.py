@@ -33,12 +33,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
     cfg.validate(world)  # before any process group starts
     if "RANK" not in os.environ and world > 1:
+        # SIGUSR1 (SLURM's warning signal, or a preemption) reaches the whole process group:
+        # torchrun forwards it to the ranks, which checkpoint and stop; this launcher waits.
+        import signal
+
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={world}",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             "-m",
             "megarl.cli",
             "train",
@@ -77,6 +83,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["convert"]:  # its own parser (tools/convert.py is the same tool)
+        from megarl.checkpoint.convert import main as convert
+
+        return int(convert(args_list[1:]))
     ap = argparse.ArgumentParser(prog="megarl")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run RL training")
@@ -87,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("run_dir")
     r.add_argument("--out", help="output folder (default RUN_DIR/report)")
     r.set_defaults(fn=cmd_report)
-    args = ap.parse_args(argv)
+    sub.add_parser("convert", help="HF <-> megarl checkpoint: hf-to-megarl | megarl-to-hf (megarl convert -h)")
+    args = ap.parse_args(args_list)
     from megarl.config import ConfigError
 
     try:

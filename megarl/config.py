@@ -114,6 +114,8 @@ class DataConfig:
     """What to do with a prompt longer than rollout.max_prompt_len (always counted)."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded, resumable)."""
+    seed: int = 1234
+    """Seed of the built-in task's data (and so of its tokenizer); separate from train.seed."""
 
 
 @dataclass(kw_only=True)
@@ -272,6 +274,14 @@ class TrainConfig:
     """Validation every N steps (0 = only at start and end)."""
     tensorboard: bool = True
     """Also write TensorBoard events."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end and on preemption)."""
+    keep_last: int = 2
+    """Complete checkpoints kept."""
+    resume: str = "auto"
+    """'auto' (latest in run_dir/checkpoints if any), 'never', or a checkpoint path."""
+    target_val_reward: float = 0.0
+    """Stop once validation reward reaches this (0 = run all steps); time-to-target runs."""
 
 
 @dataclass(kw_only=True)
@@ -406,7 +416,7 @@ class RunConfig:
 def _positive(cfg: RunConfig) -> None:
     for path, value in _walk(cfg):
         if isinstance(value, int) and not isinstance(value, bool):
-            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len")
+            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len", "save_every")
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")
 

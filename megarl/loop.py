@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from megarl.checkpoint import state
 from megarl.config import RunConfig
 from megarl.metrics import MetricsLogger, Timer
 from megarl.trainer import Trainer
@@ -43,60 +44,102 @@ def rl_step(tr: Trainer, step: int) -> dict[str, float]:
 
 
 def train(cfg: RunConfig) -> dict[str, float]:
-    """Run warm start + RL; returns a summary (rank 0 logs it)."""
+    """Warm start (or resume) + RL; returns a summary (rank 0 logs it)."""
     t_start = time.perf_counter()
     tr = Trainer(cfg)
+    state.install_preemption_handlers()
     rank0 = tr.dims.is_rank0
-    metrics_log = MetricsLogger(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.train.tensorboard)
     summary: dict[str, float] = {}
+    resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)
+    metrics_log = None
     try:
-        if cfg.warm_start.steps:
-            losses = tr.warm_start()
-            summary["warm_start/final_nll"] = losses[-1]
-        tr.build_reference_and_critic()
-        tr.push_weights()  # version 1 = the starting policy
-        val0 = tr.validate()
-        summary["val/reward_start"] = val0
-        metrics_log.log(0, {"val/reward": val0})
-        if rank0:
-            log.info("start: validation reward %.3f (%d prompts)", val0, len(tr.val_rows))
-        t_rl = time.perf_counter()
-        for step in range(cfg.train.steps):
-            m = rl_step(tr, step)
-            if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.steps:
-                m["val/reward"] = tr.validate()
-            metrics_log.log(step + 1, m)
+        start = 0
+        if resume is not None:
+            tr.build_reference_and_critic()
+            start = state.restore(tr, resume)  # before the metrics file is opened (trimmed)
+            summary["resumed_from_step"] = start
             if rank0:
-                log.info(
-                    "step %d/%d reward %.3f kl %.4f loss %.4f | gen %.2fs lp %.2fs upd %.2fs sync %.2fs%s",
-                    step + 1,
-                    cfg.train.steps,
-                    m["rollout/reward_mean"],
-                    m.get("train/kl", 0.0),
-                    m.get("train/loss", float("nan")),
-                    m["timing/step/generate"],
-                    m["timing/step/logprobs"],
-                    m["timing/step/update"],
-                    m["timing/step/sync"],
-                    f" | val {m['val/reward']:.3f}" if "val/reward" in m else "",
+                log.info("resumed from %s at step %d", resume, start)
+        else:
+            if cfg.warm_start.steps:
+                summary["warm_start/final_nll"] = tr.warm_start()[-1]
+            tr.build_reference_and_critic()
+        metrics_log = MetricsLogger(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.train.tensorboard)
+        tr.push_weights()  # the current policy into every engine (version 1 on a fresh start)
+        if start == 0:
+            summary["val/reward_start"] = tr.validate()
+            metrics_log.log(0, {"val/reward": summary["val/reward_start"]})
+            if rank0:
+                log.info("start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(tr.val_rows))
+        t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
+        target = cfg.train.target_val_reward
+        while step < cfg.train.steps:
+            m = rl_step(tr, step)
+            step += 1
+            samples += int(m.get("rollout/responses", 0))
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                t0 = time.perf_counter()
+                m["val/reward"] = tr.validate()
+                t_val += time.perf_counter() - t0
+            metrics_log.log(step, m)
+            if rank0:
+                _log_step(step, cfg.train.steps, m)
+            preempted = state.preempt_requested()
+            if preempted or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                path = state.save(tr, step, cfg.train.keep_last)
+                if rank0:
+                    log.info("checkpoint %s", path)
+            if preempted:
+                summary["preempted_at_step"] = step
+                if rank0:
+                    log.info("preempted after step %d: checkpoint written, exiting for requeue", step)
+                return summary
+            if target and m.get("val/reward", -1.0) >= target:  # same value on every rank
+                summary.update(
+                    {
+                        "time_to_target_s": time.perf_counter() - t_rl - t_val,
+                        "steps_to_target": step,
+                        "samples_to_target": samples,
+                    }
                 )
+                if rank0:
+                    log.info("reached validation reward %.3f >= %.3f at step %d", m["val/reward"], target, step)
+                break
         summary["rl_wall_s"] = time.perf_counter() - t_rl
-        val1 = tr.validate()
-        metrics_log.log(cfg.train.steps, {"val/reward": val1})
-        summary["val/reward_end"] = val1
+        summary["val/reward_end"] = tr.validate()
+        metrics_log.log(step, {"val/reward": summary["val/reward_end"]})
+        if not (cfg.train.save_every and step % cfg.train.save_every == 0):
+            state.save(tr, step, cfg.train.keep_last)  # the final state is always resumable
         tr.export_hf(tr.run_dir / "hf_final")
         summary["wall_s"] = time.perf_counter() - t_start
-        summary["steps"] = cfg.train.steps
+        summary["steps"] = step
         if rank0:
             log.info(
-                "done: validation reward %.3f -> %.3f in %d steps; RL %.0fs, total %.0fs",
-                val0,
-                val1,
-                cfg.train.steps,
+                "done: validation reward %.3f -> %.3f at step %d; RL %.0fs, total %.0fs",
+                summary.get("val/reward_start", float("nan")),
+                summary["val/reward_end"],
+                step,
                 summary["rl_wall_s"],
                 summary["wall_s"],
             )
     finally:
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
         tr.close()
     return summary
+
+
+def _log_step(step: int, total: int, m: dict[str, float]) -> None:
+    log.info(
+        "step %d/%d reward %.3f kl %.4f loss %.4f | gen %.2fs lp %.2fs upd %.2fs sync %.2fs%s",
+        step,
+        total,
+        m["rollout/reward_mean"],
+        m.get("train/kl", 0.0),
+        m.get("train/loss", float("nan")),
+        m["timing/step/generate"],
+        m["timing/step/logprobs"],
+        m["timing/step/update"],
+        m["timing/step/sync"],
+        f" | val {m['val/reward']:.3f}" if "val/reward" in m else "",
+    )

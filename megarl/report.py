@@ -79,9 +79,9 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
                 drawn = 1
         else:
             for key, label in lines:
-                xs, ys = _series(recs, key)
+                xs, vals = _series(recs, key)
                 if xs:
-                    ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
+                    ax.plot(xs, vals, label=label, marker="." if len(xs) < 30 else None)
                     drawn += 1
             for m in opts.get("bands", []):
                 low = dict(zip(*_series(recs, f"coord/b_noise_low/{m}")))

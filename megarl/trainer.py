@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         if self.dims.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.train_rows, self.val_rows = load_prompts(cfg.data, cfg.train.seed)
+        self.train_rows, self.val_rows = load_prompts(cfg.data, cfg.data.seed)
         self.tok = self._tokenizer()
         self._resolve_model_config()
         self.adapter = LlamaQwen2Adapter(cfg.model)
@@ -248,6 +249,9 @@ class Trainer:
             batch = pack_groups(kept[:num_prompts], self.tok.pad_id, self._round_version)
             stats.update(batch_stats(batch, self._round_failed))
             stats["rollout/sampling_rounds"] = float(rounds)
+            # which prompts, in which order (a resumed run must replay none and skip none)
+            fp = sum((i + 1) * zlib.crc32(g.record.where.encode()) for i, g in enumerate(kept[:num_prompts]))
+            stats["rollout/prompt_fingerprint"] = float(fp % 16_777_213)
             stats["rollout/dropped_groups"] = float(self._round_dropped)
             stats["rollout/skipped_overlong_prompts"] = float(self.prompt_stats.skipped_overlong)
             stats["rollout/truncated_overlong_prompts"] = float(self.prompt_stats.truncated_overlong)

@@ -17,7 +17,7 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -122,7 +122,7 @@ class LlamaQwen2Adapter:
     def from_hf(
         self,
         mname: str,
-        hf: dict[str, torch.Tensor],
+        hf: Mapping[str, torch.Tensor],
         layer_offset: int,
         tp: int,
         tp_rank: int,
@@ -177,7 +177,7 @@ class LlamaQwen2Adapter:
 
     # ------------------------------------------------------------------ HF config
 
-    def hf_config(self, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> Any:
+    def hf_config(self, eos_token_id: int | None, bos_token_id: int | None, pad_token_id: int | None) -> Any:
         """A transformers config object matching this model exactly."""
         c = self.cfg
         common: dict[str, Any] = dict(
@@ -200,10 +200,12 @@ class LlamaQwen2Adapter:
         if c.arch == "qwen2":
             from transformers import Qwen2Config
 
-            return Qwen2Config(**common)
+            return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
         from transformers import LlamaConfig
 
-        return LlamaConfig(**common, head_dim=c.head_dim, attention_bias=False, mlp_bias=False)
+        return LlamaConfig(
+            **common, head_dim=c.head_dim, attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"]
+        )
 
 
 def model_config_from_hf(hf_cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:

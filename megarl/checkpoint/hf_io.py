@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ from megarl.model.builder import Model
 def _named_params(model: Model) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
     for name, p in model.core.named_parameters():
-        if name.startswith("value_head."):
-            continue
+        if name.startswith("output_layer.") and getattr(model.core.output_layer, "is_value_head", False):
+            continue  # a critic's value head has no HF counterpart
         out.append((name, p))
     return out
 
@@ -64,7 +65,7 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter) -> list[tuple[st
 
 
 @torch.no_grad()
-def load_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, hf: dict[str, torch.Tensor]) -> None:
+def load_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, hf: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's shard of every parameter from an HF state dict (all names required)."""
     dims = model.dims
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
@@ -83,6 +84,7 @@ def hf_state_dict(model: Model, adapter: LlamaQwen2Adapter) -> dict[str, torch.T
     """Full HF state dict on global rank 0 (gathered over PP); {} elsewhere."""
     dims = model.dims
     local = gather_hf_tensors(model, adapter)
+    local = [(k, v.clone()) for k, v in local]  # no live views of parameters
     if dims.pp == 1 or not dims.is_stage_owner:
         return dict(local) if dims.is_rank0 else {}
     # Stage owners form one pipeline group: each later stage broadcasts its tensors.

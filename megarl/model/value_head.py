@@ -17,17 +17,21 @@ from megarl.distributed import ParallelDims
 
 
 class ValueHead(torch.nn.Module):
+    """``output_layer.weight`` (1, H) and ``output_layer.bias`` (1): the names megatron's
+    ``LanguageModule.sharded_state_dict`` expects of an output layer (checkpointable)."""
+
+    is_value_head = True
+
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(
         self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **kwargs: Any
     ) -> tuple[torch.Tensor, None]:
         # Same call/return convention as megatron's ColumnParallelLinear output layer.
-        return self.linear(hidden), None
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 def attach_value_head(gpt: torch.nn.Module, tcfg: Any, dims: ParallelDims) -> None:

@@ -103,6 +103,7 @@ class Engine:
                 stop_token_ids=list(req.get("stop_token_ids", [])),
                 logprobs=0,
                 seed=s,
+                ignore_eos=bool(req.get("ignore_eos", False)),
                 detokenize=False,
             )
             for s in seeds

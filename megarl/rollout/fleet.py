@@ -212,6 +212,7 @@ class Fleet:
         top_p: float,
         stop_token_ids: list[int],
         seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
         seeds = seeds or [0] * len(prompts)
@@ -234,6 +235,7 @@ class Fleet:
                     "top_p": top_p,
                     "stop_token_ids": stop_token_ids,
                     "seeds": [seeds[i] for i in idx],
+                    "ignore_eos": ignore_eos,
                 }
                 try:
                     return engine, idx, engine.post("/generate", body, self.timeout)

@@ -13,12 +13,12 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
+from megarl.checkpoint.convert import main as convert  # noqa: E402
 from megarl.checkpoint.dist_ckpt import checkpoint_model_config, load_checkpoint  # noqa: E402
 from megarl.config import ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs  # noqa: E402
-from tools.convert import main as convert  # noqa: E402
 
 
 def main() -> None:

@@ -1,0 +1,284 @@
+"""HF ⇄ megarl checkpoint conversion for Llama- and Qwen2-family decoders.
+
+    python tools/convert.py hf-to-megarl --hf HF_DIR --out CKPT_ROOT [--tp N] [--pp M]
+    python tools/convert.py megarl-to-hf --ckpt CKPT --out HF_DIR [--tp N] [--pp M]
+
+``hf-to-megarl`` writes a megarl checkpoint (the format of
+:func:`megarl.checkpoint.dist_ckpt.save_checkpoint`: model "actor", no optimizer state) as
+``CKPT_ROOT/<name>/`` and points ``CKPT_ROOT/latest`` at it; the HF config, generation config
+and tokenizer files travel inside it. ``megarl-to-hf`` writes ``model.safetensors`` +
+``config.json`` + ``generation_config.json`` (+ tokenizer files) that transformers and vLLM
+load. ``--tp/--pp`` give the layout the model is built in; the checkpoint itself reshards,
+so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
+itself under torchrun with TP×PP processes.
+
+Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,
+tied embeddings, Qwen2 QKV bias) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
+Megatron ⇄ HF mapping that weight sync uses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+logger = logging.getLogger("megarl.convert")
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_CONFIG_IN_CKPT = "hf_config.json"
+"""The source HF ``config.json`` as stored inside a converted checkpoint."""
+GENERATION_CONFIG = "generation_config.json"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class LazyHFTensors(Mapping[str, Any]):
+    """Read-only ``{name: tensor}`` over an HF folder's safetensors files, loaded on access.
+
+    Each rank reads only the tensors its shards need (the adapter slices them), instead of
+    holding the whole model in memory.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        self._where: dict[str, Any] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for name in handle.keys():
+                self._where[name] = handle
+
+    def __getitem__(self, name: str) -> Any:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megarl convert", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("hf-to-megarl", help="HF folder -> megarl checkpoint")
+    imp.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json + *.safetensors)")
+    imp.add_argument("--out", required=True, type=Path, help="checkpoint root to write into")
+    imp.add_argument("--name", default="hf_import", help="checkpoint name under --out (default: hf_import)")
+    imp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter dtype of the checkpoint")
+    exp = sub.add_parser("megarl-to-hf", help="megarl checkpoint -> HF folder")
+    exp.add_argument("--ckpt", required=True, type=Path, help="a checkpoint dir, or a root (its latest)")
+    exp.add_argument("--out", required=True, type=Path, help="HF folder to write (replaced if it exists)")
+    exp.add_argument("--model", default="actor", help="model name inside the checkpoint (default: actor)")
+    exp.add_argument("--tokenizer", type=Path, help="tokenizer file or folder to copy (default: the checkpoint's)")
+    for flag in ("bos", "eos", "pad"):
+        exp.add_argument(f"--{flag}-id", type=int, help=f"{flag} token id (default: from the checkpoint)")
+    for p in (imp, exp):
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the layout used")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the layout used")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``megarl convert ...`` calls this). Returns the exit code."""
+    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.tp < 1 or args.pp < 1:
+        raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
+    if args.command == "hf-to-megarl":
+        _check_hf_layout(args.hf, args.tp, args.pp)
+        run: Any = hf_to_megarl
+    else:
+        from megarl.checkpoint.dist_ckpt import checkpoint_model_config
+
+        checkpoint_model_config(args.ckpt, args.model)  # a missing/partial checkpoint fails here
+        run = megarl_to_hf
+    nproc = args.tp * args.pp
+    if "RANK" not in os.environ and nproc > 1:
+        return _relaunch(argv, nproc)
+    _setup_logging()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from megarl.distributed import init_distributed, shutdown
+
+    owned = not dist.is_initialized()
+    if owned and "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dims = init_distributed(args.tp, args.pp, seed=0)
+    try:
+        run(args, dims)
+    finally:
+        if owned:
+            shutdown()
+    return 0
+
+
+# --------------------------------------------------------------------------- HF -> megarl
+
+
+def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
+    """Build the model at ``dims``' layout from the HF folder and save it as a checkpoint."""
+    from megarl.checkpoint.dist_ckpt import save_checkpoint
+    from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+    from megarl.checkpoint.hf_io import load_hf_tensors
+    from megarl.config import ModelConfig, ParallelConfig
+    from megarl.model.builder import build_gpt
+
+    hf_dir: Path = args.hf
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    mcfg = model_config_from_hf(hf_cfg, ModelConfig(dtype=args.dtype))
+    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    model = build_gpt(mcfg, pcfg, dims, trainable=False)
+    load_hf_tensors(model, LlamaQwen2Adapter(mcfg), LazyHFTensors(hf_dir))
+    files = {HF_CONFIG_IN_CKPT: hf_dir / "config.json"}
+    for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
+        if (hf_dir / name).is_file():
+            files[name] = hf_dir / name
+    extra = {"step": 0, "converted_from": str(hf_dir.resolve()), "arch": mcfg.arch}
+    path = save_checkpoint(args.out, {"actor": model}, extra, keep_last=sys.maxsize, name=args.name, files=files)
+    if dims.is_rank0:
+        logger.info("wrote %s (%s, TP=%d PP=%d)", path, mcfg.arch, args.tp, args.pp)
+    return path
+
+
+def _check_hf_layout(hf_dir: Path, tp: int, pp: int) -> None:
+    """Fail before any process group starts when the layout cannot split this model."""
+    cfg_file = hf_dir / "config.json"
+    if not cfg_file.is_file():
+        raise SystemExit(f"{cfg_file} not found: not an HF model folder")
+    cfg = json.loads(cfg_file.read_text())
+    heads = cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads", heads)
+    layers = cfg["num_hidden_layers"]
+    for flag, div, field, value in (
+        ("--tp", tp, "num_attention_heads", heads),
+        ("--tp", tp, "num_key_value_heads", groups),
+        ("--pp", pp, "num_hidden_layers", layers),
+    ):
+        if value % div:
+            raise SystemExit(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
+
+
+# --------------------------------------------------------------------------- megarl -> HF
+
+
+def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
+    """Load the checkpoint's model at ``dims``' layout and write it as an HF folder (rank 0)."""
+    import torch.distributed as dist
+
+    from megarl.checkpoint.dist_ckpt import checkpoint_model_config, load_checkpoint, resolve_checkpoint
+    from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
+    from megarl.checkpoint.hf_io import hf_state_dict, save_hf_folder
+    from megarl.config import ParallelConfig
+    from megarl.model.builder import build_gpt
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    mcfg = checkpoint_model_config(ckpt, args.model)
+    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    model = build_gpt(mcfg, pcfg, dims, trainable=False)
+    load_checkpoint(ckpt, {args.model: model}, load_optimizer=False)
+    adapter = LlamaQwen2Adapter(mcfg)
+    tensors = hf_state_dict(model, adapter)
+    out: Path | None = None
+    if dims.is_rank0:
+        ids = _token_ids(args, ckpt)
+        hf_config = adapter.hf_config(ids["eos"], ids["bos"], ids["pad"])
+        hf_config.architectures = [ARCHITECTURES[mcfg.arch]]  # vLLM picks its model class by this
+        out = save_hf_folder(args.out, tensors, hf_config)
+        if (ckpt / GENERATION_CONFIG).is_file():  # the source model's sampling defaults, verbatim
+            shutil.copyfile(ckpt / GENERATION_CONFIG, out / GENERATION_CONFIG)
+        for src in _tokenizer_files(args.tokenizer, ckpt):
+            shutil.copyfile(src, out / src.name)
+        logger.info("wrote %s (%d tensors) from %s", out, len(tensors), ckpt)
+    dist.barrier()
+    return out
+
+
+def _token_ids(args: argparse.Namespace, ckpt: Path) -> dict[str, int | None]:
+    """bos/eos/pad ids: flags, else the checkpoint's HF configs, else its SentencePiece model."""
+    ids: dict[str, int | None] = {k: getattr(args, f"{k}_id") for k in ("bos", "eos", "pad")}
+    for name in (GENERATION_CONFIG, HF_CONFIG_IN_CKPT):
+        if (ckpt / name).is_file():
+            cfg = json.loads((ckpt / name).read_text())
+            for k in ids:
+                if ids[k] is None and isinstance(cfg.get(f"{k}_token_id"), int):
+                    ids[k] = cfg[f"{k}_token_id"]
+    spm = args.tokenizer if args.tokenizer and args.tokenizer.is_file() else ckpt / "tokenizer.model"
+    if any(v is None for v in ids.values()) and spm.is_file():
+        import sentencepiece as spm_lib
+
+        sp = spm_lib.SentencePieceProcessor(model_file=str(spm))
+        found = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+        ids = {k: v if v is not None else (found[k] if found[k] >= 0 else None) for k, v in ids.items()}
+    missing = [k for k, v in ids.items() if v is None]
+    if missing:
+        logger.warning("no %s token id in %s; pass --%s-id", "/".join(missing), ckpt, "-id/--".join(missing))
+    return ids
+
+
+def _tokenizer_files(tokenizer: Path | None, ckpt: Path) -> list[Path]:
+    if tokenizer is not None:
+        if tokenizer.is_file():
+            return [tokenizer]
+        if not tokenizer.is_dir():
+            raise FileNotFoundError(f"--tokenizer {tokenizer} does not exist")
+        return [tokenizer / n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
+    return [ckpt / n for n in TOKENIZER_FILES if (ckpt / n).is_file()]
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _relaunch(argv: list[str], nproc: int) -> int:
+    """Run this tool under torchrun with ``nproc`` ranks; returns torchrun's exit code."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(Path(__file__).resolve()),
+        *argv,
+    ]
+    return subprocess.call(cmd, env=env)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[convert r{rank}] %(message)s",
+    )
+    for noisy in ("megatron", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
