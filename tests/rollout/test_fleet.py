@@ -1,0 +1,108 @@
+"""The fleet against real vLLM engine processes: two engines serve identical weights after a
+sync, an engine killed mid-generation is restarted and its prompts re-issued (the step still
+gets every sample), and a corrupted update is rejected by name while the old version keeps
+serving."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megarl.rollout.engine_server import MANIFEST
+from megarl.rollout.fleet import Fleet, WeightSyncError
+from tests.helpers import tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("fleet")
+    hf = tiny_hf_model(base / "hf", vocab=64)
+    weights = load_file(str(hf / "model.safetensors"))
+    (hf / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in weights.items()}))
+    f = Fleet.start_local(hf, num_engines=2, engine_tp=1, kv_cache_gb=0.25, log_dir=base / "logs", seed=0,
+                          request_timeout_s=120, start_timeout_s=300)
+    f.update_weights(1, [str(hf / "model.safetensors")])
+    yield f, hf, weights, base
+    f.shutdown()
+
+
+PROMPTS = [[1, 5 + i, 7, 9 + (i % 5)] for i in range(12)]
+
+
+def test_two_engines_serve_the_same_weights(fleet) -> None:
+    f, _, _, _ = fleet
+    assert f.versions() == [1, 1]
+    seq = [1, 5, 9, 13, 17, 21, 25]
+    per_engine = f.logprobs([seq], temperature=1.0)
+    assert len(per_engine) == 2
+    a, b = (torch.tensor(x[0]) for x in per_engine)
+    assert a.shape == (6,) and torch.allclose(a, b, atol=1e-6)
+    outs, version = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
+                               seeds=list(range(len(PROMPTS))))
+    assert version == 1 and len(outs) == len(PROMPTS) and all(len(g) == 3 for g in outs)
+    # same seeds -> same samples, whichever engine served each prompt (load balancing is invisible)
+    again, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
+                          seeds=list(range(len(PROMPTS))))
+    assert [[s["token_ids"] for s in g] for g in outs] == [[s["token_ids"] for s in g] for g in again]
+
+
+def test_balance_by_outstanding_tokens() -> None:
+    from megarl.rollout.fleet import Engine
+
+    engines = [Engine("e0", "a:1"), Engine("e1", "b:1")]
+    prompts = [[0] * 100, [0] * 10, [0] * 10, [0] * 10, [0] * 10]
+    shares = dict((e.name, idx) for e, idx in Fleet._balance(list(range(5)), prompts, 1, 10, engines))
+    assert shares["e0"] == [0] and shares["e1"] == [1, 2, 3, 4]  # not round-robin
+
+
+def test_corrupted_update_is_rejected_and_old_version_serves(fleet) -> None:
+    f, hf, weights, base = fleet
+    seq = [1, 5, 9, 13, 17, 21, 25]
+    before = f.logprobs([seq], temperature=1.0)
+    bad = dict(weights)
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad[name] = bad[name][:, :-1].contiguous()  # wrong shape
+    save_file(bad, str(base / "bad_shape.safetensors"))
+    with pytest.raises(WeightSyncError, match=name.replace(".", r"\.") + ".*shape"):
+        f.update_weights(2, [str(base / "bad_shape.safetensors")])
+    nan = {k: v.clone() for k, v in weights.items()}
+    nan["model.norm.weight"][3] = float("nan")
+    save_file(nan, str(base / "nan.safetensors"))
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*NaN"):
+        f.update_weights(2, [str(base / "nan.safetensors")])
+    partial = {k: v for k, v in weights.items() if "layers.0." not in k}
+    save_file(partial, str(base / "partial.safetensors"))
+    with pytest.raises(WeightSyncError, match="incomplete"):
+        f.update_weights(2, [str(base / "partial.safetensors")])
+    assert f.versions() == [1, 1]
+    assert f.logprobs([seq], temperature=1.0) == before
+
+
+def test_engine_killed_mid_generation_is_restarted(fleet) -> None:
+    f, _, _, _ = fleet
+    victim = f.engines[0]
+    assert victim.proc is not None
+    pid = victim.proc.pid
+    prompts = [[1, 5 + (i % 40), 7] for i in range(512)]
+    result: dict = {}
+
+    def run() -> None:
+        result["out"] = f.generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=1.0, stop_token_ids=[],
+                                   ignore_eos=True)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "generation finished before the kill; make the workload larger"
+    victim.proc.kill()
+    t.join(timeout=300)
+    outs, version = result["out"]
+    assert len(outs) == 512 and all(len(g) == 2 and all(len(s["token_ids"]) == 48 for s in g) for g in outs)
+    assert f.restarts >= 1 and f.reissued_prompts > 0
+    assert victim.proc.pid != pid and victim.proc.poll() is None
+    assert f.versions() == [1, 1]  # the restarted engine got the current weights before serving
+    assert version == 1
