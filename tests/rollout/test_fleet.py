@@ -6,7 +6,6 @@ serving."""
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
