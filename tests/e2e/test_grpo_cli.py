@@ -43,7 +43,10 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
             assert key in r, key
         assert r["rollout/responses"] == 32
         assert r["sync/probe_max_abs_diff"] < 1e-3
-        assert r["train/grad_norm"] > 0
+        assert r["train/grad_norm"] >= 0
+    # (a step whose groups all have equal rewards, with the actor still at the reference, has
+    # zero gradient; some step must have had signal)
+    assert any(r["train/grad_norm"] > 0 for r in steps)
     vals = [r for r in recs if "val/reward" in r]
     assert [r["step"] for r in vals] == [0, 2, 4]
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
