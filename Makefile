@@ -25,8 +25,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# the demo always trains from the start (`megarl train` itself resumes from RUN_DIR/checkpoints)
 demo: venv
-	$(BIN)/megarl train --config $(CONFIG) $(foreach s,$(SET),--set $(s))
+	$(BIN)/megarl train --config $(CONFIG) --set train.resume=never $(foreach s,$(SET),--set $(s))
 
 demo-ppo: CONFIG = examples/ppo_cpu.yaml
 demo-ppo: demo

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from megarl.checkpoint import state
 from megarl.config import RunConfig
@@ -61,6 +62,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 log.info("resumed from %s at step %d", resume, start)
         else:
+            if rank0:
+                state.rotate_metrics(Path(cfg.train.run_dir) / "metrics.jsonl")
             if cfg.warm_start.steps:
                 summary["warm_start/final_nll"] = tr.warm_start()[-1]
             tr.build_reference_and_critic()

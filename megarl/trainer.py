@@ -392,8 +392,11 @@ class Trainer:
                         rank_units = [float(units[sl].sum()) for sl in all_rows]
                         mb_units = [float(u.sum()) for u in units[rows_sl].split(mbs)]
                         self.grad_stats.append(grad_stats(name, model.probe, gnorm, self._unit, rank_units, mb_units))
+                        totals[f"coord_probe_s/{name}"] = model.probe.seconds
                 n_updates += 1
         out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}
+        for k in [k for k in totals if k.startswith("coord_probe_s/")]:  # the probe's own cost
+            out[k.replace("coord_probe_s/", "coord/probe_s/")] = totals.pop(k)
         if self.critic is not None:
             out["critic/lr"] = critic_lr
         if update_actor:

@@ -92,6 +92,14 @@ def restore(tr: Any, path: Path) -> int:
     return step
 
 
+def rotate_metrics(path: Path) -> None:
+    """A fresh (not resumed) run starts a new metrics file; the old one is kept beside it."""
+    if path.exists() and path.stat().st_size:
+        import time
+
+        path.replace(path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"))
+
+
 def trim_metrics(path: Path, step: int) -> None:
     """Keep records up to ``step`` (a crash after the checkpoint may have logged more)."""
     if not path.exists():

@@ -21,6 +21,7 @@ measured step (plus, for the micro-batch path, a copy of the grad buffer per mic
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,30 +74,39 @@ class GradProbe:
             dist.all_reduce(total, group=self.dims.mp_group)
         return float(total)
 
+    seconds: float = 0.0
+    """Wall time spent in the probe during the last measured step (its whole cost)."""
+
     def start(self) -> None:
-        self.active, self.local_sq, self.mb_sq, self._prev = True, 0.0, [], None
+        self.active, self.local_sq, self.mb_sq, self._prev, self.seconds = True, 0.0, [], None, 0.0
 
     def microbatch_boundary(self, ddp: Any) -> None:
         """Called before each micro-batch's forward (k > 0) and before the DP reduce."""
         if not (self.active and self.microbatch):
             return
+        t0 = time.perf_counter()
         cur = self._buffers(ddp)
         if self._prev is None:
             self.mb_sq.append(self._sq(ddp, cur))
         else:
             self.mb_sq.append(self._sq(ddp, [c - p for c, p in zip(cur, self._prev, strict=True)]))
         self._prev = [c.clone() for c in cur]
+        self.seconds += time.perf_counter() - t0
 
     def before_reduce(self, ddp: Any) -> None:
         if not self.active:
             return
         self.microbatch_boundary(ddp)
+        t0 = time.perf_counter()
         self.local_sq = self._sq(ddp, self._buffers(ddp))
+        self.seconds += time.perf_counter() - t0
 
     def gather_local(self) -> list[float]:
+        t0 = time.perf_counter()
         t = torch.tensor([self.local_sq], dtype=torch.float64)
         parts = [torch.zeros_like(t) for _ in range(self.dims.dp)]
         dist.all_gather(parts, t, group=self.dims.dp_group)
+        self.seconds += time.perf_counter() - t0
         return [float(x) for x in parts]
 
 
