@@ -96,3 +96,37 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
         # train/inference mismatch on the sampled tokens, every step (first update = old policy)
         assert 0 < r["train/engine_logprob_absdiff"] < 2e-3
         assert 1.0 <= r["train/engine_prob_ratio_max"] < 1.01
+
+
+def test_exported_actor_loads_in_vllm_directly(run_dir: Path) -> None:
+    """vLLM (CPU build) loads the exported folder with its own loader (no megarl sync) and
+    its greedy continuation equals transformers' on the same prompt."""
+    script = f"""
+import os, json
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from transformers import AutoModelForCausalLM
+from megarl.rollout.tokenizer import Tokenizer
+hf = "{run_dir / 'hf_final'}"
+tok = Tokenizer(hf + "/tokenizer.model")
+ids = tok.encode("7+5=")
+llm = LLM(model=hf, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+          distributed_executor_backend="uni", kv_cache_memory_bytes=1 << 27)
+out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                   SamplingParams(max_tokens=6, temperature=0.0, detokenize=False), use_tqdm=False)
+v = list(out[0].outputs[0].token_ids)
+m = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+g = m.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_id,
+               pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+print("RESULT", json.dumps({{"vllm": v, "hf": g}}))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    n = len(res["vllm"])
+    assert n >= 1 and res["vllm"] == res["hf"][:n]
