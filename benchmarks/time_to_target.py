@@ -26,9 +26,9 @@ from benchmarks.common import ROOT, run_train, table  # noqa: E402
 
 CONFIG = str(ROOT / "examples/grpo_cpu.yaml")
 VARIANTS = {
-    "small": ["rollout.num_prompts=8"],
-    "large": ["rollout.num_prompts=32"],
-    "large_sqrt": ["rollout.num_prompts=32", "optim.lr=2e-4"],
+    "small": ["rollout.num_prompts=8", "coordinator.enabled=false"],
+    "large": ["rollout.num_prompts=32", "coordinator.enabled=false"],
+    "large_sqrt": ["rollout.num_prompts=32", "optim.lr=2e-4", "coordinator.enabled=false"],
     "coordinator": ["rollout.num_prompts=8", "coordinator.enabled=true", "coordinator.min_prompts=8",
                     "coordinator.max_prompts=64", "coordinator.warmup_steps=5", "coordinator.cooldown_steps=3",
                     "coordinator.lr_rule=sqrt", "coordinator.lr_max=4e-4"],

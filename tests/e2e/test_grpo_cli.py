@@ -19,6 +19,7 @@ from tests.helpers import ROOT
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("grpo") / "run"
     sets = ["train.steps=4", "train.eval_every=2", "warm_start.steps=20", "rollout.num_prompts=8",
+            "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
             "data.num_val=32", f"train.run_dir={run}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -75,6 +76,7 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
     clip-higher, Dr.GRPO advantages and aggregation, all wired through one real run."""
     run = tmp_path / "run"
     sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=40", "rollout.num_prompts=8",
+            "coordinator.enabled=false",
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
             "data.num_val=16", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
             "algo.overlong_buffer_len=2", "algo.overlong_filter=true", "algo.tis_cap=2.0", "algo.clip_high=0.28",

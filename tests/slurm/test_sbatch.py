@@ -27,6 +27,7 @@ SCRIPTS = ROOT / "slurm"
 SHORT_RUN = [
     "warm_start.steps=10",
     "rollout.num_prompts=8",
+    "coordinator.enabled=false",  # timing-driven batch changes would make resume checks run-dependent
     "rollout.samples_per_prompt=4",
     "parallel.micro_batch_size=16",
     "data.num_train=2000",
