@@ -278,6 +278,9 @@ class TrainConfig:
     """Checkpoint every N steps (0 = only at the end and on preemption)."""
     keep_last: int = 2
     """Complete checkpoints kept."""
+    async_save: bool = False
+    """Periodic checkpoints are staged, then written in the background and committed at the
+    next step boundary (preemption and final checkpoints are always synchronous)."""
     resume: str = "auto"
     """'auto' (latest in run_dir/checkpoints if any), 'never', or a checkpoint path."""
     target_val_reward: float = 0.0

@@ -75,6 +75,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 log.info("start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(tr.val_rows))
         t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
+        pending = None  # an asynchronous checkpoint being written
         target = cfg.train.target_val_reward
         while step < cfg.train.steps:
             m = rl_step(tr, step)
@@ -88,10 +89,16 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 _log_step(step, cfg.train.steps, m)
             preempted = state.preempt_requested()
+            if pending is not None:  # the previous step's background write: commit it
+                pending.finalize()
+                pending = None
             if preempted or (cfg.train.save_every and step % cfg.train.save_every == 0):
-                path = state.save(tr, step, cfg.train.keep_last)
-                if rank0:
-                    log.info("checkpoint %s", path)
+                t0 = time.perf_counter()
+                result = state.save(tr, step, cfg.train.keep_last, asynchronous=cfg.train.async_save and not preempted)
+                m_save = {"timing/checkpoint_blocked_s": time.perf_counter() - t0}
+                if cfg.train.async_save and not preempted:
+                    pending = result
+                metrics_log.log(step, m_save)
             if preempted:
                 summary["preempted_at_step"] = step
                 if rank0:
@@ -108,6 +115,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 if rank0:
                     log.info("reached validation reward %.3f >= %.3f at step %d", m["val/reward"], target, step)
                 break
+        if pending is not None:
+            pending.finalize()
         summary["rl_wall_s"] = time.perf_counter() - t_rl
         summary["val/reward_end"] = tr.validate()
         metrics_log.log(step, {"val/reward": summary["val/reward_end"]})

@@ -95,8 +95,14 @@ def save_checkpoint(
     keep_last: int,
     name: str | None = None,
     files: Mapping[str, str | Path] | None = None,
-) -> Path:
+    asynchronous: bool = False,
+) -> Any:
     """Save ``models`` (weights + optimizer state) and ``extra`` as ``<ckpt_dir>/<name>/``.
+
+    ``asynchronous=True``: the tensors are staged (copied) now and written by a background
+    thread over a separate gloo group; the call returns a :class:`PendingSave` whose
+    ``finalize()`` (collective; call it at a later step boundary) waits for the writes and
+    commits. Until then ``latest`` still names the previous checkpoint.
 
     Collective over all trainer ranks. ``extra`` must be JSON-serialisable and identical on
     every rank (rank 0 writes it). ``name`` defaults to ``step_<extra["step"]:08d>``.
@@ -132,7 +138,7 @@ def save_checkpoint(
     dist.barrier()
 
     t1 = time.perf_counter()
-    strategy = _save_strategy()
+    strategy = _save_strategy(_async_group() if asynchronous else None)
     for mname, model in models.items():
         dist_checkpointing.save(_sharded_state_dict(model, is_loading=False), str(tmp / mname), strategy)
     t2 = time.perf_counter()
@@ -146,6 +152,64 @@ def save_checkpoint(
         _write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
     dist.barrier()
 
+    if asynchronous:
+        pending = PendingSave(root, name, keep_last, list(strategy.futures), time.perf_counter() - t0)
+        logger.info("checkpoint %s staged in %.2fs; writing in the background", final, pending.blocked_s)
+        return pending
+    _commit(root, name, keep_last)
+    logger.info("saved checkpoint %s in %.2fs (weights + optimizer %.2fs)", final, time.perf_counter() - t0, t2 - t1)
+    return final
+
+
+class PendingSave:
+    """An asynchronous save whose files are still being written."""
+
+    def __init__(self, root: Path, name: str, keep_last: int, futures: list[Any], blocked_s: float) -> None:
+        self.root, self.name, self.keep_last, self.futures = root, name, keep_last, futures
+        self.blocked_s = blocked_s
+        self.t_start = time.perf_counter()
+
+    def finalize(self) -> Path:
+        """Collective: wait for this rank's writes, then commit on rank 0 (marker, latest)."""
+        t0 = time.perf_counter()
+        for f in self.futures:
+            f.result()
+        waited = time.perf_counter() - t0
+        _commit(self.root, self.name, self.keep_last)
+        logger.info(
+            "checkpoint %s committed (%.2fs after staging; waited %.2fs)",
+            self.root / self.name,
+            time.perf_counter() - self.t_start,
+            waited,
+        )
+        return self.root / self.name
+
+
+_ASYNC_GROUP: list[Any] = []
+_POOL: list[Any] = []
+
+
+def _writer_pool() -> Any:
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-ckpt"))
+    return _POOL[0]
+
+
+def _async_group() -> Any:
+    """A gloo group only the background writers use (collectives of the training loop run
+    on other groups concurrently). Created once, collectively, on the first async save."""
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
+def _commit(root: Path, name: str, keep_last: int) -> None:
+    """Collective: rank 0 writes the marker, renames ``<name>.tmp`` and moves ``latest``."""
+    rank = dist.get_rank()
+    final, tmp = root / name, root / (name + TMP_SUFFIX)
+    dist.barrier()
     if os.environ.get(FAULT_ENV) == "before_commit":
         os._exit(1)
 
@@ -162,8 +226,6 @@ def save_checkpoint(
         _fsync_dir(root)
         _prune(root, keep_last)
     dist.barrier()
-    logger.info("saved checkpoint %s in %.2fs (weights + optimizer %.2fs)", final, time.perf_counter() - t0, t2 - t1)
-    return final
 
 
 def load_checkpoint(
@@ -410,7 +472,7 @@ def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool 
     return out
 
 
-def _save_strategy() -> Any:
+def _save_strategy(async_group: Any = None) -> Any:
     """megatron's ``torch_dist`` format, written synchronously by this process.
 
     megatron's own writer (``TorchDistSaveShardedStrategy``, also in its synchronous mode)
@@ -423,6 +485,8 @@ def _save_strategy() -> Any:
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
     class InProcessTorchDistSave(SaveShardedStrategy):
+        futures: list[Any] = []
+
         def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
             from megatron.core.dist_checkpointing.strategies.torch import (
                 MCoreSavePlanner,
@@ -433,17 +497,36 @@ def _save_strategy() -> Any:
             from torch.distributed.checkpoint import save as dcp_save
 
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
-            dcp_save(
-                mcore_to_pyt_state_dict(flat, False),
-                storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False),
+            writer = FileSystemWriter(str(checkpoint_dir), thread_count=1)
+            planner = MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
+            if async_group is None:
+                dcp_save(mcore_to_pyt_state_dict(flat, False), storage_writer=writer, planner=planner)
+                return
+            # Stage: private copies of every tensor (training may change the originals from the
+            # next step on), then write from a background thread over the dedicated group.
+            import copy
+
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+            for key, sh in list(flat.items()):
+                if isinstance(sh, ShardedTensor):
+                    sh.data = sh.data.detach().clone()
+                else:
+                    flat[key] = copy.deepcopy(sh)
+            staged = mcore_to_pyt_state_dict(flat, False)
+            self.futures.append(
+                _writer_pool().submit(
+                    dcp_save, staged, storage_writer=writer, planner=planner, process_group=async_group
+                )
             )
 
         @property
         def can_handle_sharded_objects(self) -> bool:
             return True
 
-    return InProcessTorchDistSave("torch_dist", 1)
+    strategy = InProcessTorchDistSave("torch_dist", 1)
+    strategy.futures = []
+    return strategy
 
 
 def _check_model_config(path: Path, mname: str, saved: dict[str, Any], current: dict[str, Any]) -> None:

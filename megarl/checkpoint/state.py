@@ -56,7 +56,8 @@ def models_of(tr: Any) -> dict[str, Any]:
     return models
 
 
-def save(tr: Any, step: int, keep_last: int) -> Path:
+def save(tr: Any, step: int, keep_last: int, asynchronous: bool = False) -> Any:
+    """Checkpoint now (a Path), or stage it and return a PendingSave to ``finalize()`` later."""
     extra = {
         "step": step,
         "version": tr.version,
@@ -66,7 +67,9 @@ def save(tr: Any, step: int, keep_last: int) -> Path:
         "kl_ctl": tr.kl_ctl.state_dict(),
     }
     files = {"tokenizer.model": tr.tok.path}
-    return save_checkpoint(ckpt_root(tr.run_dir), models_of(tr), extra, keep_last=keep_last, files=files)
+    return save_checkpoint(
+        ckpt_root(tr.run_dir), models_of(tr), extra, keep_last=keep_last, files=files, asynchronous=asynchronous
+    )
 
 
 def find_resume(run_dir: str | Path, resume: str) -> Path | None:

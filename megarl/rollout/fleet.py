@@ -141,7 +141,23 @@ class Fleet:
         fleet = cls(engines, request_timeout_s, start_timeout_s)
         for e in engines:
             fleet._spawn(e)
-        fleet.wait_healthy()
+        for attempt in range(3):
+            try:
+                fleet.wait_healthy()
+                return fleet
+            except RolloutError:
+                # a port picked by free_port() can be taken by another process before the
+                # engine binds it: restart just those engines on new ports (bounded)
+                taken = [e for e in engines if not e.alive() and "Address already in use" in e.log_tail(40)]
+                if not taken or attempt == 2:
+                    fleet.shutdown()
+                    raise
+                for e in taken:
+                    port = free_port()
+                    e.address = f"127.0.0.1:{port}"
+                    e.launch[e.launch.index("--port") + 1] = str(port)
+                    log.warning("%s: port in use, restarting on %s", e.name, e.address)
+                    fleet._spawn(e)
         return fleet
 
     @classmethod

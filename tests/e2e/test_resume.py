@@ -65,7 +65,10 @@ def _assert_same_run(a: Path, b: Path, n: int) -> None:
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
-@pytest.mark.parametrize("setup", [GRPO, PPO_DISTOPT], ids=["grpo_tp2", "ppo_dp2_distopt"])
+GRPO_ASYNC = ("grpo_cpu.yaml", ["parallel.micro_batch_size=16", "train.save_every=1", "train.async_save=true"])
+
+
+@pytest.mark.parametrize("setup", [GRPO, PPO_DISTOPT, GRPO_ASYNC], ids=["grpo_tp2", "ppo_dp2_distopt", "grpo_async"])
 def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup) -> None:
     config, extra = setup
     full, parts = tmp_path / "full", tmp_path / "parts"
@@ -73,6 +76,11 @@ def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup) -> None:
     _run(config, [*COMMON, *extra, "train.steps=2", f"train.run_dir={parts}"])
     log = _run(config, [*COMMON, *extra, "train.steps=4", f"train.run_dir={parts}"])
     assert "resumed from" in log and "at step 2" in log
+    if "train.async_save=true" in extra:  # periodic saves were staged, written in the background
+        assert "writing in the background" in log and "committed" in log
+        blocked = [r["timing/checkpoint_blocked_s"] for r in map(json.loads, (parts / "metrics.jsonl").open())
+                   if "timing/checkpoint_blocked_s" in r]
+        assert len(blocked) == 4
     _assert_same_run(full, parts, 4)
 
 
