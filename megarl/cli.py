@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except ConfigError as e:
-        print(f"megarl: config error: {e}", file=sys.stderr)  # noqa: T201
+        sys.stderr.write(f"megarl: config error: {e}\n")
         return 2
 
 

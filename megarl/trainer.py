@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl import algo
+from megarl import algo, objectives
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import RunConfig
@@ -374,8 +374,14 @@ class Trainer:
                 mbs = self.cfg.parallel.micro_batch_size
                 measure = n_updates == 0 and self.planner.coord is not None
                 for name, model, loss_fn, model_lr, is_value in (
-                    ("actor", self.actor if update_actor else None, self._policy_loss_fn(denom), lr, False),
-                    ("critic", self.critic, self._value_loss_fn(denom), critic_lr, True),
+                    (
+                        "actor",
+                        self.actor if update_actor else None,
+                        objectives.policy_loss_fn(self.cfg, self.dims.tp_group, denom),
+                        lr,
+                        False,
+                    ),
+                    ("critic", self.critic, objectives.value_loss_fn(self.cfg, denom), critic_lr, True),
                 ):
                     if model is None:
                         continue
@@ -415,75 +421,6 @@ class Trainer:
             for k in list(totals):
                 out[k.removesuffix("_sum")] = totals.pop(k) / ctok
         return out
-
-    def _value_loss_fn(self, denom: float) -> Any:
-        a, clip = self.cfg.algo, self.cfg.critic.value_clip
-
-        def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            values = out[..., 0].float()
-            mask = mb["mask"]
-            per_tok = algo.value_loss(values, mb["old_values"], mb["returns"], mask, clip=clip or None)
-            loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
-            err = ((values.detach() - mb["returns"]) ** 2 * mask).sum()
-            return loss, {
-                "loss": loss.detach(),
-                "tokens": mask.sum(),
-                "value_mse_sum": err,
-                "value_mean_sum": (values.detach() * mask).sum(),
-            }
-
-        return loss_fn
-
-    def _policy_loss_fn(self, denom: float) -> Any:
-        a, temp = self.cfg.algo, self.cfg.rollout.temperature
-        dims = self.dims
-
-        def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            from megarl.model.forward import vocab_parallel_entropy
-
-            mask = mb["mask"]
-            lp = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), temp)
-            old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-            tis = None
-            stats: dict[str, torch.Tensor] = {}
-            if a.tis_cap > 0:
-                tis, tstats = algo.tis_weights(old, mb["engine_logprobs"], mask, cap=a.tis_cap)
-            adv_tok = algo.sequence_to_token(mb["adv"], mask) if mb["adv"].dim() == 1 else mb["adv"]
-            per_tok, pstats = algo.policy_loss(
-                lp,
-                old,
-                adv_tok,
-                mask,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                dual_clip=a.dual_clip or None,
-                tis_weights=tis,
-            )
-            n = mask.sum()
-            if "ref_logprobs" in mb and a.kl_mode == "loss":
-                kl = algo.kl_estimate(lp, mb["ref_logprobs"], a.kl_estimator)
-                per_tok = per_tok + a.kl_coef * kl
-                stats["kl_sum"] = (kl.detach() * mask).sum()
-            if a.entropy_coef > 0:
-                ent = vocab_parallel_entropy(logits, temp, dims.tp_group)
-                per_tok = per_tok - a.entropy_coef * ent
-                stats["entropy_sum"] = (ent.detach() * mask).sum()
-            loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
-            delta = (lp.detach() - mb["engine_logprobs"]) * mask
-            mismatch = delta.abs().sum()
-            ratio_max = torch.where(mask.bool(), delta.exp(), torch.zeros_like(delta)).max()
-            stats.update(
-                {
-                    "loss": loss.detach(),
-                    "tokens": n,
-                    "clipfrac_sum": pstats["clipfrac"] * n,
-                    "engine_logprob_absdiff_sum": mismatch,
-                    "engine_prob_ratio_max": ratio_max,
-                }
-            )
-            return loss, stats
-
-        return loss_fn
 
     def observe(self, step: int, batch: RolloutBatch, times: dict[str, float]) -> None:
         """Feed the coordinator this step's gradient statistics and phase timings."""
