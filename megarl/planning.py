@@ -79,25 +79,17 @@ def grad_stats(
     """ModelGradStats from a probe: DP ranks as the small batches, or (DP = 1) micro-batches."""
     total = float(sum(rank_units))
     if len(rank_units) > 1:
-        local = probe.gather_local()
-        return ModelGradStats(
-            model=name,
-            local_sq_norms=[rescale(s, n, total) for s, n in zip(local, rank_units)],
-            local_batches=rank_units,
-            global_sq_norm=grad_norm**2,
-            batch_unit=unit,  # type: ignore[arg-type]
-            source="dp",
-            grad_average="samples",
-        )
-    sq = probe.mb_sq
-    if len(sq) != len(mb_units):
-        raise RuntimeError(f"grad probe saw {len(sq)} micro-batches, expected {len(mb_units)}")
+        parts, units, source = probe.gather_local(), rank_units, "dp"
+    else:
+        parts, units, source = probe.mb_sq, mb_units, "microbatch"
+        if len(parts) != len(units):
+            raise RuntimeError(f"grad probe saw {len(parts)} micro-batches, expected {len(units)}")
     return ModelGradStats(
         model=name,
-        local_sq_norms=[rescale(s, n, total) for s, n in zip(sq, mb_units)],
-        local_batches=mb_units,
+        local_sq_norms=[rescale(s, n, total) for s, n in zip(parts, units)],
+        local_batches=units,
         global_sq_norm=grad_norm**2,
         batch_unit=unit,  # type: ignore[arg-type]
-        source="microbatch",
+        source=source,  # type: ignore[arg-type]
         grad_average="samples",
     )

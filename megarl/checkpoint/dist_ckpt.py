@@ -40,6 +40,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.optim_state import (  # noqa: F401 (re-exported)
+    DIST_OPT_SHARDING,
+    CheckpointError,
+    _ensure_adam_state,
+    _load_optimizer_state,
+)
 from megarl.config import ModelConfig
 from megarl.model.builder import Model
 
@@ -53,20 +59,12 @@ FAULT_ENV = "MEGARL_CKPT_FAULT"
 """Fault injection for tests: ``before_commit`` makes every rank ``os._exit(1)`` after all
 files of a checkpoint are written but before ``COMPLETE`` (a crash mid-save)."""
 
-DIST_OPT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 """Model-space optimizer state for the distributed optimizer: reshardable over TP/PP/DP.
 (megatron's default, ``fully_sharded_model_space``, needs flattened ranges that the local
 layer spec does not provide: it raises ``flattened_range is not supported``.)"""
 
 _DTYPE_FIELD = "dtype"
 """The one model-config field that may differ at load time (values are cast)."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or does not match the models it is loaded into."""
-
-
-# --------------------------------------------------------------------------- public API
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -344,114 +342,6 @@ def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelC
 
 
 # --------------------------------------------------------------------------- exact resume
-
-
-def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict`` plus the fixes megatron's torch-Adam path needs."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(opts) != 1:
-        raise CheckpointError(f"chained optimizers ({len(opts)}) are not supported by megarl checkpoints")
-    opt = opts[0]
-    if not isinstance(opt, DistributedOptimizer):
-        torch_sd = state.get("optimizer", state)  # the fp16/bf16 optimizer nests torch's state dict
-        per_param = [v for k, v in torch_sd["state"].items() if k != "common_step"]
-        if "common_step" not in torch_sd["state"] and any("step" not in v for v in per_param):
-            # megatron saves the common step only when it is non-zero (``if step:``): a
-            # checkpoint from before the first step has none, and torch's Adam refuses state
-            # without one. 0 is the step a fresh Adam starts from.
-            torch_sd["state"]["common_step"] = torch.tensor(0.0)
-        opt.load_state_dict(state)
-        _fix_adam_steps(opt)
-        return
-    state = dict(state)
-    param_state = state.pop("param_state")
-    sharding = state.pop("param_state_sharding_type")
-    if sharding != DIST_OPT_SHARDING["distrib_optim_sharding_type"]:
-        raise CheckpointError(f"distributed optimizer state of sharding type {sharding!r} is not supported")
-    opt.load_state_dict(state)  # param groups (lr, betas, ...), Adam step, state allocation
-    _fix_adam_steps(opt)
-    _load_fully_reshardable(opt, param_state)
-
-
-@torch.no_grad()
-def _load_fully_reshardable(opt: Any, param_state: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Copy this rank's slice of model-space main params and Adam moments into ``opt``.
-
-    megatron's ``load_parameter_state_from_fully_reshardable`` with one difference: it copies
-    into every key of the torch-Adam state, ``step`` included, which the checkpoint's
-    model-space tensors never hold (KeyError 'step'); the step comes from the param groups.
-    The iteration order (buffers, then ``param_index_map``) defines ``param_state``'s keys,
-    exactly as in ``DistributedOptimizer.sharded_param_state_fully_reshardable``.
-    """
-    param_idx = -1
-    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
-        if len(gbuf_range_maps) != 1:
-            raise CheckpointError("distributed optimizer with several grad-buffer dtypes is not supported")
-        for range_maps in gbuf_range_maps.values():
-            local: dict[Any, Any] = {}
-            for range_map in range_maps:
-                local.update(range_map["param_map"])
-            for model_param in opt.buffers[gbuf_idx].param_index_map:
-                param_idx += 1
-                if model_param not in local:
-                    continue  # no element of this parameter lives on this DP rank
-                rng = local[model_param]["param"]
-                group_index, group_order = opt.model_param_group_index_map[model_param]
-                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-                dst = {"param": main_param, **opt.optimizer.state[main_param]}
-                for key, value in param_state[param_idx].items():
-                    if key == "step":
-                        continue
-                    dst["param" if key == "fp32_param" else key].copy_(value.flatten()[rng.start : rng.end])
-
-
-def _fix_adam_steps(optimizer: Any) -> None:
-    """After a load: every torch-Adam parameter gets its own ``step`` tensor.
-
-    megatron's ``DistributedOptimizer.load_state_dict`` (torch-Adam path, no apex/TE) puts ONE
-    shared ``torch.tensor(step)`` into the state of every parameter; torch's Adam then
-    increments it in place once per parameter (``_foreach_add_(state_steps, 1)``): after the
-    first resumed step every parameter's step is ``step + n_params`` instead of ``step + 1``,
-    so Adam's bias correction is wrong from then on. Measured (TP2×DP2, 4 layers, lr 2e-3):
-    weights off by 4e-4 after the first resumed step, loss off by 1.5e-3 at the second.
-    Per-parameter copies make the resumed run bitwise equal to the uninterrupted one.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        seen: set[int] = set()
-        for state in inner.state.values():
-            step = state.get("step")
-            if not isinstance(step, torch.Tensor):
-                continue
-            if id(step) in seen:
-                state["step"] = step.detach().clone()
-            seen.add(id(state["step"]))
-
-
-def _ensure_adam_state(optimizer: Any) -> None:
-    """Give every parameter of a never-stepped torch Adam the state its first step would create.
-
-    Zero moments and ``step = 0`` are exactly torch's lazy initialisation, so this changes no
-    numbers; it makes the saved state complete (a checkpoint taken before the first step has
-    every key a later load asks for), and ``DistributedOptimizer.state_dict()`` (called by its
-    ``sharded_state_dict``) needs a ``step`` on every parameter or it fails an assertion.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue  # apex/TE FusedAdam keep their step in the param groups
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if not state:
-                    state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0))
-
-
-# --------------------------------------------------------------------------- internals
 
 
 def _uses_distopt(model: Model) -> bool:
