@@ -116,6 +116,8 @@ class DataConfig:
     """Shuffle prompts each epoch (seeded, resumable)."""
     seed: int = 1234
     """Seed of the built-in task's data (and so of its tokenizer); separate from train.seed."""
+    reward: str = ""
+    """Reward function (megarl.rollout.rewards): '' = 'arithmetic' for built-in data, else 'exact_match'."""
 
 
 @dataclass(kw_only=True)
@@ -128,6 +130,8 @@ class RolloutConfig:
     """Prompt limit, tokens."""
     max_response_len: int = 12
     """Response limit, tokens."""
+    min_response_len: int = 0
+    """EOS is suppressed until a response has this many tokens (vLLM min_tokens; 0 = off)."""
     temperature: float = 1.0
     """Sampling temperature (logprobs on both sides use logits / temperature)."""
     top_p: float = 1.0
@@ -368,6 +372,12 @@ class RunConfig:
                 r.max_prompt_len + r.max_response_len,
                 f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
             )
+        if not 0 <= r.min_response_len <= r.max_response_len:
+            _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
+        from megarl.rollout.rewards import REWARDS
+
+        if self.data.reward and self.data.reward not in REWARDS:
+            _fail("data.reward", self.data.reward, f"must be one of {sorted(REWARDS)} (or '' for the default)")
         if r.engine_tp < 1:
             _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
         if m.num_query_groups % r.engine_tp:
@@ -419,7 +429,7 @@ class RunConfig:
 def _positive(cfg: RunConfig) -> None:
     for path, value in _walk(cfg):
         if isinstance(value, int) and not isinstance(value, bool):
-            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len", "save_every")
+            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len", "save_every", "min_response_len")
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")
 

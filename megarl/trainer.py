@@ -65,7 +65,9 @@ class Trainer:
             load_hf_tensors(self.actor, self.adapter, hf)
         self.sampler = PromptSampler(len(self.train_rows), cfg.train.seed, cfg.data.shuffle)
         self.prompt_stats = PromptStats()
-        self.reward_fn = get_reward_fn("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
+        self.reward_fn = get_reward_fn(
+            cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
+        )
         self.fleet: Fleet | None = None
         self.model_dir = self.run_dir / "hf_engine"
         if self.dims.is_rank0:

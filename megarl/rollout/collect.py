@@ -89,6 +89,7 @@ def sample_groups(
         temperature=r.temperature,
         top_p=r.top_p,
         stop_token_ids=[tok.eos_id],
+        min_tokens=r.min_response_len,
         seeds=[seed * 100_003 + i for i in range(len(prompts))],
     )
     groups: list[Group] = []

@@ -6,7 +6,7 @@ token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
 Endpoints (JSON in, JSON out):
   GET  /health                       -> {"ok", "version"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
-                    "stop_token_ids", "seeds"}  -> {"version", "outputs"}
+                    "stop_token_ids", "seeds", "min_tokens"}  -> {"version", "outputs"}
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /weights/begin  {"version"}
   POST /weights/load   {"version", "files": [safetensors paths]}  (staged + validated)
@@ -104,6 +104,7 @@ class Engine:
                 logprobs=0,
                 seed=s,
                 ignore_eos=bool(req.get("ignore_eos", False)),
+                min_tokens=int(req.get("min_tokens", 0)),
                 detokenize=False,
             )
             for s in seeds

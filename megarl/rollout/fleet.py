@@ -229,6 +229,7 @@ class Fleet:
         stop_token_ids: list[int],
         seeds: list[int] | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
         seeds = seeds or [0] * len(prompts)
@@ -252,6 +253,7 @@ class Fleet:
                     "stop_token_ids": stop_token_ids,
                     "seeds": [seeds[i] for i in idx],
                     "ignore_eos": ignore_eos,
+                    "min_tokens": min_tokens,
                 }
                 try:
                     return engine, idx, engine.post("/generate", body, self.timeout)

@@ -57,6 +57,8 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(model={"num_query_groups": 3}), 1, "model.num_query_groups=3 must divide model.num_attention_heads=4"),
         (_cfg(train={"steps": -1}), 1, "train.steps=-1 must be a positive integer"),
         (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
+        (_cfg(rollout={"min_response_len": 13}), 1, "rollout.min_response_len=13 must be in .0, max_response_len=12."),
+        (_cfg(data={"reward": "bleu"}), 1, "data.reward='bleu' must be one of"),
     ],
 )
 def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:

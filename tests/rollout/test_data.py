@@ -100,3 +100,11 @@ def test_failing_reward_is_counted_not_fatal() -> None:
     assert rewards == [1.0, 0.0, 0.0, 1.0] and failed == 1
     nan_rewards, nan_failed = score_all(lambda p, r, a: float("nan"), ["x"], ["y"], ["z"])
     assert nan_rewards == [0.0] and nan_failed == 1
+
+
+def test_first_integer_reward_ignores_the_tail() -> None:
+    from megarl.rollout.rewards import first_integer
+
+    cases = [("12 junk 7", 1.0), (" 12+3", 1.0), ("x12", 1.0), ("123", 0.0), ("1 2", 0.0), ("", 0.0), ("-4", 0.0)]
+    assert [first_integer("5+7=", r, "12") for r, _ in cases] == [v for _, v in cases]
+    assert first_integer("3-7=", "-4abc", "-4") == 1.0
