@@ -159,6 +159,8 @@ def batch_stats(batch: RolloutBatch, failed: int) -> dict[str, float]:
         "rollout/truncated_frac": float(trunc.float().mean()),
         "rollout/responses": float(batch.size),
         "rollout/tokens": float(lens.sum()),
+        # prompt + response tokens (the trainer's work); mask is 1 from position prompt_len-1 on
+        "rollout/sequence_tokens": float((batch.mask.argmax(dim=1) + 1 + lens).sum()),
         "rollout/policy_version": float(batch.version),
     }
 
