@@ -373,7 +373,9 @@ class RunConfig:
                 f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
             )
         if not 0 <= r.min_response_len <= r.max_response_len:
-            _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
+            _fail(
+                "rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]"
+            )
         from megarl.rollout.rewards import REWARDS
 
         if self.data.reward and self.data.reward not in REWARDS:
@@ -429,7 +431,15 @@ class RunConfig:
 def _positive(cfg: RunConfig) -> None:
     for path, value in _walk(cfg):
         if isinstance(value, int) and not isinstance(value, bool):
-            nonneg = ("vocab_size", "steps", "warmup_steps", "eval_every", "overlong_buffer_len", "save_every", "min_response_len")
+            nonneg = (
+                "vocab_size",
+                "steps",
+                "warmup_steps",
+                "eval_every",
+                "overlong_buffer_len",
+                "save_every",
+                "min_response_len",
+            )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")
 
