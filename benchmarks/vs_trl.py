@@ -6,7 +6,8 @@ tokenizer (same prompt ids, BOS included), the built-in arithmetic prompts, the 
 function, prompts × samples per step, response limits, steps, AdamW settings (constant LR,
 no weight decay, grad clip 1.0), GRPO group advantages, clip 0.2, k3 KL with β = 0.01 and
 token-mean loss (TRL `loss_type="dapo"`). TRL runs as its docs say for CPU: `use_cpu=True`,
-fp32, `use_vllm=False` (its vLLM path crashes on the CPU build), all cores to torch.
+fp32, `use_vllm=False` (its vLLM path crashes on the CPU build), all cores to torch, and
+gradient checkpointing off (TRL's default is on; memory allows off here, which is faster).
 
 Scales:
   a  the demo model (2 layers × 128), 32 prompts × 16 samples, responses ≤ 6 tokens
@@ -286,6 +287,7 @@ def trl_worker(scale: str, hf: Path, steps: int, res_file: Path) -> None:
         save_strategy="no",
         report_to=[],
         disable_dropout=True,
+        gradient_checkpointing=False,  # TRL's default is on; memory allows off here, which is faster
         seed=1,
         dataloader_num_workers=0,
     )
