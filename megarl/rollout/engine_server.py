@@ -61,6 +61,32 @@ def _apply_weights(worker: Any, files: list[str], names: list[str]) -> int:
     return len(wanted)
 
 
+def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, kv_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) prompt ranges whose worst-case KV use fits the cache.
+
+    vLLM preempts and recomputes sequences when the cache runs out; the CPU build then
+    fails on seeded requests ("CPU Generator does not use offset"), and a recompute is
+    wasted work anyway. Generating in waves that fit never preempts, and per-request
+    seeds keep the samples identical to one big call.
+    """
+    waves: list[tuple[int, int]] = []
+    lo, used = 0, 0
+    for i, plen in enumerate(prompt_lens):
+        need = n * -(-(plen + max_tokens) // block_size) * block_size
+        if need > kv_tokens:
+            raise EngineError(
+                f"prompt {i}: {n} samples × {plen + max_tokens} tokens need {need} KV tokens, the engine has"
+                f" {kv_tokens}; raise rollout.kv_cache_gb or lower samples_per_prompt / max_response_len"
+            )
+        if used + need > kv_tokens:
+            waves.append((lo, i))
+            lo, used = i, 0
+        used += need
+    if lo < len(prompt_lens):
+        waves.append((lo, len(prompt_lens)))
+    return waves
+
+
 class Engine:
     def __init__(self, model_dir: str, tp: int, kv_cache_gb: float, seed: int, max_len: int) -> None:
         from vllm import LLM
@@ -86,6 +112,20 @@ class Engine:
         self.lock = threading.Lock()
         self.staged_version: int | None = None
         self.staged: dict[str, str] = {}  # name -> file
+        self.block_size, self.kv_tokens = self._kv_capacity(kv_cache_gb, tp)
+        log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
+
+    def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
+        """(block size, KV-cache tokens) of this engine, as vLLM sized it."""
+        cfg = self.llm.llm_engine.vllm_config
+        bs = int(cfg.cache_config.block_size or 16)
+        blocks = cfg.cache_config.num_gpu_blocks  # set by the in-process engine core
+        if blocks:
+            return bs, int(blocks) * bs
+        hf = cfg.model_config.hf_config  # multi-process engine core: from the budget and the shapes
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_hidden_layers * max(1, hf.num_key_value_heads // tp) * head_dim * 4
+        return bs, int(kv_cache_gb * (1 << 30)) // per_token // bs * bs
 
     # -- generation ----------------------------------------------------------------
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -109,11 +149,17 @@ class Engine:
             )
             for s in seeds
         ]
+        n, max_tokens = int(req.get("n", 1)), int(req["max_tokens"])
+        waves = kv_waves([len(p) for p in prompts], n, max_tokens, self.block_size, self.kv_tokens)
+        if len(waves) > 1:
+            log.info("%d prompts × %d samples exceed the KV cache: %d waves", len(prompts), n, len(waves))
         with self.lock:
             version = self.version
-            results = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-            )
+            results = []
+            for lo, hi in waves:
+                results += self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi], use_tqdm=False
+                )
         outputs = []
         for r in results:
             group = []

@@ -132,7 +132,8 @@ class Fleet:
                 "--seed",
                 str(seed + i),
             ]
-            env = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
+            env = {"TORCHDYNAMO_DISABLE": "1"}
             engines.append(
                 Engine(
                     f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=Path(log_dir) / f"engine{i}.log"

@@ -109,3 +109,31 @@ def test_engine_killed_mid_generation_is_restarted(fleet) -> None:
     assert victim.proc.pid != pid and victim.proc.poll() is None
     assert f.versions() == [1, 1]  # the restarted engine got the current weights before serving
     assert version == 1
+
+
+def test_kv_waves_fit_the_cache() -> None:
+    from megarl.rollout.engine_server import EngineError, kv_waves
+
+    # 3 samples × ceil((4 + 20) / 16) blocks = 96 tokens per prompt; 256 tokens hold 2 prompts
+    assert kv_waves([4] * 5, 3, 20, 16, 256) == [(0, 2), (2, 4), (4, 5)]
+    assert kv_waves([4] * 5, 3, 20, 16, 10_000) == [(0, 5)]
+    with pytest.raises(EngineError, match="prompt 1: 3 samples × 40 tokens need 144 KV tokens"):
+        kv_waves([4, 20], 3, 20, 16, 128)
+
+
+def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_path) -> None:
+    """Seeded requests that overflow the KV cache: waves instead of vLLM preemption (which
+    crashes the CPU build on seeded requests), same samples as an engine with a big cache."""
+    f, hf, _, _ = fleet
+    small = Fleet.start_local(hf, num_engines=1, engine_tp=1, kv_cache_gb=0.002, log_dir=tmp_path, seed=0,
+                              request_timeout_s=120, start_timeout_s=300)
+    try:
+        small.update_weights(1, [str(hf / "model.safetensors")])
+        kw = dict(n=3, max_tokens=20, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True,
+                  seeds=list(range(len(PROMPTS))))
+        got, _ = small.generate(PROMPTS, **kw)
+        want, _ = f.generate(PROMPTS, **kw)
+        assert [[s["token_ids"] for s in g] for g in got] == [[s["token_ids"] for s in g] for g in want]
+        assert "waves" in (tmp_path / "engine0.log").read_text()
+    finally:
+        small.shutdown()
