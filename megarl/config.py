@@ -70,6 +70,9 @@ class ParallelConfig:
     """Data-parallel replicas; trainer world size = TP × PP × DP."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on one DP rank."""
+    logprob_micro_batch_size: int = 0
+    """Rows per micro-batch of the forward-only passes (old/reference log-probs, values);
+    no activations are kept, so it can be larger than micro_batch_size. 0 = micro_batch_size."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron distributed optimizer)."""
 
@@ -360,6 +363,12 @@ class RunConfig:
                 f"must be divisible by DP={dp} × parallel.micro_batch_size="
                 f"{p.micro_batch_size} × algo.mini_batches={self.algo.mini_batches}",
             )
+        if p.logprob_micro_batch_size and self.batch_size % (dp * p.logprob_micro_batch_size):
+            _fail(
+                "parallel.logprob_micro_batch_size",
+                p.logprob_micro_batch_size,
+                f"× DP={dp} must divide rollout.num_prompts×samples_per_prompt={self.batch_size}",
+            )
         if self.warm_start.steps and self.warm_start.batch_size % (dp * p.micro_batch_size):
             _fail(
                 "warm_start.batch_size",
@@ -439,6 +448,7 @@ def _positive(cfg: RunConfig) -> None:
                 "overlong_buffer_len",
                 "save_every",
                 "min_response_len",
+                "logprob_micro_batch_size",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")

@@ -289,7 +289,11 @@ class Trainer:
 
     def logprobs(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         """Old-policy, reference log-probs and critic values, (B, S) each, as needed."""
-        a, mbs, temp = self.cfg.algo, self.cfg.parallel.micro_batch_size, self.cfg.rollout.temperature
+        a, temp = self.cfg.algo, self.cfg.rollout.temperature
+        p = self.cfg.parallel
+        # forward-only passes may use bigger micro-batches (when they divide this step's batch)
+        lmbs = p.logprob_micro_batch_size
+        mbs = lmbs if lmbs and batch.size % (self.dims.dp * lmbs) == 0 else p.micro_batch_size
         out: dict[str, torch.Tensor] = {}
         if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or self.critic is not None:
             out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs, temperature=temp)[

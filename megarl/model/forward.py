@@ -158,12 +158,20 @@ def _forward_collect(
     keys: list[str],
 ) -> dict[str, torch.Tensor]:
     """Forward-only pass; ``fn`` maps the last stage's output to (B, S) tensors, which are
-    broadcast over the pipeline group so every rank returns them."""
+    broadcast over the pipeline group so every rank returns them.
+
+    With DP > 1 each data-parallel rank computes its own B/DP rows and the results are
+    all-gathered (when B divides evenly into DP × micro-batches; otherwise every rank
+    computes all rows, e.g. the one-sequence integrity probe)."""
     dims = model.dims
 
     def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
+    split = dims.dp > 1 and tokens.shape[0] % (dims.dp * micro_batch_size) == 0
+    if split:
+        per = tokens.shape[0] // dims.dp
+        tokens = tokens[dims.dp_rank * per : (dims.dp_rank + 1) * per]
     mbs = micro_batches({"tokens": tokens}, micro_batch_size)
     model.module.eval()
     with torch.no_grad():
@@ -177,6 +185,10 @@ def _forward_collect(
         if dims.pp > 1:
             src = dist.get_process_group_ranks(dims.pp_group)[-1]
             dist.broadcast(t, src=src, group=dims.pp_group)
+        if split:
+            parts = [torch.empty_like(t) for _ in range(dims.dp)]
+            dist.all_gather(parts, t, group=dims.dp_group)
+            t = torch.cat(parts, dim=0)
         result[k] = t
     return result
 
