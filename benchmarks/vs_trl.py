@@ -64,21 +64,39 @@ SCALES: dict[str, dict[str, Any]] = {
     "a": {
         "model": [],
         "warm_start": ["warm_start.steps=150"],
-        "rollout": {"num_prompts": 32, "samples_per_prompt": 16, "max_prompt_len": 12, "max_response_len": 6,
-                    "min_response_len": 0},
+        "rollout": {
+            "num_prompts": 32,
+            "samples_per_prompt": 16,
+            "max_prompt_len": 12,
+            "max_response_len": 6,
+            "min_response_len": 0,
+        },
         "micro_batch": 64,
         "reward": "arithmetic",
         "extra": [],
+        "variants": {"default": [], "tuned": []},
     },
     "b": {
-        "model": ["model.num_layers=8", "model.hidden_size=768", "model.num_attention_heads=12",
-                  "model.num_query_groups=4", "model.ffn_hidden_size=2048", "model.max_position_embeddings=288"],
+        "model": [
+            "model.num_layers=8",
+            "model.hidden_size=768",
+            "model.num_attention_heads=12",
+            "model.num_query_groups=4",
+            "model.ffn_hidden_size=2048",
+            "model.max_position_embeddings=288",
+        ],
         "warm_start": ["warm_start.steps=60", "warm_start.lr=3.0e-4"],
-        "rollout": {"num_prompts": 32, "samples_per_prompt": 8, "max_prompt_len": 12, "max_response_len": 256,
-                    "min_response_len": 256},
+        "rollout": {
+            "num_prompts": 32,
+            "samples_per_prompt": 8,
+            "max_prompt_len": 12,
+            "max_response_len": 256,
+            "min_response_len": 256,
+        },
         "micro_batch": 32,
         "reward": "first_integer",
         "extra": ["rollout.kv_cache_gb=2.0"],
+        "variants": {"default": [], "tuned": []},
     },
 }
 
@@ -153,8 +171,14 @@ def _env(threads: int | None) -> dict[str, str]:
 def _scale_sets(scale: str) -> list[str]:
     s = SCALES[scale]
     r = [f"rollout.{k}={v}" for k, v in s["rollout"].items()]
-    return [*COMMON, *s["model"], *r, f"parallel.micro_batch_size={s['micro_batch']}", f"data.reward={s['reward']}",
-            *s["extra"]]
+    return [
+        *COMMON,
+        *s["model"],
+        *r,
+        f"parallel.micro_batch_size={s['micro_batch']}",
+        f"data.reward={s['reward']}",
+        *s["extra"],
+    ]
 
 
 def prepare(scale: str, out: Path) -> Path:
@@ -170,8 +194,17 @@ def prepare(scale: str, out: Path) -> Path:
     for x in sets:
         cmd += ["--set", x]
     _run(cmd, out / "logs" / f"prep_{scale}.log", _env(1), 3600)
-    cmd = [sys.executable, "-m", "megarl.cli", "convert", "megarl-to-hf", "--ckpt", str(run / "checkpoints"),
-           "--out", str(hf)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "convert",
+        "megarl-to-hf",
+        "--ckpt",
+        str(run / "checkpoints"),
+        "--out",
+        str(hf),
+    ]
     _run(cmd, out / "logs" / f"convert_{scale}.log", _env(1), 1200)
     shutil.copytree(run / "tokenizer", out / f"tokenizer_{scale}", dirs_exist_ok=True)
     return hf
@@ -180,21 +213,31 @@ def prepare(scale: str, out: Path) -> Path:
 # --------------------------------------------------------------------------- megarl side
 
 
-def run_megarl(scale: str, hf: Path, steps: int, out: Path, profile: bool) -> dict[str, Any]:
-    run = out / f"megarl_{scale}"
+def run_megarl(
+    scale: str, hf: Path, steps: int, out: Path, profile: bool, variant: str, extra: list[str]
+) -> dict[str, Any]:
+    run = out / f"megarl_{scale}_{variant}"
     shutil.rmtree(run, ignore_errors=True)
     (run / "tokenizer").mkdir(parents=True)
     shutil.copy(out / f"tokenizer_{scale}" / "tokenizer.model", run / "tokenizer" / "tokenizer.model")
-    sets = [*_scale_sets(scale), f"model.init_from={hf}", "warm_start.steps=0", f"train.steps={steps}",
-            "train.resume=never", f"train.run_dir={run}"]
+    sets = [
+        *_scale_sets(scale),
+        f"model.init_from={hf}",
+        "warm_start.steps=0",
+        f"train.steps={steps}",
+        "train.resume=never",
+        f"train.run_dir={run}",
+        *SCALES[scale]["variants"][variant],
+        *extra,
+    ]
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", BASE]
     for x in sets:
         cmd += ["--set", x]
-    prof = out / f"pyspy_megarl_{scale}.txt"
+    prof = out / f"pyspy_megarl_{scale}_{variant}.txt"
     if profile:
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         cmd = [spy, "record", "--subprocesses", "--rate", "25", "--format", "raw", "--output", str(prof), "--", *cmd]
-    wall, peak = _run(cmd, out / "logs" / f"megarl_{scale}.log", _env(1), 7200)
+    wall, peak = _run(cmd, out / "logs" / f"megarl_{scale}_{variant}.log", _env(1), 7200)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step/total" in r]
     if len(rows) != steps:
@@ -208,8 +251,11 @@ def run_megarl(scale: str, hf: Path, steps: int, out: Path, profile: bool) -> di
         wall=wall,
         peak=peak,
     )
-    res["phases_s"] = {k.split("/")[-1]: _mean([r[k] for r in rows[1:] or rows]) for k in rows[0] if
-                       k.startswith("timing/step/") and k != "timing/step/total"}
+    res["phases_s"] = {
+        k.split("/")[-1]: _mean([r[k] for r in rows[1:] or rows])
+        for k in rows[0]
+        if k.startswith("timing/step/") and k != "timing/step/total"
+    }
     if profile:
         res["profile"] = summarise_profile(prof)
     return res
@@ -220,8 +266,18 @@ def run_megarl(scale: str, hf: Path, steps: int, out: Path, profile: bool) -> di
 
 def run_trl(scale: str, hf: Path, steps: int, out: Path) -> dict[str, Any]:
     res_file = out / f"trl_{scale}.json"
-    cmd = [sys.executable, __file__, "--_trl-worker", scale, "--_hf", str(hf), "--_steps", str(steps),
-           "--_out", str(res_file)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_trl-worker",
+        scale,
+        "--_hf",
+        str(hf),
+        "--_steps",
+        str(steps),
+        "--_out",
+        str(res_file),
+    ]
     wall, peak = _run(cmd, out / "logs" / f"trl_{scale}.log", _env(None), 7200)
     w = json.loads(res_file.read_text())
     return _summarise(w["step_s"], w["gen_s"], w["resp_tokens"], w["seq_tokens"], w["rewards"], wall, peak)
@@ -304,8 +360,9 @@ def trl_worker(scale: str, hf: Path, steps: int, res_file: Path) -> None:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             ends.append(time.perf_counter())
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
-                          callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+    )
     inner = trainer.model.generate
 
     def timed_generate(*a: Any, **k: Any) -> Any:
@@ -367,26 +424,57 @@ def _summarise(
     }
 
 
-def summarise_profile(path: Path, top: int = 12) -> dict[str, Any]:
-    """py-spy raw (collapsed) stacks → per-process top functions by inclusive samples."""
-    per_proc: dict[str, Counter[str]] = {}
-    totals: Counter[str] = Counter()
+def summarise_profile(path: Path, rate: int = 25, top: int = 8) -> dict[str, Any]:
+    """py-spy raw (collapsed) stacks of a process tree → per process: CPU-active seconds, the
+    megarl/vLLM functions with the most inclusive time and the leaf functions (self time).
+    py-spy records only threads that are running, so idle waits do not count."""
+    procs: dict[str, dict[str, Counter[str]]] = {}
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if not stack:
+        if not stack or not n.isdigit():
             continue
         frames = stack.split(";")
-        proc = frames[0]
-        role = "engine" if "engine_server" in stack or "vllm" in stack else ("trainer" if "megarl" in stack else "other")
-        key = f"{role}:{proc.split(' ')[0]}"
-        cnt = per_proc.setdefault(key, Counter())
-        totals[key] += int(n)
-        for f in set(fr.split(" (")[0] + " (" + fr.split(" (")[-1].split(":")[0].split("/")[-1] for fr in frames[1:]):
-            cnt[f] += int(n)
-    return {
-        key: {"samples": totals[key], "top": [(f, round(c / totals[key], 3)) for f, c in cnt.most_common(top)]}
-        for key in sorted(totals, key=lambda k: -totals[k])[:4]
-    }
+        pframes = [f for f in frames if f.startswith("process ")]
+        if not pframes:
+            continue
+        cmd = pframes[-1]
+        pid = cmd.split(":")[0].removeprefix("process ")
+        role = "engine" if "engine_server" in cmd else ("launcher" if "torch.distributed.run" in cmd else "trainer")
+        if role == "trainer" and " -u " not in cmd and "megarl.cli" in cmd and "LOCAL_RANK" not in cmd:
+            role = "trainer"
+        key = f"{role}[{pid}]"
+        funcs = [f for f in frames if not f.startswith("process ") and not f.startswith("thread ")]
+        if not funcs:
+            continue
+        c = procs.setdefault(key, {"incl": Counter(), "self": Counter(), "total": Counter()})
+        c["total"]["n"] += int(n)
+        names = {_fname(f) for f in funcs}
+        for name in names:
+            if name.startswith(("megarl/", "vllm/")) or "megatron/" in name:
+                c["incl"][name] += int(n)
+        c["self"][_fname(funcs[-1])] += int(n)
+    out = {}
+    for key, c in sorted(procs.items(), key=lambda kv: -kv[1]["total"]["n"]):
+        total = c["total"]["n"]
+        if total < 20:
+            continue
+        out[key] = {
+            "cpu_s": round(total / rate, 1),
+            "inclusive": [(f, round(k / total, 3)) for f, k in c["incl"].most_common(top)],
+            "self": [(f, round(k / total, 3)) for f, k in c["self"].most_common(top)],
+        }
+    return out
+
+
+def _fname(frame: str) -> str:
+    """'Trainer.update (megarl/trainer.py:388)' → 'megarl/trainer.py:Trainer.update'."""
+    fn, _, where = frame.partition(" (")
+    file = where.rsplit(":", 1)[0]
+    for root in ("megarl/", "vllm/", "megatron/", "torch/", "transformers/"):
+        if root in file:
+            file = root + file.split(root, 1)[1]
+            break
+    return f"{file}:{fn}"
 
 
 METRICS = ["step_s", "first_step_s", "gen_tok_s", "train_tok_s", "peak_rss_gb", "reward_last", "wall_s"]
@@ -397,10 +485,12 @@ def main() -> int:
     ap.add_argument("--scales", default="a,b")
     ap.add_argument("--steps-a", type=int, default=20)
     ap.add_argument("--steps-b", type=int, default=3)
+    ap.add_argument("--variants", default="default,tuned", help="megarl settings to run (SCALES[...]['variants'])")
+    ap.add_argument("--megarl-set", action="append", default=[], help="extra override for every megarl run")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_vs_trl")
-    ap.add_argument("--profile", action="store_true", help="sample the megarl runs with py-spy")
+    ap.add_argument("--profile", action="store_true", help="sample the megarl runs with py-spy (slows them)")
     ap.add_argument("--label", default="", help="tag stored with the results (e.g. before/after)")
-    ap.add_argument("--only", choices=["megarl", "trl"], help="run one side (debugging; no ratios)")
+    ap.add_argument("--no-trl", action="store_true", help="megarl only (exploring settings; no ratios)")
     ap.add_argument("--_trl-worker", dest="trl_worker")
     ap.add_argument("--_hf", type=Path)
     ap.add_argument("--_steps", type=int)
@@ -410,28 +500,43 @@ def main() -> int:
         trl_worker(args.trl_worker, args._hf, args._steps, args._out)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"label": args.label}
+    variants = [v for v in args.variants.split(",") if v]
+    results: dict[str, Any] = {"label": args.label, "megarl_set": args.megarl_set}
     rows = []
     for scale in args.scales.split(","):
         steps = args.steps_a if scale == "a" else args.steps_b
         hf = prepare(scale, args.out)
         res: dict[str, Any] = {}
-        if args.only != "megarl":
+        if not args.no_trl:
             res["trl"] = run_trl(scale, hf, steps, args.out)
-        if args.only != "trl":
-            res["megarl"] = run_megarl(scale, hf, steps, args.out, args.profile)
+        for v in variants:
+            res[f"megarl[{v}]"] = run_megarl(scale, hf, steps, args.out, args.profile, v, args.megarl_set)
         results[scale] = res
         for m in METRICS:
-            t, g = res.get("trl", {}).get(m), res.get("megarl", {}).get(m)
-            ratio = t / g if t is not None and g else None
-            rows.append({"scale": scale, "metric": m, "TRL": t, "megarl": g, "TRL/megarl": ratio})
-        if "megarl" in res:
-            print(f"scale {scale} megarl phases (s/step): {json.dumps(res['megarl']['phases_s'])}")
-            for key, p in res["megarl"].get("profile", {}).items():
-                print(f"scale {scale} py-spy {key} ({p['samples']} samples): {p['top']}")
-    print(table(rows, ["scale", "metric", "TRL", "megarl", "TRL/megarl"]))
+            row: dict[str, Any] = {"scale": scale, "metric": m, "TRL": res.get("trl", {}).get(m)}
+            for v in variants:
+                g = res[f"megarl[{v}]"][m]
+                row[f"megarl[{v}]"] = g
+                row[f"TRL/megarl[{v}]"] = row["TRL"] / g if row["TRL"] is not None and g else None
+            rows.append(row)
+        for v in variants:
+            r = res[f"megarl[{v}]"]
+            print(
+                f"scale {scale} megarl[{v}] phases (s/step): {json.dumps({k: round(x, 3) for k, x in r['phases_s'].items()})}"
+            )
+            for key, p in r.get("profile", {}).items():
+                print(f"scale {scale} megarl[{v}] py-spy {key}: {p['cpu_s']} CPU-s")
+                print(f"   inclusive: {p['inclusive']}")
+                print(f"   self:      {p['self']}")
+    cols = ["scale", "metric", "TRL", *[f"megarl[{v}]" for v in variants], *[f"TRL/megarl[{v}]" for v in variants]]
+    print(table(rows, cols))
     (args.out / f"results{'_' + args.label if args.label else ''}.json").write_text(json.dumps(results, indent=1))
-    ratios = {f"{r['scale']}/{r['metric']}": round(r["TRL/megarl"], 3) for r in rows if r["TRL/megarl"] is not None}
+    ratios = {
+        f"{r['scale']}/{r['metric']}/{v}": round(r[f"TRL/megarl[{v}]"], 3)
+        for r in rows
+        for v in variants
+        if r[f"TRL/megarl[{v}]"] is not None
+    }
     print(json.dumps({"benchmark": "vs_trl", "label": args.label, "ratios_trl_over_megarl": ratios}))
     return 0
 
