@@ -12,8 +12,8 @@ gradient checkpointing off (TRL's default is on; memory allows off here, which i
 Scales:
   a  the demo model (2 layers × 128), 32 prompts × 16 samples, responses ≤ 6 tokens
   b  a 50M-parameter model (8 layers × 768), 32 prompts × 8 samples, responses of exactly
-     256 tokens (EOS suppressed until 256: vLLM min_tokens / HF min_new_tokens) scored by
-     the first integer of the response: generation is real work
+     256 tokens (EOS suppressed until 256: vLLM min_tokens / HF min_new_tokens), 1.0 when
+     the response starts with the answer: generation is real work
 
 Measured per trainer (each in its own process tree, one after the other): per-step wall
 time (mean over the steps after the first, and the first), generation tokens/s (response
@@ -74,7 +74,15 @@ SCALES: dict[str, dict[str, Any]] = {
         "micro_batch": 64,
         "reward": "arithmetic",
         "extra": [],
-        "variants": {"default": [], "tuned": []},
+        # tuned: TP is pure overhead for a model this small on CPU; DP2 + big forward-only micro-batches
+        "variants": {
+            "default": [],
+            "tuned": [
+                "parallel.tensor_parallel=1",
+                "parallel.data_parallel=2",
+                "parallel.logprob_micro_batch_size=256",
+            ],
+        },
     },
     "b": {
         "model": [
@@ -85,7 +93,7 @@ SCALES: dict[str, dict[str, Any]] = {
             "model.ffn_hidden_size=2048",
             "model.max_position_embeddings=288",
         ],
-        "warm_start": ["warm_start.steps=60", "warm_start.lr=3.0e-4"],
+        "warm_start": ["warm_start.steps=100", "warm_start.lr=3.0e-4"],
         "rollout": {
             "num_prompts": 32,
             "samples_per_prompt": 8,
@@ -94,9 +102,18 @@ SCALES: dict[str, dict[str, Any]] = {
             "min_response_len": 256,
         },
         "micro_batch": 32,
-        "reward": "first_integer",
+        "reward": "answer_prefix",
         "extra": ["rollout.kv_cache_gb=2.0"],
-        "variants": {"default": [], "tuned": []},
+        # tuned: DP2 (no per-layer activation all-reduces), 16 rows per rank keep 32 in flight like TRL
+        "variants": {
+            "default": [],
+            "tuned": [
+                "parallel.tensor_parallel=1",
+                "parallel.data_parallel=2",
+                "parallel.micro_batch_size=16",
+                "parallel.logprob_micro_batch_size=64",
+            ],
+        },
     },
 }
 

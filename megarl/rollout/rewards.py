@@ -7,7 +7,6 @@ sample as failed (reward = ``failed_reward``), and the reason is logged and coun
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str, str], float]
@@ -27,16 +26,14 @@ def arithmetic(prompt: str, response: str, answer: str) -> float:
     return 1.0 if int(text) == int(answer) else 0.0
 
 
-def first_integer(prompt: str, response: str, answer: str) -> float:
-    """1.0 iff the first integer in the response is the answer (text after it is ignored).
+def answer_prefix(prompt: str, response: str, answer: str) -> float:
+    """1.0 iff the response starts with the answer (text after it is ignored).
 
     For runs whose responses are kept long on purpose (``rollout.min_response_len``)."""
-    m = _INT.search(response)
-    return 1.0 if m is not None and int(m.group()) == int(answer) else 0.0
+    return 1.0 if response.strip().startswith(answer.strip()) else 0.0
 
 
-_INT = re.compile(r"-?\d+")
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "first_integer": first_integer}
+REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "answer_prefix": answer_prefix}
 
 
 def get_reward_fn(name: str) -> RewardFn:

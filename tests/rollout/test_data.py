@@ -102,9 +102,9 @@ def test_failing_reward_is_counted_not_fatal() -> None:
     assert nan_rewards == [0.0] and nan_failed == 1
 
 
-def test_first_integer_reward_ignores_the_tail() -> None:
-    from megarl.rollout.rewards import first_integer
+def test_answer_prefix_reward_ignores_the_tail() -> None:
+    from megarl.rollout.rewards import answer_prefix
 
-    cases = [("12 junk 7", 1.0), (" 12+3", 1.0), ("x12", 1.0), ("123", 0.0), ("1 2", 0.0), ("", 0.0), ("-4", 0.0)]
-    assert [first_integer("5+7=", r, "12") for r, _ in cases] == [v for _, v in cases]
-    assert first_integer("3-7=", "-4abc", "-4") == 1.0
+    cases = [("12 junk 7", 1.0), (" 12+3", 1.0), ("123", 1.0), ("x12", 0.0), ("1 2", 0.0), ("", 0.0), ("-4", 0.0)]
+    assert [answer_prefix("5+7=", r, "12") for r, _ in cases] == [v for _, v in cases]
+    assert answer_prefix("3-7=", "-4abc", "-4") == 1.0
