@@ -75,6 +75,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 log.info("start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(tr.val_rows))
         t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
+        summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync
+        summary["engine_start_s"] = tr.engine_start_s  # part of startup_s (rank 0 waits for healthy engines)
         pending = None  # an asynchronous checkpoint being written
         target = cfg.train.target_val_reward
         while step < cfg.train.steps:
@@ -124,6 +126,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             state.save(tr, step, cfg.train.keep_last)  # the final state is always resumable
         tr.export_hf(tr.run_dir / "hf_final")
         summary["wall_s"] = time.perf_counter() - t_start
+        summary["shutdown_s"] = summary["wall_s"] - summary["startup_s"] - summary["rl_wall_s"]
         summary["steps"] = step
         if rank0:
             log.info(

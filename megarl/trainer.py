@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,12 @@ class Trainer:
         )
         self.fleet: Fleet | None = None
         self.model_dir = self.run_dir / "hf_engine"
+        self.engine_start_s = 0.0
         if self.dims.is_rank0:
             self._write_engine_folder()
+            t0 = time.perf_counter()
             self.fleet = self._start_fleet()
+            self.engine_start_s = time.perf_counter() - t0
         self.ref: Model | None = None
         self.critic: Model | None = None
         a = cfg.algo
