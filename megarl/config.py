@@ -135,6 +135,10 @@ class RolloutConfig:
     """Response limit, tokens."""
     min_response_len: int = 0
     """EOS is suppressed until a response has this many tokens (vLLM min_tokens; 0 = off)."""
+    seeded: bool = True
+    """Per-prompt sampling seeds: samples are reproducible (exact resume, same samples on any
+    engine). False = the engines' own RNG: faster with many short responses (vLLM draws
+    seeded requests one by one), but a resumed run samples differently."""
     temperature: float = 1.0
     """Sampling temperature (logprobs on both sides use logits / temperature)."""
     top_p: float = 1.0

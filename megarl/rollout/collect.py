@@ -90,7 +90,7 @@ def sample_groups(
         top_p=r.top_p,
         stop_token_ids=[tok.eos_id],
         min_tokens=r.min_response_len,
-        seeds=[seed * 100_003 + i for i in range(len(prompts))],
+        seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
     )
     groups: list[Group] = []
     failed = 0

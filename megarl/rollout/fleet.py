@@ -228,12 +228,12 @@ class Fleet:
         temperature: float,
         top_p: float,
         stop_token_ids: list[int],
-        seeds: list[int] | None = None,
+        seeds: list[int | None] | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
-        seeds = seeds or [0] * len(prompts)
+        seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
         versions: list[int] = []
         todo = list(range(len(prompts)))

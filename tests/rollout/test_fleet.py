@@ -47,6 +47,10 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
     again, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
                           seeds=list(range(len(PROMPTS))))
     assert [[s["token_ids"] for s in g] for g in outs] == [[s["token_ids"] for s in g] for g in again]
+    # unseeded (rollout.seeded=false): the engines' RNG, so two calls differ
+    u1, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
+    u2, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
+    assert [[s["token_ids"] for s in g] for g in u1] != [[s["token_ids"] for s in g] for g in u2]
     # min_tokens: EOS (id 2, stop token here) is suppressed until 5 tokens, so every response has 5
     eos_stop, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2, 7],
                              seeds=list(range(len(PROMPTS))), min_tokens=5)
