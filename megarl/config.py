@@ -52,6 +52,9 @@ class ModelConfig:
     """HF model folder to start from ('' = random init + optional warm start)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer spec: megatron 'local' (CPU and GPU) or Transformer Engine (GPU only)."""
+    attention: Literal["sdpa", "unfused"] = "sdpa"
+    """Core attention of the local spec: torch's fused scaled_dot_product_attention, or
+    megatron's unfused DotProductAttention (scores materialised). Same math."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute dtype of the trainer (bf16 is GPU only)."""
 

@@ -74,7 +74,12 @@ def layer_spec(mcfg: ModelConfig) -> Any:
         return get_gpt_layer_with_transformer_engine_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if mcfg.attention == "sdpa":
+        from megarl.model.sdpa import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 @dataclass

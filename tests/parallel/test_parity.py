@@ -18,6 +18,7 @@ LAYOUTS = {  # name: (nproc, extra args)
     "dp2": (2, ["--mbs", "2"]),
     "dp2_distopt": (2, ["--dist-opt"]),
     "tp1_mbs16": (1, ["--mbs", "16"]),
+    "tp2_unfused": (2, ["--tp", "2", "--attention", "unfused"]),  # megatron's attention vs the SDPA default
 }
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -48,7 +49,7 @@ def test_tp1_logprobs_match_transformers(results: dict) -> None:
     assert diff < 1e-4, diff
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", "tp2_unfused"])
 def test_layout_matches_tp1(results: dict, layout: str) -> None:
     a, b = results["tp1"], results[layout]
     assert (a["logprobs"] - b["logprobs"]).abs().max().item() < 5e-6
@@ -56,7 +57,7 @@ def test_layout_matches_tp1(results: dict, layout: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", "tp2_unfused"])
 def test_step_invariant_to_layout_and_split(results: dict, layout: str, mode: str) -> None:
     """Same global batch, different TP/PP/DP/micro-batch split -> same loss, grad norm and
     updated weights, for every loss-aggregation mode (global denominators)."""

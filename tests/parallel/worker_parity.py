@@ -34,11 +34,12 @@ ap.add_argument("--mbs", type=int, default=4)
 ap.add_argument("--agg", default="token-mean")
 ap.add_argument("--dist-opt", action="store_true")
 ap.add_argument("--critic-steps", type=int, default=0)
+ap.add_argument("--attention", default="sdpa")
 args = ap.parse_args()
 
 dims = init_distributed(args.tp, args.pp, seed=7)
 hf_cfg, hf = read_hf_folder(args.hf)
-mcfg = model_config_from_hf(hf_cfg, ModelConfig())
+mcfg = model_config_from_hf(hf_cfg, ModelConfig(attention=args.attention))
 pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, micro_batch_size=args.mbs,
                       use_distributed_optimizer=args.dist_opt)
 # adam_eps well above fp32 gradient noise: with eps=1e-8 the first Adam step is ~lr·sign(g),
