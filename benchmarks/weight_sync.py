@@ -1,13 +1,15 @@
 """Weight sync (Megatron shards → HF names → vLLM engine) for ~10M, ~100M, ~400M models.
 
 For each size, in one run, side by side:
-  bucketed  megarl's path: gather + map + pack into `--bucket-mb` safetensors buckets in
+  bucketed  megarl's shm path: gather + map + pack into `--bucket-mb` safetensors buckets in
             /dev/shm, then begin → load (validated, staged) → commit (one reload_weights)
+  http      the same buckets as safetensors bytes in request bodies (engines on other hosts)
   naive     one file and one load request per tensor, then commit (the per-tensor RPC path)
   memcpy    the machine's single-thread copy bandwidth on a 256 MB buffer (numpy)
-Prints a table and a JSON line of ratios: effective GB/s over memcpy GB/s, naive/bucketed.
+Prints a table and a JSON line of ratios: effective GB/s over memcpy GB/s, naive/bucketed,
+http/bucketed. (The sizes are named by their order of magnitude: "10M" has 8.1M parameters.)
 
-    python benchmarks/weight_sync.py [--sizes 10M,100M,400M] [--bucket-mb 256]
+    python benchmarks/weight_sync.py [--sizes 10M,100M,400M] [--bucket-mb 256] [--transports shm,http]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10M,100M,400M")
     ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--transports", default="shm,http", help="shm first (the reference), then others")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from safetensors.torch import save_file
@@ -81,14 +84,20 @@ def main() -> int:
         nbytes = sum(v.numel() * v.element_size() for _, v in named)
         fleet = Fleet.start_local(hf_dir, 1, 1, 0.5, tmp / "logs", seed=0, start_timeout_s=600)
         try:
-            sync = WeightSync(model, adapter, fleet, args.bucket_mb, root=shm_root() / f"bench_{name}")
-            sync.push(1)  # warm-up (first reload allocates)
-            t = []
-            for v in (2, 3):
-                t0 = time.perf_counter()
-                stats = sync.push(v)
-                t.append((time.perf_counter() - t0, stats))
-            best, stats = min(t, key=lambda x: x[0])
+            timed: dict[str, tuple[float, dict[str, float]]] = {}
+            version = 0
+            for transport in args.transports.split(","):
+                sync = WeightSync(model, adapter, fleet, args.bucket_mb, root=shm_root() / f"bench_{name}",
+                                  transport=transport)
+                t = []
+                for _ in range(3):  # the first is a warm-up (first reload allocates)
+                    version += 1
+                    t0 = time.perf_counter()
+                    stats = sync.push(version)
+                    t.append((time.perf_counter() - t0, stats))
+                timed[transport] = min(t[1:], key=lambda x: x[0])
+                sync.cleanup()
+            best, stats = timed["shm"]
             # naive: one file + one load request per tensor
             ndir = shm_root() / f"bench_{name}_naive"
             ndir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +114,6 @@ def main() -> int:
                 e.post("/weights/commit", {"version": 9}, 600)
             naive = time.perf_counter() - t0
             shutil.rmtree(ndir, ignore_errors=True)
-            sync.cleanup()
         finally:
             fleet.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -113,14 +121,19 @@ def main() -> int:
                      "gather_s": stats["gather_s"], "write_s": stats["write_s"],
                      "engine_update_s": stats.get("fleet_update_s"), "eff_GBps": nbytes / best / 1e9,
                      "memcpy_GBps": bw, "eff/memcpy": nbytes / best / 1e9 / bw, "naive_s": naive,
-                     "naive/bucketed": naive / best, "tensors": len(named)})
+                     "naive/bucketed": naive / best, "tensors": len(named)}
+                    | {f"{k}_s": v[0] for k, v in timed.items() if k != "shm"}
+                    | {f"{k}/bucketed": v[0] / best for k, v in timed.items() if k != "shm"})
         print(json.dumps(rows[-1]), flush=True)
         del model
     print(table(rows, ["model", "params_M", "GB", "tensors", "bucketed_s", "gather_s", "write_s", "engine_update_s",
-                       "eff_GBps", "memcpy_GBps", "eff/memcpy", "naive_s", "naive/bucketed"]))
+                       "eff_GBps", "memcpy_GBps", "eff/memcpy", "naive_s", "naive/bucketed"]
+                + [c for t in args.transports.split(",")[1:] for c in (f"{t}_s", f"{t}/bucketed")]))
     print(json.dumps({"benchmark": "weight_sync", "bucket_mb": args.bucket_mb,
                       "eff_over_memcpy": {r["model"]: round(r["eff/memcpy"], 4) for r in rows},
-                      "naive_over_bucketed": {r["model"]: round(r["naive/bucketed"], 3) for r in rows}}))
+                      "naive_over_bucketed": {r["model"]: round(r["naive/bucketed"], 3) for r in rows}}
+                     | {f"{t}_over_bucketed": {r["model"]: round(r[f"{t}/bucketed"], 3) for r in rows}
+                        for t in args.transports.split(",")[1:]}))
     return 0
 
 

@@ -158,6 +158,9 @@ class RolloutConfig:
     """Give up on an engine that is not healthy after this long, seconds."""
     request_timeout_s: float = 600.0
     """HTTP timeout for one engine request, seconds."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
+    works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""
 
 
 @dataclass(kw_only=True)
@@ -234,8 +237,10 @@ class WarmStartConfig:
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
-    transport: Literal["shm", "nccl"] = "shm"
-    """shm: safetensors buckets in shared memory (CPU); nccl: GPU broadcast."""
+    transport: Literal["auto", "shm", "http", "nccl", "cuda_ipc"] = "auto"
+    """How buckets reach the engines: shm (files in this host's /dev/shm), http (bytes in a
+    request body; engines on any host), nccl (GPU broadcast), cuda_ipc (GPU memory shared with
+    colocated engines); auto = shm if every engine is on this host, else http."""
     bucket_mb: float = 64.0
     """Target bucket size, MiB."""
     probe: bool = True
@@ -433,10 +438,21 @@ class RunConfig:
             )
         if self.algo.dual_clip and self.algo.dual_clip <= 1:
             _fail("algo.dual_clip", self.algo.dual_clip, "must be > 1 (or 0 = off)")
-        if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
-            import torch
+        import torch
 
-            if not torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        if self.weight_sync.transport in ("nccl", "cuda_ipc") and not cuda:
+            _fail("weight_sync.transport", self.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
+        if r.colocate and not cuda:
+            _fail("rollout.colocate", r.colocate, "needs CUDA (vLLM sleep mode); use colocate=false on CPU")
+        if r.colocate and self.weight_sync.transport == "nccl":
+            _fail(
+                "weight_sync.transport",
+                "nccl",
+                "cannot reach colocated engines (NCCL refuses two ranks on one GPU); use 'cuda_ipc' or 'auto'",
+            )
+        if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
+            if not cuda:
                 _fail(
                     "model.dtype/transformer_impl",
                     f"{m.dtype}/{m.transformer_impl}",

@@ -88,7 +88,9 @@ class Trainer:
         self.kl_ctl = algo.make_kl_controller(
             a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
         )
-        self.sync = WeightSync(self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb)
+        self.sync = WeightSync(
+            self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport
+        )
         self.version = 0
         self.probe_tokens = self.tok.encode(self.val_rows[0].prompt + self.val_rows[0].answer)
 
@@ -135,6 +137,7 @@ class Trainer:
             self.cfg.train.seed,
             r.request_timeout_s,
             r.engine_start_timeout_s,
+            sleep_mode=r.colocate,
         )
 
     def build_reference_and_critic(self) -> None:
@@ -264,6 +267,8 @@ class Trainer:
             assert self.fleet is not None
             stats["fleet/restarts"] = float(self.fleet.restarts)
             stats["fleet/reissued_prompts"] = float(self.fleet.reissued_prompts)
+            if self.cfg.rollout.colocate:  # the trainer needs the GPUs until the next sync
+                self.fleet.sleep(level=1)
         return broadcast_batch(batch), stats
 
     def _sample_round(self, prompts: list[Any], step: int, rnd: int, samples: int, kept: list[Any]) -> int:
@@ -461,13 +466,22 @@ class Trainer:
 
     def push_weights(self) -> dict[str, float]:
         self.version += 1
-        stats = self.sync.push(self.version)
+        self._colocate_wake(["weights"])  # colocated: weights back on the GPU to be overwritten
+        try:
+            stats = self.sync.push(self.version)
+        finally:
+            self._colocate_wake(["kv_cache"])  # ... then the KV cache: the fleet serves again
         out = {f"sync/{k}": v for k, v in stats.items()}
         if self.cfg.weight_sync.probe:
             out["sync/probe_max_abs_diff"] = probe(
                 self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
             )
         return out
+
+    def _colocate_wake(self, tags: list[str]) -> None:
+        """Colocated engines wake in two steps around a sync (no-op for engines awake)."""
+        if self.cfg.rollout.colocate and self.fleet is not None:
+            self.fleet.wake_up(tags)
 
     def validate(self) -> float:
         """Greedy accuracy on the validation prompts (rank 0 asks the fleet; shared to all)."""

@@ -42,10 +42,11 @@ def _tied(model: Model) -> bool:
     return bool(getattr(model.core, "share_embeddings_and_output_weights", False))
 
 
-def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter) -> list[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of this PP stage on its owner rank; [] on other ranks.
+def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """HF-named full fp32 tensors of this PP stage on its owner rank; [] on other ranks.
 
-    All ranks of the TP group must call this (it all-gathers TP shards).
+    All ranks of the TP group must call this (it all-gathers TP shards). ``device``: where the
+    tensors end up ('cuda' keeps them on the GPU for the NCCL / CUDA IPC transports).
     """
     dims = model.dims
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
@@ -60,7 +61,7 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter) -> list[tuple[st
             dist.all_gather(parts, t.contiguous(), group=dims.tp_group)
             t = torch.cat(parts, dim=dim)
         if dims.is_stage_owner:
-            out.extend((n, x.float().cpu().contiguous()) for n, x in adapter.to_hf(name, t, offset, dims.tp))
+            out.extend((n, x.float().to(device).contiguous()) for n, x in adapter.to_hf(name, t, offset, dims.tp))
     return out
 
 

@@ -3,21 +3,32 @@
 Run as ``python -m megarl.rollout.engine_server --model DIR --port P``. The engine works on
 token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
 
-Endpoints (JSON in, JSON out):
-  GET  /health                       -> {"ok", "version"}
+Endpoints (JSON in, JSON out, except the one binary body):
+  GET  /health                       -> {"ok", "version", "tp", "asleep"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
                     "stop_token_ids", "seeds", "min_tokens"}  -> {"version", "outputs"}
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /weights/begin  {"version"}
-  POST /weights/load   {"version", "files": [safetensors paths]}  (staged + validated)
+  POST /weights/load   {"version", "files": [safetensors paths]}      shm transport
+  POST /weights/load_bytes?version=V   body: safetensors bytes        http transport
+                   (Content-Type: application/octet-stream)
+  POST /weights/check  {"tensors": [{"name", "shape", "dtype"}]}     before NCCL / IPC data
+  POST /weights/nccl_init {"master_address", "master_port", "rank_offset", "world_size"}
+  POST /weights/nccl_load {"version", "tensors": [records], "nbytes"} nccl transport
+  POST /weights/ipc_load  {"version", "tensors": [records], "handle"} cuda_ipc transport
   POST /weights/commit {"version"}   (applies all staged tensors at once, resets prefix cache)
   POST /weights/abort  {}
+  POST /sleep      {"level"}         (``--sleep-mode`` only: vLLM sleep mode, CUDA)
+  POST /wake_up    {"tags": ["weights"] | ["kv_cache"]}
   POST /shutdown   {}
+(records: ``megarl.weight_sync.wire``; workers: ``megarl.rollout.worker_ext``.)
 
-Invariant: the engine never serves a half-updated model. Tensors are staged and checked
-(name known, shape and dtype as the manifest says, all finite) before anything touches the
-model; commit applies the whole update in one ``reload_weights`` call while the request
-lock is held, so no generation interleaves. A rejected update leaves the old version.
+Invariant: the engine never serves a half-updated model. Every transport stages and checks
+tensors (name known, shape and dtype as the manifest says, all finite) before anything
+touches the model; commit applies the whole update in one ``reload_weights`` call while the
+request lock is held, so no generation interleaves. A rejected update leaves the old version.
+Staged CPU tensors are kept in memory, so commit does not read the sources a second time
+(with TP>1 the worker processes re-read files/bytes: tensors cannot be handed to them).
 """
 
 from __future__ import annotations
@@ -30,9 +41,16 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from megarl.rollout.worker_ext import EXTENSION
+from megarl.weight_sync.wire import FLOAT_DTYPES
 
 MANIFEST = "weights_manifest.json"
 """HF name -> shape of every weight the engine expects, written beside config.json."""
@@ -44,21 +62,36 @@ class EngineError(RuntimeError):
     pass
 
 
-def _apply_weights(worker: Any, files: list[str], names: list[str]) -> int:
-    """Runs inside each vLLM worker: load the named tensors from safetensors files."""
-    from safetensors import safe_open
+@dataclass
+class Staged:
+    """One update being assembled (between begin and commit); nothing here touches the model."""
 
-    wanted = set(names)
+    version: int
+    names: set[str] = field(default_factory=set)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Validated tensors, applied as they are when the workers share this process (TP=1)."""
+    files: list[str] = field(default_factory=list)
+    blobs: list[bytes] = field(default_factory=list)
+    """Sources re-read by multiprocess workers (TP>1): tensors given to collective_rpc arrive
+    corrupted there, files and safetensors bytes do not."""
+    in_workers: bool = False
+    """Staged inside the vLLM workers (NCCL / CUDA IPC) rather than in this process."""
 
-    def it():  # type: ignore[no-untyped-def]
-        for f in files:
-            with safe_open(f, framework="pt") as fh:
-                for k in fh.keys():
-                    if k in wanted:
-                        yield k, fh.get_tensor(k)
 
-    worker.model_runner.reload_weights(weights_iterator=it(), is_checkpoint_format=True)
-    return len(wanted)
+def check_meta(manifest: dict[str, list[int]], name: str, shape: list[int], dtype: str, where: str = "") -> None:
+    """Name, shape and dtype of one incoming tensor against the engine's manifest."""
+    if name not in manifest:
+        raise EngineError(f"tensor '{name}'{where} is not a weight of this model")
+    if list(shape) != manifest[name]:
+        raise EngineError(f"tensor '{name}' has shape {list(shape)}, engine expects {manifest[name]}")
+    if dtype not in FLOAT_DTYPES:
+        raise EngineError(f"tensor '{name}' has dtype {dtype}, expected float")
+
+
+def check_tensor(manifest: dict[str, list[int]], name: str, t: torch.Tensor, where: str = "") -> None:
+    check_meta(manifest, name, list(t.shape), str(t.dtype).removeprefix("torch."), where)
+    if not bool(t.isfinite().all()):
+        raise EngineError(f"tensor '{name}' contains NaN/Inf")
 
 
 def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, kv_tokens: int) -> list[tuple[int, int]]:
@@ -88,12 +121,15 @@ def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, k
 
 
 class Engine:
-    def __init__(self, model_dir: str, tp: int, kv_cache_gb: float, seed: int, max_len: int) -> None:
+    def __init__(
+        self, model_dir: str, tp: int, kv_cache_gb: float, seed: int, max_len: int, sleep_mode: bool = False
+    ) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
         manifest = json.loads((self.model_dir / MANIFEST).read_text())
         self.manifest: dict[str, list[int]] = manifest
+        self.tp = tp
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -107,11 +143,16 @@ class Engine:
             kv_cache_memory_bytes=int(kv_cache_gb * (1 << 30)),
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,
+            enable_sleep_mode=sleep_mode,
         )
+        # One worker in this very process: staged tensors are handed over without a copy.
+        self.in_process = tp == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.sleep_mode = sleep_mode
+        self.asleep: set[str] = set()
         self.version = -1
         self.lock = threading.Lock()
-        self.staged_version: int | None = None
-        self.staged: dict[str, str] = {}  # name -> file
+        self.staged: Staged | None = None
         self.block_size, self.kv_tokens = self._kv_capacity(kv_cache_gb, tp)
         log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
 
@@ -190,55 +231,151 @@ class Engine:
     # -- weights -------------------------------------------------------------------
     def begin(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            self.staged_version = int(req["version"])
-            self.staged = {}
+            self._drop()
+            self.staged = Staged(int(req["version"]))
         return {"ok": True}
 
     def load(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Stage safetensors files (shm transport): read once, validate, keep in memory."""
         from safetensors import safe_open
 
-        version = int(req["version"])
-        if self.staged_version != version:
-            raise EngineError(f"load for version {version} without begin (staged: {self.staged_version})")
-        staged: dict[str, str] = {}
+        named: list[tuple[str, torch.Tensor]] = []
         for f in req["files"]:
             with safe_open(f, framework="pt") as fh:
                 for name in fh.keys():
-                    if name not in self.manifest:
-                        raise EngineError(f"tensor '{name}' in {f} is not a weight of this model")
                     t = fh.get_tensor(name)
-                    want = self.manifest[name]
-                    if list(t.shape) != want:
-                        raise EngineError(f"tensor '{name}' has shape {list(t.shape)}, engine expects {want}")
-                    if not t.is_floating_point():
-                        raise EngineError(f"tensor '{name}' has dtype {t.dtype}, expected float")
-                    if not bool(t.isfinite().all()):
-                        raise EngineError(f"tensor '{name}' contains NaN/Inf")
-                    staged[name] = f
+                    check_tensor(self.manifest, name, t, f" in {f}")
+                    named.append((name, t))
+        return self._stage(int(req["version"]), named, files=list(req["files"]))
+
+    def load_bytes(self, version: int, data: bytes) -> dict[str, Any]:
+        """Stage one bucket sent as safetensors bytes in the request body (http transport)."""
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+        except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+            raise EngineError(f"request body ({len(data)} bytes) is not a safetensors buffer: {e}") from e
+        for name, t in tensors.items():
+            check_tensor(self.manifest, name, t, " in the request body")
+        return self._stage(version, list(tensors.items()), blobs=[data])
+
+    def _stage(
+        self,
+        version: int,
+        named: list[tuple[str, torch.Tensor]],
+        files: list[str] | None = None,
+        blobs: list[bytes] | None = None,
+    ) -> dict[str, Any]:
         with self.lock:
-            self.staged.update(staged)
-        return {"ok": True, "staged": len(self.staged)}
+            st = self._expect(version, "load", in_workers=False)
+            st.names.update(n for n, _ in named)
+            if self.in_process:
+                st.tensors.update(named)
+            else:
+                st.files.extend(files or [])
+                st.blobs.extend(blobs or [])
+            return {"ok": True, "staged": len(st.names)}
+
+    def _expect(self, version: int, what: str, in_workers: bool) -> Staged:
+        st = self.staged
+        if st is None or st.version != version:
+            raise EngineError(f"{what} for version {version} without begin (staged: {st.version if st else None})")
+        if st.names and st.in_workers != in_workers:
+            raise EngineError(f"update {version} mixes tensors staged in the workers and in the server")
+        st.in_workers = in_workers
+        return st
+
+    def check(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Validate names/shapes/dtypes of tensors about to arrive by NCCL or CUDA IPC."""
+        for rec in req["tensors"]:
+            check_meta(self.manifest, rec["name"], rec["shape"], rec["dtype"])
+        return {"ok": True}
+
+    def nccl_init(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's NCCL group; blocks until the trainer (rank 0) and all workers join."""
+        args = (str(req["master_address"]), int(req["master_port"]), int(req["rank_offset"]), int(req["world_size"]))
+        with self.lock:
+            ranks = self.llm.collective_rpc("megarl_nccl_init", args=args)
+        return {"ok": True, "ranks": ranks}
+
+    def nccl_load(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Receive one bucket by NCCL broadcast (the trainer broadcasts while this runs)."""
+        return self._stage_in_workers(req, "megarl_nccl_receive", (req["tensors"], int(req["nbytes"])))
+
+    def ipc_load(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Stage one bucket shared by the trainer through CUDA IPC (JSON handle, no pickle)."""
+        return self._stage_in_workers(req, "megarl_ipc_receive", (req["handle"], req["tensors"]))
+
+    def _stage_in_workers(self, req: dict[str, Any], method: str, args: tuple[Any, ...]) -> dict[str, Any]:
+        version = int(req["version"])
+        self.check(req)
+        with self.lock:
+            st = self._expect(version, "load", in_workers=True)
+            st.names.update(rec["name"] for rec in req["tensors"])
+            bad = sorted({n for per_worker in self.llm.collective_rpc(method, args=args) for n in per_worker})
+            if bad:
+                raise EngineError(f"tensor '{bad[0]}' contains NaN/Inf ({len(bad)} such tensors)")
+            return {"ok": True, "staged": len(st.names)}
 
     def commit(self, req: dict[str, Any]) -> dict[str, Any]:
         version = int(req["version"])
         with self.lock:
-            if self.staged_version != version:
-                raise EngineError(f"commit for version {version}, staged {self.staged_version}")
-            missing = sorted(set(self.manifest) - set(self.staged))
+            st = self.staged
+            if st is None or st.version != version:
+                raise EngineError(f"commit for version {version}, staged {st.version if st else None}")
+            missing = sorted(set(self.manifest) - st.names)
             if missing:
                 raise EngineError(f"update {version} incomplete: missing {missing[:5]} ({len(missing)} tensors)")
-            files = sorted(set(self.staged.values()))
             t0 = time.perf_counter()
-            self.llm.collective_rpc(_apply_weights, args=(files, sorted(self.staged)))
+            if st.in_workers:
+                self.llm.collective_rpc("megarl_apply_staged")
+            elif self.in_process:
+                self.llm.collective_rpc("megarl_apply", args=(list(st.tensors.items()),))
+            else:
+                self.llm.collective_rpc("megarl_apply_sources", args=(st.files, st.blobs, sorted(st.names)))
             self.llm.reset_prefix_cache()
             self.version = version
-            self.staged, self.staged_version = {}, None
+            self.staged = None
         return {"ok": True, "version": version, "apply_s": time.perf_counter() - t0}
 
     def abort(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            self.staged, self.staged_version = {}, None
+            self._drop()
         return {"ok": True, "version": self.version}
+
+    def _drop(self) -> None:
+        if self.staged is not None and self.staged.in_workers:
+            self.llm.collective_rpc("megarl_drop_staged")
+        self.staged = None
+
+    # -- colocation (vLLM sleep mode, CUDA only) --------------------------------------
+    def sleep(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Offload weights to host memory and free the KV cache (level 1) while the trainer runs."""
+        self._need_sleep_mode()
+        with self.lock:
+            if not self.asleep:
+                self.llm.sleep(level=int(req.get("level", 1)))
+                self.asleep = {"weights", "kv_cache"}
+        return {"ok": True, "asleep": sorted(self.asleep)}
+
+    def wake_up(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Re-allocate the given memory (``weights`` before a sync, ``kv_cache`` after it)."""
+        self._need_sleep_mode()
+        tags = [str(t) for t in req.get("tags") or ["weights", "kv_cache"]]
+        unknown = sorted(set(tags) - {"weights", "kv_cache"})
+        if unknown:
+            raise EngineError(f"wake_up tags {unknown} unknown (valid: weights, kv_cache)")
+        with self.lock:
+            todo = [t for t in tags if t in self.asleep]
+            if todo:
+                self.llm.wake_up(tags=todo)
+                self.asleep -= set(todo)
+        return {"ok": True, "asleep": sorted(self.asleep)}
+
+    def _need_sleep_mode(self) -> None:
+        if not self.sleep_mode:
+            raise EngineError("engine was started without --sleep-mode (needed for rollout.colocate)")
 
 
 def make_handler(engine: Engine, stop: threading.Event) -> type[BaseHTTPRequestHandler]:
@@ -247,8 +384,14 @@ def make_handler(engine: Engine, stop: threading.Event) -> type[BaseHTTPRequestH
         "/logprobs": engine.logprobs,
         "/weights/begin": engine.begin,
         "/weights/load": engine.load,
+        "/weights/check": engine.check,
+        "/weights/nccl_init": engine.nccl_init,
+        "/weights/nccl_load": engine.nccl_load,
+        "/weights/ipc_load": engine.ipc_load,
         "/weights/commit": engine.commit,
         "/weights/abort": engine.abort,
+        "/sleep": engine.sleep,
+        "/wake_up": engine.wake_up,
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -265,27 +408,45 @@ def make_handler(engine: Engine, stop: threading.Event) -> type[BaseHTTPRequestH
 
         def do_GET(self) -> None:  # noqa: N802
             if self.path == "/health":
-                self._send(200, {"ok": True, "version": engine.version, "pid": os.getpid()})
+                body = {"ok": True, "version": engine.version, "pid": os.getpid(), "tp": engine.tp}
+                self._send(200, body | {"asleep": sorted(engine.asleep)})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:  # noqa: N802
             length = int(self.headers.get("Content-Length", "0"))
+            url = urlsplit(self.path)
+            body = self.rfile.read(length)
+            if url.path == "/weights/load_bytes":
+                self._call(lambda: self._load_bytes(url.query, body))
+                return
             try:
-                req = json.loads(self.rfile.read(length) or b"{}")
+                req = json.loads(body or b"{}")
             except json.JSONDecodeError as e:
                 self._send(400, {"error": f"bad JSON: {e}"})
                 return
-            if self.path == "/shutdown":
+            if url.path == "/shutdown":
                 self._send(200, {"ok": True})
                 stop.set()
                 return
-            fn = routes.get(self.path)
+            fn = routes.get(url.path)
             if fn is None:
-                self._send(404, {"error": f"no route {self.path}"})
+                self._send(404, {"error": f"no route {url.path}"})
                 return
+            self._call(lambda: fn(req))
+
+        def _load_bytes(self, query: str, body: bytes) -> dict[str, Any]:
+            ctype = self.headers.get("Content-Type", "")
+            if ctype != "application/octet-stream":
+                raise EngineError(f"/weights/load_bytes expects Content-Type application/octet-stream, got {ctype!r}")
+            version = parse_qs(query).get("version", [""])[0]
+            if not version.lstrip("-").isdigit():
+                raise EngineError(f"/weights/load_bytes needs ?version=<int>, got {query!r}")
+            return engine.load_bytes(int(version), body)
+
+        def _call(self, fn: Any) -> None:
             try:
-                self._send(200, fn(req))
+                self._send(200, fn())
             except EngineError as e:
                 self._send(409, {"error": str(e)})
             except Exception as e:  # engine-side failure: report it, keep serving if alive
@@ -304,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
     # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
@@ -312,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if args.tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engine = Engine(args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len)
+    engine = Engine(args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode)
     stop = threading.Event()
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop))
     server.daemon_threads = True

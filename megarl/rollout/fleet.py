@@ -8,7 +8,14 @@ planned number of samples; the event is logged and counted in ``fleet.restarts``
 
 Weight updates go to every engine as begin → load (all engines) → commit (all engines);
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
-serving the previous version.
+serving the previous version. The primitives (``begin_update``, ``load_files``,
+``load_bytes``, ``post_all``, ``commit_update``, ``abort_update``) are driven by a weight-sync
+transport (``megarl.weight_sync.transport``); ``update_weights`` is the whole sequence from
+safetensors files. A restarted engine is brought to the current weights by the replay the
+last transport registered (``set_replay``).
+
+Colocated runs (``rollout.colocate``) put the engines to sleep while the trainer uses the
+GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +63,8 @@ class Engine:
     launch: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
-    def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"http://{self.address}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
+    def _request(self, path: str, data: bytes, content_type: str, timeout: float) -> dict[str, Any]:
+        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return dict(json.loads(r.read()))
@@ -73,6 +77,13 @@ class Engine:
             raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+
+    def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self._request(path, json.dumps(body).encode(), "application/json", timeout)
+
+    def post_bytes(self, path: str, data: bytes, timeout: float) -> dict[str, Any]:
+        """POST a binary body (safetensors bytes); the reply is JSON."""
+        return self._request(path, data, "application/octet-stream", timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
         try:
@@ -97,7 +108,7 @@ class Fleet:
         self.start_timeout = start_timeout_s
         self.restarts = 0
         self.reissued_prompts = 0
-        self._last_update: tuple[int, list[str]] | None = None
+        self._replay: Callable[[list[Engine]], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,6 +123,7 @@ class Fleet:
         seed: int,
         request_timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
+        sleep_mode: bool = False,
     ) -> Fleet:
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -131,7 +143,7 @@ class Fleet:
                 str(kv_cache_gb),
                 "--seed",
                 str(seed + i),
-            ]
+            ] + (["--sleep-mode"] if sleep_mode else [])
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
             env = {"TORCHDYNAMO_DISABLE": "1"}
             engines.append(
@@ -202,9 +214,8 @@ class Fleet:
             e.proc.wait()
         self._spawn(e)
         self.wait_healthy([e])
-        if self._last_update is not None:
-            version, files = self._last_update
-            self._update_engines([e], version, files)
+        if self._replay is not None:
+            self._replay([e])
         self.restarts += 1
         log.warning("restarted %s (restart #%d)", e.name, self.restarts)
 
@@ -300,33 +311,91 @@ class Fleet:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
+        """begin → load(files) → commit on every engine; a restarted engine replays it."""
         t0 = time.perf_counter()
-        self._update_engines(self.engines, version, files)
-        self._last_update = (version, files)
+        self.update_engines(self.engines, version, files)
+        self.set_replay(lambda engines: self.update_engines(engines, version, files))
         return {"fleet_update_s": time.perf_counter() - t0}
 
-    def _update_engines(self, engines: list[Engine], version: int, files: list[str]) -> None:
+    def update_engines(self, engines: list[Engine], version: int, files: list[str]) -> None:
         try:
-            for e in engines:
-                e.post("/weights/begin", {"version": version}, self.timeout)
+            self.begin_update(version, engines)
+            self.load_files(version, files, engines)
+        except WeightSyncError:
+            self.abort_update(engines)
+            raise
+        self.commit_update(version, engines)
+
+    def set_replay(self, replay: Callable[[list[Engine]], None] | None) -> None:
+        """How to bring a restarted engine to the current weights (registered by the transport)."""
+        self._replay = replay
+
+    def post_all(
+        self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[Engine] | None = None
+    ) -> list[dict[str, Any]]:
+        """One request to every engine, concurrently; a rejection becomes WeightSyncError."""
+        engines = engines or self.engines
+
+        def one(e: Engine) -> dict[str, Any]:
+            if isinstance(body, bytes):
+                return e.post_bytes(path, body, self.timeout)
+            return e.post(path, body, self.timeout)
+
+        try:
             with ThreadPoolExecutor(max_workers=len(engines)) as pool:
-                list(
-                    pool.map(
-                        lambda e: e.post("/weights/load", {"version": version, "files": files}, self.timeout), engines
-                    )
-                )
+                return list(pool.map(one, engines))
         except RolloutError as err:
-            for e in engines:
-                try:
-                    e.post("/weights/abort", {}, self.timeout)
-                except RolloutError:
-                    pass
             raise WeightSyncError(f"weight update to version {version} rejected: {err}") from err
-        for e in engines:
+
+    def begin_update(self, version: int, engines: list[Engine] | None = None) -> None:
+        self.post_all("/weights/begin", {"version": version}, version, engines)
+
+    def load_files(self, version: int, files: list[str], engines: list[Engine] | None = None) -> None:
+        self.post_all("/weights/load", {"version": version, "files": files}, version, engines)
+
+    def load_bytes(self, version: int, data: bytes, engines: list[Engine] | None = None) -> None:
+        """One bucket as safetensors bytes (http transport)."""
+        self.post_all(f"/weights/load_bytes?version={version}", data, version, engines)
+
+    def commit_update(self, version: int, engines: list[Engine] | None = None) -> None:
+        for e in engines or self.engines:
             try:
                 e.post("/weights/commit", {"version": version}, self.timeout)
             except RolloutError as err:
+                self.abort_update(engines)  # engines not reached yet drop their staged tensors
                 raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
+
+    def abort_update(self, engines: list[Engine] | None = None) -> None:
+        """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""
+        for e in engines or self.engines:
+            try:
+                e.post("/weights/abort", {}, self.timeout)
+            except RolloutError:
+                pass
+
+    def engine_tps(self) -> list[int]:
+        """Tensor-parallel size (= vLLM worker count) of each engine."""
+        tps = []
+        for e in self.engines:
+            health = e.health()
+            if health is None:
+                raise WeightSyncError(f"engine {e.name} ({e.address}) does not answer /health")
+            tps.append(int(health["tp"]))
+        return tps
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engines' GPU memory for the trainer (vLLM sleep mode, level 1)."""
+        self._post_each("/sleep", {"level": level})
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Re-allocate ``weights`` (before a sync) or ``kv_cache`` (after it)."""
+        self._post_each("/wake_up", {"tags": tags})
+
+    def _post_each(self, path: str, body: dict[str, Any]) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            list(pool.map(lambda e: e.post(path, body, self.timeout), self.engines))
 
     def versions(self) -> list[int]:
         return [int((e.health() or {}).get("version", -2)) for e in self.engines]

@@ -4,15 +4,13 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
 1. Each PP stage gathers its TP shards (collective over the TP group); the stage owner maps
    them to HF names with the one adapter (``megarl.checkpoint.hf_adapter``).
 2. The owner packs HF tensors into ~``bucket_mb`` buckets, never splitting a layer group
-   (q/k/v and gate/up stay together), and writes each bucket as a safetensors file in
-   shared memory (``/dev/shm``) — one memcpy, no per-tensor RPC, no pickle.
-3. Rank 0 collects the bucket paths of all stages and drives the fleet:
-   begin(version) → load(files) on every engine → commit; a rejected load aborts the
-   update everywhere (old version keeps serving) and raises ``WeightSyncError``.
+   (q/k/v and gate/up stay together).
+3. A transport (``megarl.weight_sync.transport``: shm, http, nccl, cuda_ipc — one interface)
+   moves the buckets: rank 0 opens the update on every engine (begin), the stage owners send,
+   rank 0 has the engines stage and validate (load), then commit. A bucket rejected by any
+   engine aborts the update everywhere (old version keeps serving) and raises
+   ``WeightSyncError`` naming the tensor, on every rank.
 4. Optional integrity probe: engine vs trainer log-probs on a fixed sequence.
-
-GPU transports (NCCL broadcast to engine workers, CUDA IPC when colocated) plug in at
-step 2/3 behind the same ``push`` call; ``transport: shm`` is the CPU path.
 """
 
 from __future__ import annotations
@@ -29,8 +27,10 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, iter_layer_groups
 from megarl.checkpoint.hf_io import gather_hf_tensors
+from megarl.config import ConfigError
 from megarl.model.builder import Model
 from megarl.rollout.fleet import Fleet, WeightSyncError
+from megarl.weight_sync.transport import Transport, bucket_bytes, make_transport, resolve_transport
 
 log = logging.getLogger("megarl.sync")
 
@@ -58,56 +58,99 @@ def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
 
 
 class WeightSync:
+    """Push the actor's weights to the fleet through one transport (chosen once, here).
+
+    ``transport``: a name from ``weight_sync.transport`` ('auto' is resolved on rank 0 from
+    where the engines are) or a ready :class:`Transport`. The constructor is a collective.
+    """
+
     def __init__(
-        self, model: Model, adapter: LlamaQwen2Adapter, fleet: Fleet | None, bucket_mb: float, root: Path | None = None
+        self,
+        model: Model,
+        adapter: LlamaQwen2Adapter,
+        fleet: Fleet | None,
+        bucket_mb: float,
+        root: Path | None = None,
+        transport: str | Transport = "shm",
     ) -> None:
         self.model, self.adapter, self.fleet = model, adapter, fleet
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.root = root or shm_root()
-        self._prev_dir: Path | None = None
+        if isinstance(transport, str):
+            transport = make_transport(self._resolve(transport), fleet, model.dims, self.root)
+        self.transport: Transport = transport
+
+    def _resolve(self, requested: str) -> str:
+        """Rank 0 knows the fleet: it decides, every rank gets the same answer (or error)."""
+        answer: list[Any] = [None]
+        if self.model.dims.is_rank0:
+            try:
+                fleet = self.fleet
+                local = fleet is None or all(e.launch for e in fleet.engines)
+                addresses = [] if fleet is None else [e.address for e in fleet.engines]
+                answer = [("ok", resolve_transport(requested, addresses, local))]
+            except ConfigError as err:
+                answer = [("error", str(err))]
+        dist.broadcast_object_list(answer, src=0)
+        kind, value = answer[0]
+        if kind == "error":
+            raise ConfigError(value)
+        if self.model.dims.is_rank0:
+            log.info("weight sync transport: %s (requested %s)", value, requested)
+        return str(value)
 
     def push(self, version: int) -> dict[str, float]:
         """Collective over all trainer ranks. Returns timings (rank 0) in seconds."""
-        dims = self.model.dims
+        dims, tr = self.model.dims, self.transport
         t0 = time.perf_counter()
-        named = gather_hf_tensors(self.model, self.adapter)
+        named = gather_hf_tensors(self.model, self.adapter, device=tr.device)
         t_gather = time.perf_counter() - t0
-        files: list[str] = []
-        nbytes = 0
-        vdir = self.root / f"v{version}"
-        if dims.is_stage_owner:
-            from safetensors.torch import save_file
-
-            vdir.mkdir(parents=True, exist_ok=True)
-            for k, bucket in enumerate(pack_buckets(named, self.bucket_bytes)):
-                path = vdir / f"stage{dims.pp_rank}_bucket{k}.safetensors"
-                save_file(dict(bucket), str(path))
-                files.append(str(path))
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        t_write = time.perf_counter() - t0 - t_gather
-        all_files: list[Any] = [None] * dims.world_size
-        dist.all_gather_object(all_files, (files, nbytes))
-        stats = {"gather_s": t_gather, "write_s": t_write}
-        error = ""
-        if dims.is_rank0 and self.fleet is not None:
-            flat = [f for fs, _ in all_files for f in fs]
-            total = sum(b for _, b in all_files)
-            try:
-                stats.update(self.fleet.update_weights(version, flat))
-            except WeightSyncError as err:
-                error = str(err)
-            stats["bytes"] = float(total)
-            if not error:
-                if self._prev_dir is not None and self._prev_dir != vdir:
-                    shutil.rmtree(self._prev_dir, ignore_errors=True)
-                self._prev_dir = vdir
-        flag: list[Any] = [error]
-        dist.broadcast_object_list(flag, src=0)
-        if flag[0]:
-            shutil.rmtree(vdir, ignore_errors=True) if dims.is_rank0 else None
-            raise WeightSyncError(flag[0])
+        buckets = pack_buckets(named, self.bucket_bytes) if dims.is_stage_owner else []
+        nbytes = sum(bucket_bytes(b) for b in buckets)
+        self._agree(self._rank0(lambda: tr.begin(version)), version, committed=None)
+        receipt, error = None, ""
+        try:
+            receipt = tr.send(version, buckets)
+        except WeightSyncError as err:
+            error = str(err)
+        t_send = time.perf_counter() - t0 - t_gather
+        gathered: list[Any] = [None] * dims.world_size
+        dist.all_gather_object(gathered, (receipt, error, nbytes))
+        stats = {"gather_s": t_gather, "write_s": t_send}
+        if dims.is_rank0:
+            t1 = time.perf_counter()
+            errors = [e for _, e, _ in gathered if e]
+            error = errors[0] if errors else self._rank0(lambda: self._finish(version, [r for r, _, _ in gathered]))
+            if error:
+                tr.abort(version)
+            stats["fleet_update_s"] = time.perf_counter() - t1
+            stats["bytes"] = float(sum(b for _, _, b in gathered))
+        self._agree(error, version, committed=True)
         stats["total_s"] = time.perf_counter() - t0
         return stats
+
+    def _finish(self, version: int, receipts: list[Any]) -> None:
+        self.transport.load(version, receipts)
+        self.transport.commit(version)
+
+    def _rank0(self, fn: Any) -> str:
+        """Run ``fn`` on rank 0; the WeightSyncError message it raised, or ''."""
+        if not self.model.dims.is_rank0:
+            return ""
+        try:
+            fn()
+        except WeightSyncError as err:
+            return str(err)
+        return ""
+
+    def _agree(self, error: str, version: int, committed: bool | None) -> None:
+        """Broadcast rank 0's verdict; release local buffers; raise the same error everywhere."""
+        flag: list[Any] = [error]
+        dist.broadcast_object_list(flag, src=0)
+        if committed is not None or flag[0]:
+            self.transport.release(version, committed=not flag[0])
+        if flag[0]:
+            raise WeightSyncError(flag[0])
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

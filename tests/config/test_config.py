@@ -71,3 +71,26 @@ def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:
 def test_missing_file_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_weight_sync_transport_and_colocate_fields() -> None:
+    cfg = load_config(None)
+    assert cfg.weight_sync.transport == "auto" and cfg.rollout.colocate is False
+    cfg = load_config(None, ["weight_sync.transport=http", "rollout.colocate=false"])
+    assert cfg.weight_sync.transport == "http"
+    cfg.validate(1)
+    with pytest.raises(ConfigError, match=r"weight_sync.transport='tcp' must be one of \['auto', 'shm', 'http', "
+                                          r"'nccl', 'cuda_ipc'\]"):
+        load_config(None, ["weight_sync.transport=tcp"])
+    with pytest.raises(ConfigError, match="rollout.colocate='sometimes' must be a bool"):
+        load_config(None, ["rollout.colocate=sometimes"])
+
+
+def test_nccl_refused_for_colocated_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rule holds on any machine
+    cfg = load_config(None, ["weight_sync.transport=nccl", "rollout.colocate=true"])
+    with pytest.raises(ConfigError, match=r"weight_sync.transport='nccl' cannot reach colocated engines"):
+        cfg.validate(1)
+    load_config(None, ["weight_sync.transport=cuda_ipc", "rollout.colocate=true"]).validate(1)

@@ -35,3 +35,18 @@ def test_transformer_engine_spec_bf16_forward(tmp_path) -> None:
     tokens = torch.randint(3, 64, (4, 16), device=dims.device)
     lp = forward_logprobs(model, tokens, micro_batch_size=4, temperature=1.0)["logprobs"]
     assert torch.isfinite(lp).all() and (lp[:, :-1] < 0).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("weight_sync.transport=nccl", "weight_sync.transport='nccl' needs CUDA; use 'auto', 'shm' or 'http' on CPU"),
+        ("weight_sync.transport=cuda_ipc", "weight_sync.transport='cuda_ipc' needs CUDA"),
+        ("rollout.colocate=true", r"rollout.colocate=True needs CUDA \(vLLM sleep mode\)"),
+    ],
+)
+def test_gpu_transports_and_colocation_refused_on_cpu(override: str, message: str) -> None:
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(1)

@@ -1,19 +1,23 @@
 """The fleet against real vLLM engine processes: two engines serve identical weights after a
 sync, an engine killed mid-generation is restarted and its prompts re-issued (the step still
 gets every sample), and a corrupted update is rejected by name while the old version keeps
-serving."""
+serving — through files (shm) and through request bodies (http). A PP=2 Megatron trainer
+pushing over http leaves the engines exactly where a shm push of the same weights does."""
 
 import json
+import shutil
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet, WeightSyncError
-from tests.helpers import tiny_hf_model
+from tests.helpers import ROOT, tiny_hf_model, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
 
 
 PROMPTS = [[1, 5 + i, 7, 9 + (i % 5)] for i in range(12)]
+SEQ = [1, 5, 9, 13, 17, 21, 25]
+
+
+def _max_diff(a: list, b: list) -> float:
+    """Max |a - b| over engines × sequences × positions (same layout required)."""
+    return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
 
 
 def test_two_engines_serve_the_same_weights(fleet) -> None:
@@ -141,3 +151,72 @@ def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_pat
         assert "waves" in (tmp_path / "engine0.log").read_text()
     finally:
         small.shutdown()
+
+
+def test_http_bytes_rejected_by_name_and_old_version_serves(fleet) -> None:
+    f, hf, weights, _ = fleet
+    before = f.logprobs([SEQ], temperature=1.0)
+    name = "model.layers.2.self_attn.k_proj.weight"
+    cases = [
+        ({name: weights[name][:-1].contiguous()}, "'" + name.replace(".", r"\.") + r"' has shape \[63, 128\], engine expects \[64, 128\]"),
+        ({"model.norm.weight": torch.full_like(weights["model.norm.weight"], float("inf"))}, r"model\.norm\.weight.*NaN/Inf"),
+        ({"lm_head.bias": torch.zeros(64)}, r"'lm_head\.bias' in the request body is not a weight of this model"),
+        ({"model.norm.weight": weights["model.norm.weight"].to(torch.int32)}, r"model\.norm\.weight.*dtype int32"),
+    ]
+    for bad, match in cases:
+        good = save({k: v for k, v in weights.items() if k not in bad and k != name})
+        f.begin_update(2)
+        f.load_bytes(2, good)  # staged on both engines ...
+        with pytest.raises(WeightSyncError, match=match):
+            f.load_bytes(2, save(bad))  # ... then a bad bucket: the transport aborts the update
+        f.abort_update()
+    with pytest.raises(WeightSyncError, match=r"not a safetensors buffer"):
+        f.begin_update(3)
+        f.load_bytes(3, b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    f.abort_update()
+    with pytest.raises(WeightSyncError, match=r"load for version 4 without begin \(staged: None\)"):
+        f.load_bytes(4, save({"model.norm.weight": weights["model.norm.weight"]}))
+    # the body must be declared binary: a JSON client cannot smuggle a pickle or a path here
+    req = urllib.request.Request(f"http://{f.engines[0].address}/weights/load_bytes?version=5", data=b"{}",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 409 and b"expects Content-Type application/octet-stream" in info.value.read()
+    assert f.versions() == [1, 1]
+    assert f.logprobs([SEQ], temperature=1.0) == before
+
+
+def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
+    f, hf, weights, base = fleet
+    before = f.logprobs([SEQ], temperature=1.0)
+    # new weights (an independent HF folder): what the trainer holds and pushes
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    folder = tmp_path / "hf_new"
+    folder.mkdir()
+    shutil.copy(hf / "config.json", folder / "config.json")
+    save_file(new, str(folder / "model.safetensors"))
+    out = tmp_path / "result.json"
+    try:
+        torchrun(ROOT / "tests/rollout/worker_http_sync.py", 2,
+                 ["--hf", str(folder), "--addresses", ",".join(e.address for e in f.engines), "--version", "10",
+                  "--shm-root", str(tmp_path / "shm"), "--out", str(out)], timeout=600)
+        res = json.loads(out.read_text())
+        http, shm, nan = res["http"], res["shm"], res["nan"]
+        assert (http["transport"], shm["transport"]) == ("http", "shm")
+        assert http["versions"] == [10, 10] and shm["versions"] == [11, 11]
+        assert http["stats"]["bytes"] == 4 * sum(v.numel() for v in new.values())  # both stages, fp32
+        assert _max_diff(http["logprobs"], before) > 0.05  # the update took effect ...
+        assert _max_diff(http["logprobs"], shm["logprobs"]) <= 1e-6  # ... exactly as shm's did
+        assert http["probe"] <= 1e-3  # and the engines agree with the trainer's own forward
+        # the same weights from the HF file directly (no Megatron, no http): the same engines
+        f.update_weights(12, [str(folder / "model.safetensors")])
+        assert _max_diff(f.logprobs([SEQ], temperature=1.0), http["logprobs"]) <= 1e-6
+        # NaN on stage 1 over http: every rank raised the same error naming the tensor; version 11 serves
+        assert nan["errors_per_rank"][0] == nan["errors_per_rank"][1] == nan["error"]
+        assert "weight update to version 12 rejected" in nan["error"]
+        assert "tensor 'model.norm.weight' contains NaN/Inf" in nan["error"]
+        assert nan["versions"] == [11, 11] and nan["logprobs"] == shm["logprobs"]
+    finally:
+        f.update_weights(1, [str(hf / "model.safetensors")])  # later tests expect version 1
+    assert f.logprobs([SEQ], temperature=1.0) == before

@@ -1,0 +1,131 @@
+"""How weights enter a vLLM worker: a worker extension (``LLM(worker_extension_cls=...)``).
+
+vLLM mixes this class into its worker, so ``llm.collective_rpc("megarl_...")`` runs these
+methods on every worker of one engine (all TP ranks). Every update ends in ONE
+``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` with HF
+names: on CPU ``model.load_weights`` does not work after the CPU repacking (see FACTS), and
+one call keeps fused targets (q/k/v, gate/up) together.
+
+Sources, by transport:
+  in-process tensors  ``megarl_apply``          engine server and worker share a process (TP=1)
+  files / bytes       ``megarl_apply_sources``  shm (safetensors files) and http (safetensors
+                                                bytes) with multiprocess workers (TP>1)
+  NCCL broadcast      ``megarl_nccl_init`` + ``megarl_nccl_receive`` (staged here until commit)
+  CUDA IPC            ``megarl_ipc_receive`` (views of the trainer's buffer, staged until commit)
+Staged NCCL/IPC tensors are applied by ``megarl_apply_staged`` (commit) or dropped by
+``megarl_drop_staged`` (abort); nothing touches the model before commit.
+
+Method names carry a ``megarl_`` prefix: vLLM refuses an extension that shadows a worker
+attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from megarl.weight_sync import wire
+
+EXTENSION = "megarl.rollout.worker_ext.MegarlWorkerExtension"
+
+
+def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+
+def _non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    return [n for n, t in named if not bool(torch.isfinite(t).all())]
+
+
+class MegarlWorkerExtension:
+    _megarl_group: Any = None
+    _megarl_staged: list[tuple[str, torch.Tensor]] | None = None
+    _megarl_buffers: list[torch.Tensor] | None = None
+
+    # -- CPU sources ------------------------------------------------------------------
+    def megarl_apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        _reload(self, named)
+        return len(named)
+
+    def megarl_apply_sources(self, files: list[str], blobs: list[bytes], names: list[str]) -> int:
+        """Read safetensors files and byte buffers again in this worker process (TP>1)."""
+        from safetensors import safe_open
+        from safetensors.torch import load
+
+        wanted = set(names)
+
+        def it() -> Iterator[tuple[str, torch.Tensor]]:
+            for f in files:
+                with safe_open(f, framework="pt") as fh:
+                    for k in fh.keys():
+                        if k in wanted:
+                            yield k, fh.get_tensor(k)
+            for b in blobs:
+                yield from ((k, t) for k, t in load(b).items() if k in wanted)
+
+        _reload(self, it())
+        return len(wanted)
+
+    # -- GPU sources (staged in the worker until commit) --------------------------------
+    def megarl_nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> int:
+        """Join the trainer's broadcast group (trainer = rank 0); blocks until all ranks join."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank + rank_offset
+        self._megarl_group = nccl_group(master_address, master_port, rank, world_size, self.device)  # type: ignore[attr-defined]
+        return rank
+
+    def megarl_nccl_receive(self, records: list[dict[str, Any]], nbytes: int) -> list[str]:
+        """Receive one bucket's flat buffer from rank 0; stage its views; return non-finite names."""
+        if self._megarl_group is None:
+            raise RuntimeError("NCCL weight group not initialised (POST /weights/nccl_init first)")
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)  # type: ignore[attr-defined]
+        self._megarl_group.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+        torch.cuda.current_stream().synchronize()
+        return self._megarl_stage(buf, records)
+
+    def megarl_ipc_receive(self, handle: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+        """Open the trainer's shared CUDA buffer (no copy); stage its views; return non-finite names."""
+        return self._megarl_stage(wire.open_cuda(handle), records)
+
+    def _megarl_stage(self, buf: torch.Tensor, records: list[dict[str, Any]]) -> list[str]:
+        named = wire.unflatten(buf, records)
+        if self._megarl_staged is None or self._megarl_buffers is None:
+            self._megarl_staged, self._megarl_buffers = [], []
+        self._megarl_buffers.append(buf)
+        self._megarl_staged.extend(named)
+        return _non_finite(named)
+
+    def megarl_apply_staged(self) -> int:
+        staged = self._megarl_staged or []
+        _reload(self, staged)
+        torch.cuda.synchronize()  # the trainer may reuse its IPC buffers once commit returns
+        self.megarl_drop_staged()
+        return len(staged)
+
+    def megarl_drop_staged(self) -> None:
+        self._megarl_staged, self._megarl_buffers = None, None
+
+
+def nccl_group(master_address: str, master_port: int, rank: int, world_size: int, device: Any) -> Any:
+    """vLLM's recipe for a trainer↔engine group: StatelessProcessGroup + PyNcclCommunicator.
+
+    Used on both sides (the trainer is rank 0 and hosts the rendezvous store). vLLM pins some
+    NCCL_* variables for its own groups; both sides join without them when vLLM offers that.
+    """
+    import contextlib
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    try:
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        env: Any = unpinned_nccl_env()
+    except ImportError:
+        env = contextlib.nullcontext()
+    pg = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
+    with env:
+        return PyNcclCommunicator(pg, device=device)

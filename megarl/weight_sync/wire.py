@@ -1,0 +1,174 @@
+"""Wire formats shared by the trainer and the engine workers (pure torch, no megatron, no vLLM).
+
+* A bucket travels as ONE flat ``uint8`` buffer plus a JSON list of tensor records
+  ``{"name", "shape", "dtype", "offset"}`` (byte offset into the buffer). NCCL broadcasts that
+  buffer; CUDA IPC shares it. :func:`flatten` / :func:`unflatten` are exact inverses.
+* CUDA IPC handles: ``torch.multiprocessing.reductions.reduce_tensor`` gives
+  ``(rebuild_cuda_tensor, args)``. The args are encoded as JSON (classes and dtypes by name
+  from an allow-list, bytes as base64) — never pickle, so an engine only ever rebuilds a
+  plain tensor from a request body. The receiver substitutes its own device index for the
+  sender's (the two processes may number the same GPU differently).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""dtypes a weight may travel in (engines reject anything else)."""
+
+_ALIGN = 16  # byte alignment of every tensor inside a flat buffer (views of any float dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def flatten(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Pack tensors (one device) into one uint8 buffer on that device; returns (buffer, records)."""
+    records: list[dict[str, Any]] = []
+    offset = 0
+    for name, t in named:
+        if dtype_name(t.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"tensor '{name}' has dtype {t.dtype}; only {sorted(FLOAT_DTYPES)} travel")
+        records.append({"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "offset": offset})
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    device = named[0][1].device if named else torch.device("cpu")
+    buf = torch.zeros(offset, dtype=torch.uint8, device=device)
+    for rec, (_, t) in zip(records, named):
+        n = t.numel() * t.element_size()
+        buf[rec["offset"] : rec["offset"] + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    return buf, records
+
+
+def unflatten(buf: torch.Tensor, records: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``buf`` (no copy), one per record; raises ValueError on a record outside it."""
+    out = []
+    for rec in records:
+        dtype = FLOAT_DTYPES.get(rec["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor '{rec['name']}' has dtype {rec['dtype']}, expected one of {sorted(FLOAT_DTYPES)}")
+        shape = [int(s) for s in rec["shape"]]
+        n = torch.Size(shape).numel() * dtype.itemsize
+        start = int(rec["offset"])
+        if start < 0 or start + n > buf.numel():
+            raise ValueError(
+                f"tensor '{rec['name']}' ({n} bytes at {start}) lies outside the {buf.numel()}-byte buffer"
+            )
+        out.append((rec["name"], buf[start : start + n].view(dtype).view(shape)))
+    return out
+
+
+# ------------------------------------------------------------------ CUDA IPC handles as JSON
+
+_TENSOR_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}
+_STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+_ARG_NAMES = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+"""Positional arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``."""
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode("ascii")
+
+
+def _unb64(s: str | None) -> bytes | None:
+    return None if s is None else base64.b64decode(s, validate=True)
+
+
+def encode_rebuild_args(args: tuple[Any, ...]) -> dict[str, Any]:
+    """``rebuild_cuda_tensor`` arguments → a JSON-safe dict (raises ValueError on anything else)."""
+    if len(args) != len(_ARG_NAMES):
+        raise ValueError(f"expected {len(_ARG_NAMES)} rebuild_cuda_tensor arguments, got {len(args)}")
+    a = dict(zip(_ARG_NAMES, args))
+    tcls = {v: k for k, v in _TENSOR_CLASSES.items()}.get(a["tensor_cls"])
+    scls = {v: k for k, v in _STORAGE_CLASSES.items()}.get(a["storage_cls"])
+    if tcls is None or scls is None:
+        raise ValueError(f"cannot encode tensor class {a['tensor_cls']} / storage class {a['storage_cls']}")
+    return {
+        "tensor_cls": tcls,
+        "tensor_size": [int(s) for s in a["tensor_size"]],
+        "tensor_stride": [int(s) for s in a["tensor_stride"]],
+        "tensor_offset": int(a["tensor_offset"]),
+        "storage_cls": scls,
+        "dtype": dtype_name(a["dtype"]),
+        "storage_device": int(a["storage_device"]),
+        "storage_handle": _b64(a["storage_handle"]),
+        "storage_size_bytes": int(a["storage_size_bytes"]),
+        "storage_offset_bytes": int(a["storage_offset_bytes"]),
+        "requires_grad": bool(a["requires_grad"]),
+        "ref_counter_handle": _b64(a["ref_counter_handle"]),
+        "ref_counter_offset": int(a["ref_counter_offset"]),
+        "event_handle": _b64(a["event_handle"]),
+        "event_sync_required": bool(a["event_sync_required"]),
+    }
+
+
+def decode_rebuild_args(d: dict[str, Any], device: int | None = None) -> tuple[Any, ...]:
+    """Inverse of :func:`encode_rebuild_args`; ``device`` replaces the sender's device index."""
+    missing = [k for k in _ARG_NAMES if k not in d]
+    if missing:
+        raise ValueError(f"IPC handle lacks {missing}")
+    if d["tensor_cls"] not in _TENSOR_CLASSES or d["storage_cls"] not in _STORAGE_CLASSES:
+        raise ValueError(f"IPC handle names unknown classes {d['tensor_cls']!r} / {d['storage_cls']!r}")
+    dtype = getattr(torch, str(d["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"IPC handle names unknown dtype {d['dtype']!r}")
+    return (
+        _TENSOR_CLASSES[d["tensor_cls"]],
+        torch.Size(int(s) for s in d["tensor_size"]),
+        tuple(int(s) for s in d["tensor_stride"]),
+        int(d["tensor_offset"]),
+        _STORAGE_CLASSES[d["storage_cls"]],
+        dtype,
+        int(d["storage_device"]) if device is None else int(device),
+        _unb64(d["storage_handle"]),
+        int(d["storage_size_bytes"]),
+        int(d["storage_offset_bytes"]),
+        bool(d["requires_grad"]),
+        _unb64(d["ref_counter_handle"]),
+        int(d["ref_counter_offset"]),
+        _unb64(d["event_handle"]),
+        bool(d["event_sync_required"]),
+    )
+
+
+def share_cuda(buf: torch.Tensor) -> dict[str, Any]:
+    """A CUDA tensor → JSON handle another process on the same node can rebuild (CUDA only)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    fn, args = reduce_tensor(buf)
+    if fn is not rebuild_cuda_tensor:
+        raise ValueError(f"tensor on {buf.device} cannot be shared by CUDA IPC")
+    handle = encode_rebuild_args(args)
+    handle["device_uuid"] = str(torch.cuda.get_device_properties(buf.device).uuid)
+    return handle
+
+
+def open_cuda(handle: dict[str, Any]) -> torch.Tensor:
+    """Rebuild a tensor shared by :func:`share_cuda` on the local index of the same GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid = handle.get("device_uuid")
+    local = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == uuid]
+    if not local:
+        raise ValueError(f"CUDA IPC: GPU {uuid} of the trainer is not visible to this engine worker")
+    return rebuild_cuda_tensor(*decode_rebuild_args(handle, device=local[0]))  # type: ignore[no-any-return]
