@@ -214,7 +214,18 @@ class AlgoConfig:
 
 
 @dataclass(kw_only=True)
+class CriticParallelConfig:
+    tensor_parallel: int = 0
+    """Critic tensor-parallel size (0 = parallel.tensor_parallel, the actor's)."""
+    pipeline_parallel: int = 0
+    """Critic pipeline stages (0 = parallel.pipeline_parallel). The critic's data-parallel size
+    follows: trainer world size / (critic TP × PP)."""
+
+
+@dataclass(kw_only=True)
 class CriticConfig:
+    parallel: CriticParallelConfig = field(default_factory=CriticParallelConfig)
+    """The critic's own layout over the trainer ranks (unset = the actor's)."""
     lr: float = 1e-4
     """Critic peak learning rate (own optimizer)."""
     warmup_steps: int = 0
@@ -325,6 +336,13 @@ class RunConfig:
         """Responses per RL step."""
         return self.rollout.num_prompts * self.rollout.samples_per_prompt
 
+    def critic_layout(self, world_size: int) -> tuple[int, int, int]:
+        """The critic's (TP, PP, DP) in a trainer world of ``world_size`` ranks."""
+        c, p = self.critic.parallel, self.parallel
+        tp = c.tensor_parallel or p.tensor_parallel
+        pp = c.pipeline_parallel or p.pipeline_parallel
+        return tp, pp, world_size // (tp * pp)
+
     def validate(self, world_size: int) -> None:
         """Raise ConfigError on inconsistent sizes. Runs before any process group starts."""
         m, p, r = self.model, self.parallel, self.rollout
@@ -387,6 +405,7 @@ class RunConfig:
                 self.warm_start.batch_size,
                 f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
             )
+        _validate_critic_layout(self, world_size)
         if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
             _fail(
                 "rollout.max_prompt_len+max_response_len",
@@ -460,8 +479,43 @@ class RunConfig:
                 )
 
 
+def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
+    """The critic's own layout (``critic.parallel``) must split the model and the batch."""
+    c, m = cfg.critic.parallel, cfg.model
+    if not (c.tensor_parallel or c.pipeline_parallel):
+        return
+    if cfg.algo.name != "ppo":
+        _fail("critic.parallel", f"TP={c.tensor_parallel}, PP={c.pipeline_parallel}", "needs algo.name='ppo' (critic)")
+    tp, pp, dp = cfg.critic_layout(world_size)
+    field_tp, field_pp = "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel"
+    for name, size in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        if size % tp:
+            _fail(field_tp, tp, f"does not divide {name}={size}")
+    if m.num_layers % pp:
+        _fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
+    if world_size % (tp * pp):
+        _fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
+    p, mb = cfg.parallel, cfg.algo.mini_batches
+    if cfg.batch_size % (dp * p.micro_batch_size * mb):
+        _fail(
+            "rollout.num_prompts×samples_per_prompt",
+            cfg.batch_size,
+            f"must be divisible by the critic's DP={dp} × parallel.micro_batch_size={p.micro_batch_size} × "
+            f"algo.mini_batches={mb}",
+        )
+    if cfg.coordinator.enabled and dp == 1 and pp > 1:
+        _fail(field_pp, pp, "with coordinator.enabled needs the critic's DP > 1 or PP = 1 (noise estimate)")
+
+
 def _positive(cfg: RunConfig) -> None:
+    zero_means_actor = ("critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel")
     for path, value in _walk(cfg):
+        if path in zero_means_actor and value == 0:
+            continue
         if isinstance(value, int) and not isinstance(value, bool):
             nonneg = (
                 "vocab_size",

@@ -4,12 +4,24 @@
 :func:`init_distributed` starts torch.distributed (gloo on CPU, nccl on GPU), builds
 megatron's TP/PP/DP groups and seeds the RNGs, then returns a :class:`ParallelDims` that is
 passed down explicitly. Nothing else in megarl reads ``parallel_state`` directly.
+
+:func:`init_layout` builds a second, independent layout over the same ranks (the PPO
+critic's own TP/PP/DP). Its groups live only in its :class:`ParallelDims` (``pgs``, a
+megatron ``ProcessGroupCollection``), which megarl passes explicitly to every megatron
+object and call of that model (GPTModel, DDP, optimizer, schedules, grad finalisation,
+sharded state dicts), so megatron's global ``parallel_state`` keeps describing the actor.
+Invariants: every rank calls :func:`init_layout` with the same arguments (group creation is
+collective); a layout equal to the global one returns the global :class:`ParallelDims`
+itself; rank order is megatron's (``tp-cp-ep-dp-pp``, TP fastest), from megatron's own
+``RankGenerator``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +49,11 @@ class ParallelDims:
     mp_group: Any
     """Model-parallel group (TP × PP) of this rank."""
     device: torch.device
+    pgs: Any
+    """megatron ``ProcessGroupCollection`` of this layout, passed to every megatron object of
+    a model on it (the groups above plus the embedding / context / expert groups)."""
+    global_layout: bool
+    """These are megatron's global ``parallel_state`` groups (False: an :func:`init_layout`)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,6 +111,8 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         cpu_compat.model_parallel_cpu_manual_seed(seed, tp_rank)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     return ParallelDims(
         world_size=world,
         rank=dist.get_rank(),
@@ -108,7 +127,124 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
         dp_group=ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
         device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+        # exactly the groups megatron objects pick up when given no collection
+        pgs=ProcessGroupCollection.use_mpu_process_groups(),
+        global_layout=True,
     )
+
+
+def layout_ranks(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Global ranks of every TP / PP / DP / model-parallel (TP×PP) group of a TP×PP×DP layout
+    of ``world`` ranks, in megatron's order (its ``RankGenerator``, ``tp-cp-ep-dp-pp``)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp}×{pp}")
+    gen = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    return {
+        "tp": gen.get_ranks("tp"),
+        "pp": gen.get_ranks("pp"),
+        "dp": gen.get_ranks("dp"),
+        "mp": gen.get_ranks("tp-pp"),
+    }
+
+
+def _new_groups(rank_lists: list[list[int]]) -> Any:
+    """Collective: one group per rank list (every rank creates all of them, same order);
+    returns this rank's group, or None if it is in none."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def init_layout(base: ParallelDims, tp: int, pp: int) -> ParallelDims:
+    """A second parallel layout (TP × PP, DP = world / (TP × PP)) over ``base``'s ranks.
+
+    Collective over all ranks. Returns ``base`` itself when ``(tp, pp)`` is its layout.
+    Context and expert parallelism are 1 in both layouts, so the size-1 CP / EP groups, and
+    the one distributed-optimizer instance group (all ranks), are shared with ``base``.
+    """
+    if (tp, pp) == (base.tp, base.pp):
+        return base
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world, rank = base.world_size, base.rank
+    ranks = layout_ranks(world, tp, pp)
+    tp_group = _new_groups(ranks["tp"])
+    pp_group = _new_groups(ranks["pp"])
+    dp_group = _new_groups(ranks["dp"])
+    mp_group = _new_groups(ranks["mp"])
+    # word embeddings live on the first and last stage (tied-weight grads are summed there)
+    embd_group = _new_groups([[r[0], r[-1]] for r in ranks["pp"]]) if pp > 1 else base.pgs.cp
+    pp_ranks = next(r for r in ranks["pp"] if rank in r)
+    tp_ranks = next(r for r in ranks["tp"] if rank in r)
+    dp_ranks = next(r for r in ranks["dp"] if rank in r)
+    g = base.pgs
+    pgs = ProcessGroupCollection(
+        tp=tp_group,
+        pp=pp_group,
+        mp=mp_group,
+        embd=embd_group,
+        pos_embd=g.cp,  # no learned position embeddings (RoPE): a size-1 group skips its all-reduce
+        cp=g.cp,
+        tp_cp=tp_group,
+        dp=dp_group,
+        dp_cp=dp_group,
+        intra_dp_cp=dp_group,
+        expt_dp=dp_group,
+        intra_expt_dp=dp_group,
+        ep=g.ep,
+        expt_tp=tp_group,
+        tp_ep=tp_group,
+        tp_ep_pp=mp_group,
+        intra_dist_opt=g.intra_dist_opt,
+    )
+    return ParallelDims(
+        world_size=world,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        dp=world // (tp * pp),
+        tp_rank=tp_ranks.index(rank),
+        pp_rank=pp_ranks.index(rank),
+        dp_rank=dp_ranks.index(rank),
+        tp_group=tp_group,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        mp_group=mp_group,
+        device=base.device,
+        pgs=pgs,
+        global_layout=False,
+    )
+
+
+@contextlib.contextmanager
+def layout_rng(dims: ParallelDims, seed: int) -> Iterator[None]:
+    """Megatron's RNG tracker seeded for ``dims``' TP rank while a model of that layout is
+    built (weight init forks the tracker's model-parallel stream on GPU; seeding it by the
+    global layout's TP rank would give two shards of one weight the same stream). Same
+    stream names and seed offsets as ``model_parallel_cuda_manual_seed``; the tracker is
+    restored on exit. A no-op for the global layout."""
+    if dims.global_layout:
+        yield
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    states, seeds = tracker.get_states(), set(tracker.seeds_)
+    tracker.reset()
+    try:
+        tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + dims.tp_rank)
+        tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + dims.tp_rank)
+        yield
+    finally:
+        tracker.reset()
+        tracker.set_states(states)
+        tracker.seeds_ = seeds
 
 
 def layer_offset(num_layers: int, pp: int, pp_rank: int) -> int:

@@ -9,6 +9,7 @@ multiplies the planned LR, so the two compose.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megarl.config import RunConfig
@@ -19,7 +20,9 @@ from megarl.types import StepPlan
 
 
 class Planner:
-    def __init__(self, cfg: RunConfig, dp: int, models: list[str]) -> None:
+    def __init__(self, cfg: RunConfig, dp: int, models: list[str], critic_dp: int | None = None) -> None:
+        """``dp``: the actor's DP size (the plan's per-rank shares are the actor's);
+        ``critic_dp``: the critic's, when it has its own layout (batches must split over both)."""
         self.cfg = cfg
         c, r = cfg.coordinator, cfg.rollout
         self.lr_ref = {"actor": cfg.optim.lr, "critic": cfg.critic.lr}
@@ -33,7 +36,7 @@ class Planner:
                     min_prompts=c.min_prompts,
                     max_prompts=c.max_prompts,
                     grid_factor=c.grid_factor,
-                    batch_divisor=dp * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
+                    batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
                     dp_size=dp,
                     min_gain=c.min_gain,
                     warmup_steps=c.warmup_steps,

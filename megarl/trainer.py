@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from megarl import algo, objectives
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
-from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
+from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import RunConfig
-from megarl.distributed import ParallelDims, init_distributed
+from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.model.builder import Model, build_gpt, lr_at
 from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
 from megarl.model.grad_stats import GradProbe
@@ -53,6 +53,11 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         self.dims: ParallelDims = init_distributed(p.tensor_parallel, p.pipeline_parallel, cfg.train.seed)
+        # the critic's own layout (critic.parallel); the actor's dims themselves when unset
+        self.critic_dims = self.dims
+        if cfg.algo.name == "ppo":
+            ctp, cpp, _ = cfg.critic_layout(self.dims.world_size)
+            self.critic_dims = init_layout(self.dims, ctp, cpp)
         self.run_dir = Path(cfg.train.run_dir)
         if self.dims.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,10 +86,10 @@ class Trainer:
         self.critic: Model | None = None
         a = cfg.algo
         models = ["actor", "critic"] if a.name == "ppo" else ["actor"]
-        self.planner = Planner(cfg, self.dims.dp, models)
+        self.planner = Planner(cfg, self.dims.dp, models, critic_dp=self.critic_dims.dp)
         self.grad_stats: list[Any] = []
         if self.planner.coord is not None:
-            self.actor.probe = self._probe()
+            self.actor.probe = self._probe(self.dims)
         self.kl_ctl = algo.make_kl_controller(
             a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
         )
@@ -142,31 +147,38 @@ class Trainer:
 
     def build_reference_and_critic(self) -> None:
         """Frozen reference = copy of the current actor (same layout: shards copy one to one);
-        critic (PPO) = actor trunk + zero-initialised value head, own optimizer and LR."""
+        critic (PPO) = actor trunk + zero-initialised value head, own optimizer and LR, on its
+        own layout (``critic.parallel``). Across layouts the trunk goes through full HF-named
+        tensors (the one Megatron⇄HF adapter), gathered from the actor's shards."""
         if self.cfg.algo.kl_coef > 0:
             self.ref = build_gpt(self.cfg.model, self.cfg.parallel, self.dims, trainable=False)
             _copy_params(self.actor, self.ref)
         if self.cfg.algo.name == "ppo":
             m = dataclasses.replace(self.cfg.model, tie_embeddings=False)
+            cd = self.critic_dims
             self.critic = build_gpt(
                 m,
-                self.cfg.parallel,
-                self.dims,
+                dataclasses.replace(
+                    self.cfg.parallel, tensor_parallel=cd.tp, pipeline_parallel=cd.pp, data_parallel=cd.dp
+                ),
+                cd,
                 value_head=True,
                 optim=dataclasses.replace(self.cfg.optim, lr=self.cfg.critic.lr),
+                seed=self.cfg.train.seed,
             )
             if self.cfg.critic.init_from_actor:
-                _copy_params(self.actor, self.critic, skip_prefix="output_layer.")
+                copy_weights(self.actor, self.critic, self.adapter)
             if self.planner.coord is not None:
-                self.critic.probe = self._probe()
+                self.critic.probe = self._probe(cd)
 
-    def _probe(self) -> GradProbe:
-        if self.dims.dp == 1 and self.dims.pp > 1:
+    @staticmethod
+    def _probe(dims: ParallelDims) -> GradProbe:
+        if dims.dp == 1 and dims.pp > 1:
             raise ValueError(
                 "coordinator.enabled needs data_parallel > 1 or pipeline_parallel = 1 "
                 "(the micro-batch noise estimator needs PP = 1)"
             )
-        return GradProbe(self.dims, microbatch=self.dims.dp == 1)
+        return GradProbe(dims, microbatch=dims.dp == 1)
 
     # ------------------------------------------------------------------ warm start
 
@@ -205,10 +217,13 @@ class Trainer:
                 log.info("warm-start %d/%d nll %.4f", step + 1, ws.steps, losses[-1])
         return losses
 
-    def _dp_rows(self, n: int, shares: list[float] | None = None) -> tuple[slice, list[slice]]:
-        """This DP rank's rows of ``n`` (and every rank's), split by ``shares`` in whole
-        micro-batches (equal when None)."""
-        dp, mbs = self.dims.dp, self.cfg.parallel.micro_batch_size
+    def _dp_rows(
+        self, n: int, shares: list[float] | None = None, dims: ParallelDims | None = None
+    ) -> tuple[slice, list[slice]]:
+        """This DP rank's rows of ``n`` (and every rank's) in ``dims``' layout (the actor's by
+        default), split by ``shares`` in whole micro-batches (equal when None)."""
+        dims = dims or self.dims
+        dp, mbs = dims.dp, self.cfg.parallel.micro_batch_size
         if shares is None or dp == 1:
             counts = [n // dp] * dp
         else:
@@ -219,7 +234,7 @@ class Trainer:
                 counts = [n // dp] * dp
         starts = [sum(counts[:i]) for i in range(dp)]
         slices = [slice(s, s + c) for s, c in zip(starts, counts, strict=True)]
-        return slices[self.dims.dp_rank], slices
+        return slices[dims.dp_rank], slices
 
     @property
     def _unit(self) -> str:
@@ -300,9 +315,12 @@ class Trainer:
         """Old-policy, reference log-probs and critic values, (B, S) each, as needed."""
         a, temp = self.cfg.algo, self.cfg.rollout.temperature
         p = self.cfg.parallel
-        # forward-only passes may use bigger micro-batches (when they divide this step's batch)
         lmbs = p.logprob_micro_batch_size
-        mbs = lmbs if lmbs and batch.size % (self.dims.dp * lmbs) == 0 else p.micro_batch_size
+
+        def fwd_mbs(model: Model) -> int:  # bigger forward-only micro-batches when they divide the batch
+            return lmbs if lmbs and batch.size % (model.dims.dp * lmbs) == 0 else p.micro_batch_size
+
+        mbs = fwd_mbs(self.actor)
         out: dict[str, torch.Tensor] = {}
         if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or self.critic is not None:
             out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs, temperature=temp)[
@@ -314,7 +332,7 @@ class Trainer:
                 "logprobs"
             ]
         if self.critic is not None:
-            out["old_values"] = forward_values(self.critic, batch.tokens, micro_batch_size=mbs)
+            out["old_values"] = forward_values(self.critic, batch.tokens, micro_batch_size=fwd_mbs(self.critic))
         return out
 
     @staticmethod
@@ -384,8 +402,6 @@ class Trainer:
                 denom = algo.global_denominator(
                     a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
                 )
-                rows_sl, all_rows = self._dp_rows(per, plan.dp_shares)
-                local = {k: v[rows_sl] for k, v in mini.items()}
                 mbs = self.cfg.parallel.micro_batch_size
                 measure = n_updates == 0 and self.planner.coord is not None
                 for name, model, loss_fn, model_lr, is_value in (
@@ -400,6 +416,11 @@ class Trainer:
                 ):
                     if model is None:
                         continue
+                    # the plan's uneven DP shares are the actor's ranks; a critic on its own
+                    # layout splits its rows equally over its DP ranks
+                    shares = plan.dp_shares if model.dims is self.dims else None
+                    rows_sl, all_rows = self._dp_rows(per, shares, model.dims)
+                    local = {k: v[rows_sl] for k, v in mini.items()}
                     if measure:
                         model.probe.start()
                     stats, gnorm = train_step(
@@ -520,11 +541,9 @@ class Trainer:
 
 
 @torch.no_grad()
-def _copy_params(src: Model, dst: Model, skip_prefix: str | None = None) -> None:
+def _copy_params(src: Model, dst: Model) -> None:
     params = dict(src.core.named_parameters())
     for name, p in dst.core.named_parameters():
-        if skip_prefix and name.startswith(skip_prefix):
-            continue
         p.copy_(params[name])
     if dst.optimizer is not None and hasattr(dst.optimizer, "reload_model_params"):
         dst.optimizer.reload_model_params()

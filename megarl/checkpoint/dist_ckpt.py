@@ -19,7 +19,9 @@ Invariants:
   by the next save).
 * Weights and optimizer state are stored in model space (one global tensor per parameter and
   per Adam moment), so a checkpoint saved at one TP/PP/DP layout loads into another. The
-  distributed optimizer uses megatron's ``fully_reshardable`` format for that reason.
+  distributed optimizer uses megatron's ``fully_reshardable`` format for that reason. Each
+  model's sharded state dict is built on its own layout's groups (``model.dims``: the critic
+  may have its own TP/PP/DP), which fix its shards' offsets and replica ids.
 * Resuming is exact (bitwise for fp32 on the same layout): fp32 main params, both Adam
   moments, Adam's step count and the param-group hyper-parameters (lr, ...) are restored,
   and each rank's RNG states when the layout is unchanged. See :func:`_fix_adam_steps`
@@ -353,7 +355,8 @@ def _uses_distopt(model: Model) -> bool:
 
 def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
     core: Any = model.core
-    model_sd = core.sharded_state_dict()
+    # replica ids over this model's DP group (megatron's default is the global one)
+    model_sd = core.sharded_state_dict(metadata={"dp_cp_group": model.dims.pgs.dp_cp})
     out: dict[str, Any] = {"model": model_sd}
     if with_optimizer and model.optimizer is not None:
         metadata = dict(DIST_OPT_SHARDING) if _uses_distopt(model) else None
@@ -477,6 +480,7 @@ def _meta(models: dict[str, Model]) -> dict[str, Any]:
                 "has_optimizer": m.optimizer is not None,
                 "distributed_optimizer": m.optimizer is not None and _uses_distopt(m),
                 "padded_vocab": m.padded_vocab,
+                "layout": _layout(m.dims),
             }
             for mname, m in models.items()
         },

@@ -2,7 +2,11 @@
 
 * :func:`gather_hf_tensors` — collective over the TP group: each PP stage's owner rank gets
   that stage's parameters as full HF-named tensors (others get an empty list).
+* :func:`all_hf_tensors` — collective over all ranks: every rank gets every full HF-named
+  tensor (to load a model into a different layout, e.g. the critic from the actor).
 * :func:`load_hf_tensors` — every rank copies its own TP shard out of an HF state dict.
+* :func:`copy_weights` — one model's weights into another of the same architecture, on the
+  same layout (shard to shard) or another one (through full HF-named tensors).
 * :func:`save_hf_folder` / :func:`read_hf_folder` — safetensors shards + config.json, the
   format transformers and vLLM load directly.
 """
@@ -97,6 +101,46 @@ def hf_state_dict(model: Model, adapter: LlamaQwen2Adapter) -> dict[str, torch.T
         if dims.pp_rank == 0:
             merged.update(obj[0])
     return merged if dims.is_rank0 else {}
+
+
+def all_hf_tensors(model: Model, adapter: LlamaQwen2Adapter) -> dict[str, torch.Tensor]:
+    """Every full HF-named tensor of ``model`` (fp32, CPU) on EVERY rank.
+
+    Collective over all ranks of the world: each PP stage's owner gathers its stage over TP,
+    then broadcasts it tensor by tensor (names and shapes first). Memory: one full copy of the
+    model per rank, briefly; meant for one-off re-layouts (critic init from the actor).
+    """
+    dims = model.dims
+    local = gather_hf_tensors(model, adapter)
+    specs: list[Any] = [None] * dims.world_size
+    dist.all_gather_object(specs, [(n, tuple(t.shape)) for n, t in local])
+    mine = dict(local)
+    out: dict[str, torch.Tensor] = {}
+    for src, names in enumerate(specs):
+        for name, shape in names:
+            if src == dims.rank:
+                t = mine[name].to(dims.device)
+            else:
+                t = torch.empty(shape, dtype=torch.float32, device=dims.device)
+            dist.broadcast(t, src=src)
+            out[name] = t.cpu()
+    return out
+
+
+@torch.no_grad()
+def copy_weights(src: Model, dst: Model, adapter: LlamaQwen2Adapter) -> None:
+    """Copy ``src``'s weights into ``dst`` (same architecture, e.g. the critic's trunk from the
+    actor; ``dst``'s value head is left as it is). Same layout: shard by shard; another layout
+    (``dst.dims`` is not ``src.dims``): through full HF-named tensors, collective over all ranks.
+    """
+    if src.dims is not dst.dims:
+        load_hf_tensors(dst, adapter, all_hf_tensors(src, adapter))
+        return
+    params = dict(src.core.named_parameters())
+    for name, p in _named_params(dst):
+        p.copy_(params[name])
+    if dst.optimizer is not None and hasattr(dst.optimizer, "reload_model_params"):
+        dst.optimizer.reload_model_params()
 
 
 def save_hf_folder(path: str | Path, tensors: dict[str, torch.Tensor], hf_config: Any) -> Path:

@@ -116,26 +116,38 @@ def build_gpt(
     value_head: bool = False,
     trainable: bool = True,
     optim: OptimConfig | None = None,
+    seed: int = 0,
 ) -> Model:
-    """Build this rank's GPTModel stage; wrap in megatron DDP + optimizer when trainable."""
+    """Build this rank's GPTModel stage on ``dims``' layout; wrap in megatron DDP + optimizer
+    when trainable. ``pcfg`` must describe the same TP/PP as ``dims``; ``seed`` seeds weight
+    init on a non-global layout (:func:`megarl.distributed.layout_rng`)."""
     from megatron.core.models.gpt import GPTModel
+
+    from megarl.distributed import layout_rng
 
     if mcfg.vocab_size <= 0:
         raise ValueError("model.vocab_size must be set (from the tokenizer) before building")
+    if (pcfg.tensor_parallel, pcfg.pipeline_parallel) != (dims.tp, dims.pp):
+        raise ValueError(
+            f"parallel config TP×PP={pcfg.tensor_parallel}×{pcfg.pipeline_parallel} does not match the "
+            f"process groups' layout {dims.tp}×{dims.pp}"
+        )
     tcfg = transformer_config(mcfg, pcfg)
     padded = padded_vocab_size(mcfg.vocab_size, pcfg.tensor_parallel)
-    gpt = GPTModel(
-        config=tcfg,
-        transformer_layer_spec=layer_spec(mcfg),
-        vocab_size=padded,
-        max_sequence_length=mcfg.max_position_embeddings,
-        pre_process=dims.is_first_stage,
-        post_process=dims.is_last_stage,
-        share_embeddings_and_output_weights=mcfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(mcfg.rotary_base),
-        parallel_output=True,
-    )
+    with layout_rng(dims, seed):
+        gpt = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=layer_spec(mcfg),
+            vocab_size=padded,
+            max_sequence_length=mcfg.max_position_embeddings,
+            pre_process=dims.is_first_stage,
+            post_process=dims.is_last_stage,
+            share_embeddings_and_output_weights=mcfg.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(mcfg.rotary_base),
+            parallel_output=True,
+            pg_collection=dims.pgs,
+        )
     if value_head:
         from megarl.model.value_head import attach_value_head
 
@@ -173,7 +185,8 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
         use_distributed_optimizer=pcfg.use_distributed_optimizer,
         bucket_size=None,
     )
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model.module)
+    pgs = model.dims.pgs
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model.module, pg_collection=pgs)
     model.module = ddp
 
     def pre_reduce(chunks: list[Any]) -> None:
@@ -195,7 +208,9 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
         params_dtype=model.config.params_dtype,
         use_distributed_optimizer=pcfg.use_distributed_optimizer,
     )
-    model.optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=torch.cuda.is_available())
+    # megatron refuses gloo side groups with an explicit collection; megarl's optimizer-state
+    # format (fully_reshardable, checkpoint/optim_state.py) gathers over the DP group itself
+    model.optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False, pg_collection=pgs)
 
 
 def set_lr(model: Model, lr: float) -> None:

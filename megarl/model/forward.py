@@ -7,6 +7,13 @@ Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:,
 
 Log-probs and entropy are computed vocab-parallel (the logits never leave their TP shard);
 logits are divided by the sampling temperature on both sides (trainer and engine).
+
+Process groups come from ``model.dims`` (its layout may differ from megatron's global one: the
+critic's, see ``megarl.distributed.init_layout``): the schedule, the p2p communicator and the
+grad finalisation get its ``ProcessGroupCollection``. The one exception is megatron's
+``vocab_parallel_cross_entropy`` (log-probs), which only reads the global TP group: log-probs
+are computed for language models on the global layout only (actor, reference), which
+:func:`model_logits` checks.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperat
 
 def model_logits(model: Model, out: torch.Tensor) -> torch.Tensor:
     """The last stage's (b, s, v/tp) logits with padded vocabulary rows masked."""
+    if not model.dims.global_layout:
+        raise ValueError("vocab-parallel log-probs need the global TP group: build language models on it")
     return mask_padded_vocab(out, model.vocab_size, model.dims.tp_rank)
 
 
@@ -66,8 +75,8 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float, tp_group: A
     zmax_all = z.detach().max(dim=-1, keepdim=True).values
     dist.all_reduce(zmax_all, op=dist.ReduceOp.MAX, group=tp_group)
     ez = torch.exp(z - zmax_all)
-    sum_ez = reduce_from_tensor_model_parallel_region(ez.sum(-1))
-    sum_ezz = reduce_from_tensor_model_parallel_region((ez * z).sum(-1))
+    sum_ez = reduce_from_tensor_model_parallel_region(ez.sum(-1), group=tp_group)
+    sum_ezz = reduce_from_tensor_model_parallel_region((ez * z).sum(-1), group=tp_group)
     logz = torch.log(sum_ez) + zmax_all.squeeze(-1)
     return logz - sum_ezz / sum_ez
 
@@ -86,7 +95,9 @@ def _run_schedule(
     forward_only: bool,
 ) -> list[Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+    dims = model.dims
     seen = [0]
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
@@ -100,8 +111,12 @@ def _run_schedule(
         return out, partial(loss_fn, mb)
 
     seq_len = mbs[0]["tokens"].shape[1]
-    fb = get_forward_backward_func()
-    return fb(
+    # this model's groups, never megatron's globals (which describe the actor's layout)
+    groups: dict[str, Any] = {"pg_collection": dims.pgs}
+    if dims.pp > 1:
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=model.config)
+    fb = get_forward_backward_func(pp_size=dims.pp, vp_size=None)
+    return fb(  # type: ignore[no-any-return]
         forward_step_func=forward_step,
         data_iterator=iter(mbs),
         model=[model.module],
@@ -109,6 +124,7 @@ def _run_schedule(
         seq_length=seq_len,
         micro_batch_size=mbs[0]["tokens"].shape[0],
         forward_only=forward_only,
+        **groups,
     )
 
 
@@ -142,12 +158,14 @@ def forward_logprobs(
 
 
 def forward_values(model: Model, tokens: torch.Tensor, *, micro_batch_size: int) -> torch.Tensor:
-    """Critic values (B, S): ``values[:, t] = V(tokens[:, :t+1])``, the state before token t+1."""
+    """Critic values (B, S): ``values[:, t] = V(tokens[:, :t+1])``, the state before token t+1.
+
+    Each DP rank of the model's layout computes its B / DP rows; every rank returns all B."""
 
     def fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"values": out[..., 0].float()}
 
-    return _forward_collect(model, tokens, micro_batch_size, fn, ["values"])["values"]
+    return _forward_collect(model, tokens, micro_batch_size, fn, ["values"], split_dp=True)["values"]
 
 
 def _forward_collect(
@@ -156,23 +174,25 @@ def _forward_collect(
     micro_batch_size: int,
     fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
     keys: list[str],
+    split_dp: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Forward-only pass; ``fn`` maps the last stage's output to (B, S) tensors, which are
     broadcast over the pipeline group so every rank returns them.
 
-    With DP > 1 each data-parallel rank computes its own B/DP rows and the results are
-    all-gathered (when B divides evenly into DP × micro-batches; otherwise every rank
-    computes all rows, e.g. the one-sequence integrity probe)."""
+    With DP > 1 each data-parallel rank runs only its B / DP rows (in order) and the rows are
+    all-gathered over the DP group: always with ``split_dp``, otherwise when B divides into
+    DP × micro-batches (the one-sequence integrity probe runs on every rank)."""
     dims = model.dims
+    rows = tokens
+    if dims.dp > 1 and (split_dp or tokens.shape[0] % (dims.dp * micro_batch_size) == 0):
+        if tokens.shape[0] % dims.dp:
+            raise ValueError(f"batch of {tokens.shape[0]} rows is not divisible by DP={dims.dp}")
+        rows = tokens.chunk(dims.dp, dim=0)[dims.dp_rank]
 
     def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
-    split = dims.dp > 1 and tokens.shape[0] % (dims.dp * micro_batch_size) == 0
-    if split:
-        per = tokens.shape[0] // dims.dp
-        tokens = tokens[dims.dp_rank * per : (dims.dp_rank + 1) * per]
-    mbs = micro_batches({"tokens": tokens}, micro_batch_size)
+    mbs = micro_batches({"tokens": rows}, micro_batch_size)
     model.module.eval()
     with torch.no_grad():
         store = _run_schedule(model, mbs, loss_fn, forward_only=True)
@@ -181,11 +201,11 @@ def _forward_collect(
         if dims.is_last_stage:
             t = torch.cat([d[k] for d in store], dim=0).float().contiguous()
         else:
-            t = torch.empty(tokens.shape, dtype=torch.float32, device=tokens.device)
+            t = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
         if dims.pp > 1:
             src = dist.get_process_group_ranks(dims.pp_group)[-1]
             dist.broadcast(t, src=src, group=dims.pp_group)
-        if split:
+        if rows is not tokens:
             parts = [torch.empty_like(t) for _ in range(dims.dp)]
             dist.all_gather(parts, t, group=dims.dp_group)
             t = torch.cat(parts, dim=0)

@@ -94,3 +94,45 @@ def test_nccl_refused_for_colocated_engines(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError, match=r"weight_sync.transport='nccl' cannot reach colocated engines"):
         cfg.validate(1)
     load_config(None, ["weight_sync.transport=cuda_ipc", "rollout.colocate=true"]).validate(1)
+
+
+PPO = {"name": "ppo", "advantage": "gae"}
+R3 = {"num_prompts": 3, "samples_per_prompt": 8}  # 24 responses: the actor's DP=3 × 8 splits them
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "message"),
+    [
+        (_cfg(algo=PPO, rollout=R3, critic={"parallel.tensor_parallel": 3}), 3,
+         "critic.parallel.tensor_parallel=3 does not divide model.num_attention_heads=4"),
+        (_cfg(algo=PPO, critic={"parallel.tensor_parallel": 4}), 4,
+         "critic.parallel.tensor_parallel=4 does not divide model.num_query_groups=2"),
+        (_cfg(algo=PPO, rollout=R3, model={"num_layers": 2}, critic={"parallel.pipeline_parallel": 3}), 3,
+         "critic.parallel.pipeline_parallel=3 does not divide model.num_layers=2"),
+        (_cfg(algo=PPO, rollout=R3, critic={"parallel.pipeline_parallel": 2}), 3,
+         "critic.parallel='TP×PP=1×2' does not divide the trainer world size 3"),
+        # actor TP2 (DP1) splits 16 responses; the critic's DP2 × micro-batch 16 does not
+        (_cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 16}, rollout={"num_prompts": 4, "samples_per_prompt": 4},
+              critic={"parallel.tensor_parallel": 1}), 2,
+         "rollout.num_prompts×samples_per_prompt=16 must be divisible by the critic's DP=2 × parallel.micro_batch_size=16"),
+        (_cfg(critic={"parallel.tensor_parallel": 2}), 2, "critic.parallel='TP=2, PP=0' needs algo.name='ppo'"),
+        (_cfg(algo=PPO, coordinator={"enabled": True}, critic={"parallel.pipeline_parallel": 2}), 2,
+         "critic.parallel.pipeline_parallel=2 with coordinator.enabled needs the critic's DP > 1 or PP = 1"),
+        (_cfg(algo=PPO, critic={"parallel.tensor_parallel": -1}), 1, "critic.parallel.tensor_parallel=-1 must be a positive integer"),
+    ],
+)
+def test_critic_layout_errors_name_the_field(cfg: RunConfig, world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("×", ".").replace("'", ".")):
+        cfg.validate(world)
+
+
+def test_critic_layout_defaults_to_the_actor_and_validates() -> None:
+    cfg = _cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 4})
+    cfg.validate(2)
+    assert cfg.critic_layout(2) == (2, 1, 1)  # unset: the actor's TP/PP
+    cfg = _cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 4}, critic={"parallel.tensor_parallel": 1})
+    cfg.validate(2)
+    assert cfg.critic_layout(2) == (1, 1, 2)  # TP1 over 2 ranks: DP2
+    cfg = _cfg(algo=PPO, critic={"parallel.pipeline_parallel": 2})
+    cfg.validate(2)
+    assert cfg.critic_layout(2) == (1, 2, 1)

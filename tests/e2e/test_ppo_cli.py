@@ -32,3 +32,28 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
     assert steps[2]["train/grad_norm"] > 0
     # the adaptive controller moved the coefficient
     assert steps[-1]["train/kl_coef"] != 0.05
+
+
+def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> None:
+    """Actor TP2 with the critic on TP1 × DP2 (its own groups): the coordinator's probe reads
+    the critic's DP ranks (its noise estimate uses the critic's 2 DP-rank gradients)."""
+    import math
+
+    run = tmp_path / "run"
+    sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
+            "data.num_val=16", "critic.warmup_steps=1", "critic.parallel.tensor_parallel=1",
+            "coordinator.enabled=true", "coordinator.adapt=false", "coordinator.min_prompts=8",
+            "train.tensorboard=false", f"train.run_dir={run}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/ppo_cpu.yaml")]
+    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["coord/probe_s/critic"] > 0 and r["critic/grad_norm"] >= 0
+    assert math.isfinite(steps[-1]["coord/g2/critic"]), steps[-1]
+    # the estimate from the two critic DP ranks' gradients is a real one (non-zero noise trace)
+    assert any(math.isfinite(r["coord/tr_sigma/critic"]) and r["coord/tr_sigma/critic"] > 0 for r in steps)

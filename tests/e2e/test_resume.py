@@ -119,3 +119,31 @@ def test_resume_fails_clearly_on_other_model_shape(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "hidden_size" in proc.stdout + proc.stderr
     assert torch.isfinite(torch.tensor(1.0))
+
+
+# actor TP2 (megatron's global groups), critic TP1 × DP2 on its own groups (critic.parallel)
+PPO_CRITIC_LAYOUT = ("ppo_cpu.yaml", ["critic.parallel.tensor_parallel=1", "parallel.micro_batch_size=8",
+                                      "critic.warmup_steps=1"])
+
+
+def test_ppo_critic_on_its_own_layout_resumes_exactly(tmp_path: Path) -> None:
+    """A short PPO run through `megarl train` with the critic on its own layout logs critic
+    metrics every step, checkpoints each model with its own layout, and a run stopped after
+    step 2 and resumed equals the uninterrupted one."""
+    config, extra = PPO_CRITIC_LAYOUT
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    _run(config, [*COMMON, *extra, "train.steps=4", f"train.run_dir={full}"])
+    _run(config, [*COMMON, *extra, "train.steps=2", f"train.run_dir={parts}"])
+    log = _run(config, [*COMMON, *extra, "train.steps=4", f"train.run_dir={parts}"])
+    assert "resumed from" in log and "at step 2" in log
+    _assert_same_run(full, parts, 4)
+    steps = _steps(full)
+    assert [steps[s]["train/actor_updated"] for s in range(1, 5)] == [0.0, 1.0, 1.0, 1.0]
+    for s in range(1, 5):
+        r = steps[s]
+        assert r["critic/lr"] == 5e-4 and r["critic/value_loss"] >= 0 and "critic/value_mse" in r
+        assert (r["critic/grad_norm"] > 0) == (r["critic/value_loss"] > 0)
+    assert sum(steps[s]["critic/grad_norm"] > 0 for s in range(1, 5)) >= 2
+    meta = json.loads((parts / "checkpoints" / "step_00000004" / "meta.json").read_text())
+    assert meta["models"]["critic"]["layout"] == {"world_size": 2, "tp": 1, "pp": 1, "dp": 2}
+    assert meta["models"]["actor"]["layout"] == {"world_size": 2, "tp": 2, "pp": 1, "dp": 1}
