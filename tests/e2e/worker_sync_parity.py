@@ -45,6 +45,7 @@ try:
         outs, _ = tr.fleet.generate(prompts, n=1, max_tokens=cfg.rollout.max_response_len, temperature=0.0,
                                     top_p=1.0, stop_token_ids=[tr.tok.eos_id])
         result["engine_greedy"] = [o[0]["token_ids"] for o in outs]
+        result["engine_versions"] = tr.fleet.versions()
         result["trainer_greedy"] = ours
 finally:
     tr.close()
