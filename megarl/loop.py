@@ -76,7 +76,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 log.info("start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(tr.val_rows))
         t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
         summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync
-        summary["engine_start_s"] = tr.engine_start_s  # part of startup_s (rank 0 waits for healthy engines)
+        summary["engine_wait_s"] = tr.engine_start_s  # part of startup_s: rank 0 blocked on engine start-up
         pending = None  # an asynchronous checkpoint being written
         target = cfg.train.target_val_reward
         while step < cfg.train.steps:

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import random
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,22 @@ class Trainer:
         self.tok = self._tokenizer()
         self._resolve_model_config()
         self.adapter = LlamaQwen2Adapter(cfg.model)
+        # engines start first and load while the trainer builds its models (waited for at the first sync)
+        self.fleet: Fleet | None = None
+        self.model_dir = self.run_dir / "hf_engine"
+        self.engine_start_s = 0.0  # how long rank 0 then waited for healthy engines
+        if self.dims.is_rank0:
+            self._write_engine_folder()
+            self.fleet = self._start_fleet()
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.fleet is not None:
+                self.fleet.shutdown()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
+        p = cfg.parallel
         self.actor = build_gpt(cfg.model, p, self.dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
@@ -74,14 +89,6 @@ class Trainer:
         self.reward_fn = get_reward_fn(
             cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
         )
-        self.fleet: Fleet | None = None
-        self.model_dir = self.run_dir / "hf_engine"
-        self.engine_start_s = 0.0
-        if self.dims.is_rank0:
-            self._write_engine_folder()
-            t0 = time.perf_counter()
-            self.fleet = self._start_fleet()
-            self.engine_start_s = time.perf_counter() - t0
         self.ref: Model | None = None
         self.critic: Model | None = None
         a = cfg.algo
@@ -143,6 +150,7 @@ class Trainer:
             r.request_timeout_s,
             r.engine_start_timeout_s,
             sleep_mode=r.colocate,
+            wait=False,
         )
 
     def build_reference_and_critic(self) -> None:
@@ -250,6 +258,7 @@ class Trainer:
         """Rank 0 samples and scores; with DAPO dynamic sampling, groups without reward
         signal are dropped and refilled (up to ``algo.max_sampling_rounds``)."""
         a = self.cfg.algo
+        self._fleet_ready()
         stats: dict[str, float] = {}
         batch = None
         kept: list[Any] = []
@@ -485,7 +494,13 @@ class Trainer:
         )
         self.planner.observe(step, self.grad_stats, timings)
 
+    def _fleet_ready(self) -> None:
+        """Rank 0: engines spawned at start-up are healthy (waits once, the first time)."""
+        if self.fleet is not None:
+            self.engine_start_s += self.fleet.ready()
+
     def push_weights(self) -> dict[str, float]:
+        self._fleet_ready()
         self.version += 1
         self._colocate_wake(["weights"])  # colocated: weights back on the GPU to be overwritten
         try:
@@ -509,6 +524,7 @@ class Trainer:
         value = torch.zeros(1, dtype=torch.float64)
         if self.dims.is_rank0:
             assert self.fleet is not None
+            self._fleet_ready()
             prompts = [self.tok.encode(r.prompt) for r in self.val_rows]
             outs, _ = self.fleet.generate(
                 prompts,

@@ -109,6 +109,7 @@ class Fleet:
         self.restarts = 0
         self.reissued_prompts = 0
         self._replay: Callable[[list[Engine]], None] | None = None
+        self._starting = False  # spawned by start_local(wait=False), not yet known healthy
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,7 +125,10 @@ class Fleet:
         request_timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         sleep_mode: bool = False,
+        wait: bool = True,
     ) -> Fleet:
+        """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
+        spawn so the caller can build its models meanwhile; :meth:`ready` then waits."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         for i in range(num_engines):
@@ -154,24 +158,35 @@ class Fleet:
         fleet = cls(engines, request_timeout_s, start_timeout_s)
         for e in engines:
             fleet._spawn(e)
+        fleet._starting = True
+        if wait:
+            fleet.ready()
+        return fleet
+
+    def ready(self) -> float:
+        """Wait until freshly spawned engines are healthy (no-op afterwards); seconds waited."""
+        if not self._starting:
+            return 0.0
+        t0 = time.monotonic()
         for attempt in range(3):
             try:
-                fleet.wait_healthy()
-                return fleet
+                self.wait_healthy()
+                break
             except RolloutError:
                 # a port picked by free_port() can be taken by another process before the
                 # engine binds it: restart just those engines on new ports (bounded)
-                taken = [e for e in engines if not e.alive() and "Address already in use" in e.log_tail(40)]
+                taken = [e for e in self.engines if not e.alive() and "Address already in use" in e.log_tail(40)]
                 if not taken or attempt == 2:
-                    fleet.shutdown()
+                    self.shutdown()
                     raise
                 for e in taken:
                     port = free_port()
                     e.address = f"127.0.0.1:{port}"
                     e.launch[e.launch.index("--port") + 1] = str(port)
                     log.warning("%s: port in use, restarting on %s", e.name, e.address)
-                    fleet._spawn(e)
-        return fleet
+                    self._spawn(e)
+        self._starting = False
+        return time.monotonic() - t0
 
     @classmethod
     def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float) -> Fleet:
