@@ -70,6 +70,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megarl").info("summary %s", json.dumps(summary))
+    # leave together and tear the process groups down explicitly: a rank that exits while a
+    # peer still holds live gloo groups can abort in their destructors ("terminate called
+    # without an active exception", exit -6) and fail an otherwise finished run
+    import torch.distributed as dist
+
+    from megarl.distributed import shutdown
+
+    if dist.is_initialized():
+        dist.barrier()
+    shutdown()
     return 0
 
 
