@@ -1,0 +1,194 @@
+"""The consistency rules behind :meth:`megarl.config.RunConfig.validate`.
+
+Every rule fails with :class:`megarl.config.ConfigError` naming the field, its value and the
+rule, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from megarl.config import RunConfig, _fail, _walk
+
+
+def check(cfg: RunConfig, world_size: int) -> None:
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    _positive(cfg)
+    if m.hidden_size % m.num_attention_heads:
+        _fail(
+            "model.hidden_size",
+            m.hidden_size,
+            f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        _fail(
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"must divide model.num_attention_heads={m.num_attention_heads}",
+        )
+    if m.num_attention_heads % p.tensor_parallel:
+        _fail(
+            "parallel.tensor_parallel",
+            p.tensor_parallel,
+            f"does not divide model.num_attention_heads={m.num_attention_heads}",
+        )
+    if m.num_query_groups % p.tensor_parallel:
+        _fail(
+            "parallel.tensor_parallel",
+            p.tensor_parallel,
+            f"does not divide model.num_query_groups={m.num_query_groups}",
+        )
+    if m.ffn_hidden_size % p.tensor_parallel:
+        _fail(
+            "parallel.tensor_parallel",
+            p.tensor_parallel,
+            f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
+        )
+    if m.num_layers % p.pipeline_parallel:
+        _fail("parallel.pipeline_parallel", p.pipeline_parallel, f"does not divide model.num_layers={m.num_layers}")
+    if world_size % (p.tensor_parallel * p.pipeline_parallel):
+        _fail(
+            "parallel",
+            f"TP×PP={p.tensor_parallel * p.pipeline_parallel}",
+            f"does not divide the trainer world size {world_size}",
+        )
+    dp = world_size // (p.tensor_parallel * p.pipeline_parallel)
+    if cfg.batch_size % (dp * p.micro_batch_size * cfg.algo.mini_batches):
+        _fail(
+            "rollout.num_prompts×samples_per_prompt",
+            cfg.batch_size,
+            f"must be divisible by DP={dp} × parallel.micro_batch_size="
+            f"{p.micro_batch_size} × algo.mini_batches={cfg.algo.mini_batches}",
+        )
+    if p.logprob_micro_batch_size and cfg.batch_size % (dp * p.logprob_micro_batch_size):
+        _fail(
+            "parallel.logprob_micro_batch_size",
+            p.logprob_micro_batch_size,
+            f"× DP={dp} must divide rollout.num_prompts×samples_per_prompt={cfg.batch_size}",
+        )
+    if cfg.warm_start.steps and cfg.warm_start.batch_size % (dp * p.micro_batch_size):
+        _fail(
+            "warm_start.batch_size",
+            cfg.warm_start.batch_size,
+            f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
+        )
+    _validate_critic_layout(cfg, world_size)
+    if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
+        _fail(
+            "rollout.max_prompt_len+max_response_len",
+            r.max_prompt_len + r.max_response_len,
+            f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
+        )
+    if not 0 <= r.min_response_len <= r.max_response_len:
+        _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
+    from megarl.rollout.rewards import REWARDS
+
+    if cfg.data.reward and cfg.data.reward not in REWARDS:
+        _fail("data.reward", cfg.data.reward, f"must be one of {sorted(REWARDS)} (or '' for the default)")
+    if r.engine_tp < 1:
+        _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
+    if m.num_query_groups % r.engine_tp:
+        _fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
+    if cfg.algo.clip_low >= 1 or cfg.algo.clip_low < 0:
+        _fail("algo.clip_low", cfg.algo.clip_low, "must be in [0, 1)")
+    if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
+        _fail("algo.advantage", cfg.algo.advantage, "must be 'gae' when algo.name='ppo' (critic)")
+    if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
+        _fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
+    from megarl.algo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+
+    if cfg.algo.advantage not in ADVANTAGE_ESTIMATORS:
+        _fail("algo.advantage", cfg.algo.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    if cfg.algo.loss_agg not in LOSS_AGG_MODES:
+        _fail("algo.loss_agg", cfg.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
+    if cfg.algo.overlong_buffer_len >= r.max_response_len:
+        _fail(
+            "algo.overlong_buffer_len",
+            cfg.algo.overlong_buffer_len,
+            f"must be < rollout.max_response_len={r.max_response_len}",
+        )
+    c = cfg.coordinator
+    if c.enabled and cfg.optim.clip_grad <= 0:
+        _fail(
+            "optim.clip_grad",
+            cfg.optim.clip_grad,
+            "must be > 0 with coordinator.enabled (its grad norm is reused)",
+        )
+    if c.enabled and not c.min_prompts <= r.num_prompts <= c.max_prompts:
+        _fail(
+            "rollout.num_prompts",
+            r.num_prompts,
+            f"must lie in [coordinator.min_prompts={c.min_prompts}, coordinator.max_prompts={c.max_prompts}]",
+        )
+    if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
+        _fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cfg.weight_sync.transport in ("nccl", "cuda_ipc") and not cuda:
+        _fail("weight_sync.transport", cfg.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
+    if r.colocate and not cuda:
+        _fail("rollout.colocate", r.colocate, "needs CUDA (vLLM sleep mode); use colocate=false on CPU")
+    if r.colocate and cfg.weight_sync.transport == "nccl":
+        _fail(
+            "weight_sync.transport",
+            "nccl",
+            "cannot reach colocated engines (NCCL refuses two ranks on one GPU); use 'cuda_ipc' or 'auto'",
+        )
+    if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
+        if not cuda:
+            _fail(
+                "model.dtype/transformer_impl",
+                f"{m.dtype}/{m.transformer_impl}",
+                "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU",
+            )
+
+
+def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
+    """The critic's own layout (``critic.parallel``) must split the model and the batch."""
+    c, m = cfg.critic.parallel, cfg.model
+    if not (c.tensor_parallel or c.pipeline_parallel):
+        return
+    if cfg.algo.name != "ppo":
+        _fail("critic.parallel", f"TP={c.tensor_parallel}, PP={c.pipeline_parallel}", "needs algo.name='ppo' (critic)")
+    tp, pp, dp = cfg.critic_layout(world_size)
+    field_tp, field_pp = "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel"
+    for name, size in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        if size % tp:
+            _fail(field_tp, tp, f"does not divide {name}={size}")
+    if m.num_layers % pp:
+        _fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
+    if world_size % (tp * pp):
+        _fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
+    p, mb = cfg.parallel, cfg.algo.mini_batches
+    if cfg.batch_size % (dp * p.micro_batch_size * mb):
+        _fail(
+            "rollout.num_prompts×samples_per_prompt",
+            cfg.batch_size,
+            f"must be divisible by the critic's DP={dp} × parallel.micro_batch_size={p.micro_batch_size} × "
+            f"algo.mini_batches={mb}",
+        )
+    if cfg.coordinator.enabled and dp == 1 and pp > 1:
+        _fail(field_pp, pp, "with coordinator.enabled needs the critic's DP > 1 or PP = 1 (noise estimate)")
+
+
+def _positive(cfg: RunConfig) -> None:
+    zero_means_actor = ("critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel")
+    for path, value in _walk(cfg):
+        if path in zero_means_actor and value == 0:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            nonneg = (
+                "vocab_size",
+                "steps",
+                "warmup_steps",
+                "eval_every",
+                "overlong_buffer_len",
+                "save_every",
+                "min_response_len",
+                "logprob_micro_batch_size",
+            )
+            if value < 0 or (value == 0 and not path.endswith(nonneg)):
+                _fail(path, value, "must be a positive integer")
