@@ -133,7 +133,7 @@ class Trainer:
         hf_cfg = self.adapter.hf_config(self.tok.eos_id, self.tok.bos_id, self.tok.pad_id)
         self.model_dir.mkdir(parents=True, exist_ok=True)
         hf_cfg.save_pretrained(str(self.model_dir))
-        shapes = _hf_shapes(self.cfg)
+        shapes = self.adapter.hf_shapes()
         (self.model_dir / MANIFEST).write_text(json.dumps(shapes))
 
     def _start_fleet(self) -> Fleet:
@@ -582,36 +582,3 @@ def _pack(seqs: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tens
         tokens[b, : len(p) + len(r)] = torch.tensor(p + r)
         mask[b, len(p) - 1 : len(p) + len(r) - 1] = 1.0
     return tokens, mask
-
-
-def _hf_shapes(cfg: RunConfig) -> dict[str, list[int]]:
-    """Shapes of every HF tensor of this architecture (the engine's update manifest)."""
-    m = cfg.model
-    hd, H = m.head_dim, m.hidden_size
-    shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [m.vocab_size, H], "model.norm.weight": [H]}
-    if not m.tie_embeddings:
-        shapes["lm_head.weight"] = [m.vocab_size, H]
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": [H],
-                p + "post_attention_layernorm.weight": [H],
-                p + "self_attn.q_proj.weight": [m.num_attention_heads * hd, H],
-                p + "self_attn.k_proj.weight": [m.num_query_groups * hd, H],
-                p + "self_attn.v_proj.weight": [m.num_query_groups * hd, H],
-                p + "self_attn.o_proj.weight": [H, m.num_attention_heads * hd],
-                p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H],
-                p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
-                p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
-            }
-        )
-        if m.arch == "qwen2":
-            shapes.update(
-                {
-                    p + "self_attn.q_proj.bias": [m.num_attention_heads * hd],
-                    p + "self_attn.k_proj.bias": [m.num_query_groups * hd],
-                    p + "self_attn.v_proj.bias": [m.num_query_groups * hd],
-                }
-            )
-    return shapes

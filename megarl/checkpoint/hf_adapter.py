@@ -61,6 +61,39 @@ class LlamaQwen2Adapter:
 
     # ------------------------------------------------------------------ names
 
+    def hf_shapes(self) -> dict[str, list[int]]:
+        """Shapes of every HF tensor of this architecture (an engine's update manifest)."""
+        m = self.cfg
+        hd, H = m.head_dim, m.hidden_size
+        q, kv = m.num_attention_heads * hd, m.num_query_groups * hd
+        shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [m.vocab_size, H], "model.norm.weight": [H]}
+        if not m.tie_embeddings:
+            shapes["lm_head.weight"] = [m.vocab_size, H]
+        for i in range(m.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update(
+                {
+                    p + "input_layernorm.weight": [H],
+                    p + "post_attention_layernorm.weight": [H],
+                    p + "self_attn.q_proj.weight": [q, H],
+                    p + "self_attn.k_proj.weight": [kv, H],
+                    p + "self_attn.v_proj.weight": [kv, H],
+                    p + "self_attn.o_proj.weight": [H, q],
+                    p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H],
+                    p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
+                    p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
+                }
+            )
+            if m.arch == "qwen2":
+                shapes.update(
+                    {
+                        p + "self_attn.q_proj.bias": [q],
+                        p + "self_attn.k_proj.bias": [kv],
+                        p + "self_attn.v_proj.bias": [kv],
+                    }
+                )
+        return shapes
+
     def split_dim(self, mname: str) -> int | None:
         """TP split dimension of a megatron parameter (None = replicated)."""
         return self._lookup(mname)[1]
