@@ -25,9 +25,33 @@ def test_cuda_devices_map_to_cpu(installed) -> None:
     assert t.cuda() is t and t.to("cuda").device.type == "cpu"
 
 
-def test_current_device_and_synchronize(installed) -> None:
-    assert torch.cuda.current_device() == 0
-    assert torch.cuda.synchronize() is None
+def test_current_device_and_synchronize() -> None:
+    """Unpatched, a CPU torch build refuses both calls; patched, megatron's RoPE (which places
+    its frequencies on ``torch.cuda.current_device()``) runs and matches the formula."""
+    was = cpu.is_installed()
+    if was:
+        cpu.uninstall()
+    try:
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.synchronize()
+        cpu.install()
+        assert torch.cuda.current_device() == 0
+        torch.cuda.synchronize()
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
+        freqs = rope(5)  # (seq, 1, 1, dim)
+        inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+        expected = torch.outer(torch.arange(5, dtype=torch.float32), inv)
+        assert freqs.device.type == "cpu" and freqs.shape == (5, 1, 1, 8)
+        assert torch.allclose(freqs[:, 0, 0, :4], expected) and torch.allclose(freqs[:, 0, 0, 4:], expected)
+    finally:
+        if not was:
+            cpu.uninstall()
+        elif not cpu.is_installed():
+            cpu.install()
 
 
 def test_type_names_report_cuda_for_float(installed) -> None:

@@ -10,11 +10,34 @@ from megarl.config import ConfigError, RunConfig, load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for k, v in tree.items():
+        out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return out
+
+
 def test_examples_load_and_validate() -> None:
-    for path in sorted((ROOT / "examples").glob("*.yaml")):
+    """Every example loads with each of its YAML values in the typed config, and validates at
+    its own world size (and not at another)."""
+    import yaml
+
+    paths = sorted((ROOT / "examples").glob("*.yaml"))
+    assert {"grpo_cpu.yaml", "ppo_cpu.yaml"} <= {p.name for p in paths}
+    for path in paths:
         cfg = load_config(path)
+        leaves = _leaves(yaml.safe_load(path.read_text()))
+        assert leaves, path
+        for dotted, value in leaves:
+            got: object = cfg
+            for part in dotted.split("."):
+                got = getattr(got, part)
+            assert got == value or (isinstance(value, int | float) and got == float(value)), (path.name, dotted)
         p = cfg.parallel
-        cfg.validate(p.tensor_parallel * p.pipeline_parallel * p.data_parallel)
+        world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+        cfg.validate(world)
+        with pytest.raises(ConfigError):
+            cfg.validate(world + 1)
 
 
 def test_overrides_are_typed() -> None:

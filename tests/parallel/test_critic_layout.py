@@ -75,13 +75,24 @@ def test_critic_groups_follow_megatron_rank_order(results: dict, run: str) -> No
 
     tp, pp = ACTOR[run]
     for spec, info in results[run + "/info"]["critics"].items():
-        assert info["global"] == ((info["tp"], info["pp"]) == (tp, pp)), spec
-        assert info["tp"] * info["pp"] * info["dp"] == 2
-        assert info["tp_ranks"] == info["expected"]["tp"], spec
-        assert info["pp_ranks"] == info["expected"]["pp"], spec
-        assert info["dp_ranks"] == info["expected"]["dp"], spec
+        ctp, cpp = int(spec[1 : spec.index("p")]), int(spec[spec.index("p") + 1 :].rstrip("d"))
+        assert info["global"] == ((ctp, cpp) == (tp, pp)), spec
+        assert (info["tp"], info["pp"], info["dp"]) == (ctp, cpp, 2 // (ctp * cpp)), spec
+        # rank 0's groups in a world of 2, written out by hand: TP2 pairs ranks 0-1 for TP,
+        # PP2 pairs them for PP, otherwise the two ranks are data-parallel replicas
+        assert info["tp_ranks"] == ([0, 1] if ctp == 2 else [0]), spec
+        assert info["pp_ranks"] == ([0, 1] if cpp == 2 else [0]), spec
+        assert info["dp_ranks"] == ([0, 1] if ctp * cpp == 1 else [0]), spec
         assert info["rng_inside_ok"] and info["rng_restored"], spec
-    # megatron's order (tp-cp-ep-dp-pp: TP fastest, then DP, then PP) on a bigger world
+    # megatron's order (tp-cp-ep-dp-pp: TP fastest, then DP, then PP) on bigger worlds, against
+    # megatron's own rank generator (the independent oracle)
+    from megatron.core.parallel_state import RankGenerator
+
+    for world, ltp, lpp in [(8, 2, 2), (8, 4, 1), (8, 1, 4), (8, 1, 1), (12, 2, 3), (16, 4, 2)]:
+        gen = RankGenerator(tp=ltp, ep=1, dp=world // (ltp * lpp), pp=lpp, cp=1, order="tp-cp-ep-dp-pp")
+        r = layout_ranks(world, ltp, lpp)
+        for kind, token in (("tp", "tp"), ("dp", "dp"), ("pp", "pp"), ("mp", "tp-pp")):
+            assert r[kind] == gen.get_ranks(token), (world, ltp, lpp, kind)
     r = layout_ranks(8, 2, 2)
     assert r["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert r["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]

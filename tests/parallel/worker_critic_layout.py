@@ -133,9 +133,6 @@ for spec in args.critics.split(","):
         "tp_ranks": dist.get_process_group_ranks(cd.tp_group),
         "pp_ranks": dist.get_process_group_ranks(cd.pp_group),
         "dp_ranks": dist.get_process_group_ranks(cd.dp_group),
-        "expected": {
-            k: next(r for r in v if dims.rank in r) for k, v in layout_ranks(dims.world_size, cd.tp, cd.pp).items()
-        },
     }
     # weight init on this layout forks a model-parallel RNG stream seeded by ITS TP rank; the
     # global tracker (the actor's streams) is back afterwards

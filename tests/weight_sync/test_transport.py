@@ -45,4 +45,13 @@ def test_host_bound_transports_refuse_remote_engines(requested: str) -> None:
 def test_unknown_transport() -> None:
     with pytest.raises(ConfigError, match=r"weight_sync.transport='gloo' must be one of \['auto', 'shm', 'http'"):
         resolve_transport("gloo", [], True)
-    assert TRANSPORTS == ("auto", "shm", "http", "nccl", "cuda_ipc")
+    # the config accepts exactly the names the resolver knows: each resolves (to itself, or
+    # auto to a concrete one), and a name the resolver refuses is refused by the config too
+    from megarl.config import load_config
+
+    for name in TRANSPORTS:
+        assert load_config(None, [f"weight_sync.transport={name}"]).weight_sync.transport == name
+        got = resolve_transport(name, [], True)
+        assert got == name or (name == "auto" and got in TRANSPORTS and got != "auto")
+    with pytest.raises(ConfigError, match="weight_sync.transport"):
+        load_config(None, ["weight_sync.transport=gloo"])
