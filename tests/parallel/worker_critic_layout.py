@@ -25,7 +25,7 @@ from megarl.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint  # noqa
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf  # noqa: E402
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from megarl.distributed import init_distributed, init_layout, layout_ranks, layout_rng  # noqa: E402
+from megarl.distributed import init_distributed, init_layout, layout_rng  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_values, train_step  # noqa: E402
 
