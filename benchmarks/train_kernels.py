@@ -56,7 +56,7 @@ def main() -> int:
     from megarl.config import ModelConfig, OptimConfig, ParallelConfig
     from megarl.distributed import init_distributed
     from megarl.model.builder import build_gpt
-    from megarl.model.forward import _labels, forward_logprobs, train_step, vocab_parallel_logprobs
+    from megarl.model.forward import forward_logprobs, labels_of, train_step, vocab_parallel_logprobs
 
     dims = init_distributed(1, 1, seed=0)
     hf_cfg, hf = read_hf_folder(args.hf)
@@ -75,7 +75,7 @@ def main() -> int:
         forward_logprobs(model, tokens, micro_batch_size=args.rows, temperature=1.0)
 
     def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        lp = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 1.0)
+        lp = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 1.0)
         return -(lp * mb["mask"]).sum() / mb["mask"].sum(), {}
 
     def m_train() -> None:
@@ -83,7 +83,7 @@ def main() -> int:
 
     def hf_logprobs() -> torch.Tensor:
         logits = ref(input_ids=tokens).logits.float()
-        return torch.log_softmax(logits, -1).gather(-1, _labels(tokens)[..., None])[..., 0]
+        return torch.log_softmax(logits, -1).gather(-1, labels_of(tokens)[..., None])[..., 0]
 
     def h_fwd() -> None:
         with torch.no_grad():

@@ -3,7 +3,8 @@
     0 plan → 1 generate → 2 logprobs → 3 advantages → 4 update → 5 sync → 6 observe
 
 The loop holds no algorithm math (``megarl.algo``) and no transport details
-(``megarl.weight_sync``); it only calls the trainer's phases and logs what they measured.
+(``megarl.weight_sync``); it only calls the phases over the run's components
+(``megarl.components``) and logs what they measured.
 """
 
 from __future__ import annotations
@@ -11,53 +12,66 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from megarl.checkpoint import state
+from megarl.components import Components, add_reference_and_critic, build
 from megarl.config import RunConfig
 from megarl.metrics import MetricsLogger, Timer
-from megarl.trainer import Trainer
+from megarl.update import evaluate, mismatch
+from megarl.warm_start import warm_start
 
 log = logging.getLogger("megarl")
 
 
-def rl_step(tr: Trainer, step: int) -> dict[str, float]:
+def rl_step(c: Components, step: int) -> dict[str, float]:
+    assert c.updater is not None
     timer = Timer()
     t0 = time.perf_counter()
-    plan = tr.planner.plan(step)  # batch and LR per model: fixed, or from the coordinator
+    plan = c.planner.plan(step)  # batch and LR per model: fixed, or from the coordinator
     with timer("generate"):  # 1. sample responses on the fleet and score them
-        batch, metrics = tr.generate(step, plan.num_prompts, plan.samples_per_prompt)
+        batch, metrics = c.rollouts.collect(step, plan.num_prompts, plan.samples_per_prompt)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
-        lps = tr.logprobs(batch)
-        metrics.update(tr.mismatch(batch, lps))
+        ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
+        metrics.update(mismatch(batch, ev))
     with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)
-        adv, adv_metrics = tr.advantages(batch, lps)
+        adv, adv_metrics = c.advantages(batch, ev)
         metrics.update(adv_metrics)
     with timer("update"):  # 4. Megatron forward/backward + optimizer step(s), actor and critic
-        metrics.update(tr.update(batch, adv, lps, plan, step))
+        metrics.update(c.updater(batch, adv, ev, plan, step))
     with timer("sync"):  # 5. new weights into every engine
-        metrics.update(tr.push_weights())
+        metrics.update(c.publisher.push())
     with timer("plan"):  # 6. noise estimates + timings -> the coordinator's next plan
-        tr.observe(step, batch, timer.times)
-        metrics.update(tr.planner.metrics())
+        c.planner.observe(step, batch.size, int(batch.response_lens.sum()), timer.times, c.dims)
+        metrics.update(c.planner.metrics())
     metrics.update(timer.metrics())
     metrics["timing/step/total"] = time.perf_counter() - t0
     return metrics
 
 
+def _save(c: Components, step: int, asynchronous: bool = False) -> Any:
+    files = {"tokenizer.model": c.tok.path}
+    return state.save(
+        c.run_dir, step, c.models(), c.stateful(), files, c.cfg.train.keep_last, asynchronous=asynchronous
+    )
+
+
 def train(cfg: RunConfig) -> dict[str, float]:
     """Warm start (or resume) + RL; returns a summary (rank 0 logs it)."""
     t_start = time.perf_counter()
-    tr = Trainer(cfg)
+    c = build(cfg)
     state.install_preemption_handlers()
-    rank0 = tr.dims.is_rank0
+    rank0 = c.dims.is_rank0
     summary: dict[str, float] = {}
     resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)
     metrics_log = None
     try:
         start = 0
         if resume is not None:
-            tr.build_reference_and_critic()
-            start = state.restore(tr, resume)  # before the metrics file is opened (trimmed)
+            add_reference_and_critic(c)
+            start = state.restore(resume, c.models(), c.stateful())
+            if rank0:  # before the metrics file is opened
+                state.trim_metrics(Path(cfg.train.run_dir) / "metrics.jsonl", start)
             summary["resumed_from_step"] = start
             if rank0:
                 log.info("resumed from %s at step %d", resume, start)
@@ -65,27 +79,29 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if rank0:
                 state.rotate_metrics(Path(cfg.train.run_dir) / "metrics.jsonl")
             if cfg.warm_start.steps:
-                summary["warm_start/final_nll"] = tr.warm_start()[-1]
-            tr.build_reference_and_critic()
+                summary["warm_start/final_nll"] = warm_start(cfg, c.dims, c.actor, c.tok, c.rollouts.train_rows)[-1]
+            add_reference_and_critic(c)
         metrics_log = MetricsLogger(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.train.tensorboard)
-        tr.push_weights()  # the current policy into every engine (version 1 on a fresh start)
+        c.publisher.push()  # the current policy into every engine (version 1 on a fresh start)
         if start == 0:
-            summary["val/reward_start"] = tr.validate()
+            summary["val/reward_start"] = c.rollouts.validate()
             metrics_log.log(0, {"val/reward": summary["val/reward_start"]})
             if rank0:
-                log.info("start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(tr.val_rows))
+                log.info(
+                    "start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(c.rollouts.val_rows)
+                )
         t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
         summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync
-        summary["engine_wait_s"] = tr.engine_start_s  # part of startup_s: rank 0 blocked on engine start-up
+        summary["engine_wait_s"] = c.rollouts.engine_wait_s  # part of startup_s: rank 0 blocked on engine start-up
         pending = None  # an asynchronous checkpoint being written
         target = cfg.train.target_val_reward
         while step < cfg.train.steps:
-            m = rl_step(tr, step)
+            m = rl_step(c, step)
             step += 1
             samples += int(m.get("rollout/responses", 0))
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 t0 = time.perf_counter()
-                m["val/reward"] = tr.validate()
+                m["val/reward"] = c.rollouts.validate()
                 t_val += time.perf_counter() - t0
             metrics_log.log(step, m)
             if rank0:
@@ -96,7 +112,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 pending = None
             if preempted or (cfg.train.save_every and step % cfg.train.save_every == 0):
                 t0 = time.perf_counter()
-                result = state.save(tr, step, cfg.train.keep_last, asynchronous=cfg.train.async_save and not preempted)
+                result = _save(c, step, asynchronous=cfg.train.async_save and not preempted)
                 m_save = {"timing/checkpoint_blocked_s": time.perf_counter() - t0}
                 if cfg.train.async_save and not preempted:
                     pending = result
@@ -120,11 +136,11 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if pending is not None:
             pending.finalize()
         summary["rl_wall_s"] = time.perf_counter() - t_rl
-        summary["val/reward_end"] = tr.validate()
+        summary["val/reward_end"] = c.rollouts.validate()
         metrics_log.log(step, {"val/reward": summary["val/reward_end"]})
         if not (cfg.train.save_every and step % cfg.train.save_every == 0):
-            state.save(tr, step, cfg.train.keep_last)  # the final state is always resumable
-        tr.export_hf(tr.run_dir / "hf_final")
+            _save(c, step)  # the final state is always resumable
+        c.export_hf(c.run_dir / "hf_final")
         summary["wall_s"] = time.perf_counter() - t_start
         summary["shutdown_s"] = summary["wall_s"] - summary["startup_s"] - summary["rl_wall_s"]
         summary["steps"] = step
@@ -140,7 +156,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     finally:
         if metrics_log is not None:
             metrics_log.close()
-        tr.close()
+        c.close()
     return summary
 
 

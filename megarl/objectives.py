@@ -14,7 +14,7 @@ import torch
 
 from megarl import algo
 from megarl.config import RunConfig
-from megarl.model.forward import LossFn, _labels, vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.model.forward import LossFn, labels_of, vocab_parallel_entropy, vocab_parallel_logprobs
 
 
 def value_loss_fn(cfg: RunConfig, denom: float) -> LossFn:
@@ -46,7 +46,7 @@ def policy_loss_fn(cfg: RunConfig, tp_group: Any, denom: float) -> LossFn:
 
     def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = mb["mask"]
-        lp = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), temp)
+        lp = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), temp)
         old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
         tis = None
         stats: dict[str, torch.Tensor] = {}

@@ -36,12 +36,66 @@ class RolloutBatch:
 
 
 @dataclass
-class StepPlan:
-    """What the next step does: decided by the coordinator (or fixed by config)."""
+class PolicyEval:
+    """Phase 2's forward-only passes over a rollout (each present only when the step needs it)."""
 
-    num_prompts: int
-    samples_per_prompt: int
-    lr: dict[str, float]
-    """Learning rate per trained model name ('actor', 'critic')."""
-    dp_shares: list[float] | None = None
-    """Fraction of the batch per DP rank (None = equal)."""
+    old_logprobs: torch.Tensor | None = None  # (B, S) log π_old(a_t|s_t), the trainer's actor before the update
+    ref_logprobs: torch.Tensor | None = None  # (B, S) log π_ref(a_t|s_t), the frozen reference
+    old_values: torch.Tensor | None = None  # (B, S) V_old(s_t), the critic before the update
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        """The present tensors by name (the loss functions' micro-batch keys)."""
+        named = {"old_logprobs": self.old_logprobs, "ref_logprobs": self.ref_logprobs, "old_values": self.old_values}
+        return {k: v for k, v in named.items() if v is not None}
+
+
+@dataclass
+class Advantages:
+    """Phase 3's output: what the update trains on."""
+
+    adv: torch.Tensor  # (B, S) per-token advantages, or (B,) per-sequence (broadcast over the mask)
+    mask: torch.Tensor  # (B, S) response tokens that count (overlong-filtered rows zeroed)
+    returns: torch.Tensor | None = None  # (B, S) value targets (critic), None without a critic
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        out = {"adv": self.adv, "mask": self.mask}
+        if self.returns is not None:
+            out["returns"] = self.returns
+        return out
+
+
+@dataclass
+class LossStats:
+    """One model's loss statistics over a step's updates, reduced exactly: ``sums`` add up over
+    micro-batches, DP ranks and updates; ``maxima`` take the maximum."""
+
+    loss: float = 0.0  # sum over updates of each update's (globally normalised) loss
+    grad_norm: float = 0.0  # sum over updates of the global gradient norm
+    tokens: float = 0.0  # response tokens the sums are over
+    updates: int = 0
+    sums: dict[str, float] = field(default_factory=dict)  # e.g. clipfrac, kl, entropy (× tokens)
+    maxima: dict[str, float] = field(default_factory=dict)  # e.g. engine_prob_ratio
+
+    def add(self, stats: dict[str, float], grad_norm: float) -> None:
+        """Fold one update's reduced stats (``train_step``: ``*_max`` maxima, else sums) in."""
+        self.updates += 1
+        self.grad_norm += grad_norm
+        for k, v in stats.items():
+            if k == "loss":
+                self.loss += v
+            elif k == "tokens":
+                self.tokens += v
+            elif k.endswith("_max"):
+                name = k.removesuffix("_max")
+                self.maxima[name] = max(self.maxima.get(name, -float("inf")), v)
+            else:
+                name = k.removesuffix("_sum")
+                self.sums[name] = self.sums.get(name, 0.0) + v
+
+    def means(self) -> dict[str, float]:
+        """Per-token means of the sums, per-update means of loss and grad norm, and the maxima."""
+        n, tok = max(self.updates, 1), max(self.tokens, 1.0)
+        out = {"loss": self.loss / n, "grad_norm": self.grad_norm / n}
+        out.update({k: v / tok for k, v in self.sums.items()})
+        out.update({f"{k}_max": v for k, v in self.maxima.items()})
+        return out

@@ -1,10 +1,11 @@
 """The loop's own state in checkpoints, resume, and preemption.
 
 A checkpoint holds the models (``dist_ckpt``: actor + optimizer, frozen reference, critic +
-optimizer) and ``extra``: step, policy version, prompt-sampler position, prompt counters,
-the coordinator's state, the KL controller, the trainer's RNG position. Resuming restores
-all of it, pushes the restored actor into the fleet under its old version, and trims
-``metrics.jsonl`` to the checkpoint's step (no duplicated or missing records).
+optimizer) and ``extra``: the step and the state of each named part of the loop (rollouts:
+prompt-sampler position and prompt counters; planner: the coordinator; advantages: the KL
+controller; publisher: the policy version) — whatever :meth:`Components.stateful` lists.
+Resuming restores all of it, pushes the restored actor into the fleet under its old version,
+and trims ``metrics.jsonl`` to the checkpoint's step (no duplicated or missing records).
 
 Preemption: SIGUSR1 (SLURM's warning signal) or SIGTERM set a flag; at the end of the step
 the ranks agree (all-reduce MAX), save a checkpoint and stop with ``preempted``. Repeated
@@ -16,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,28 +49,28 @@ def ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def models_of(tr: Any) -> dict[str, Any]:
-    models = {"actor": tr.actor}
-    if tr.ref is not None:
-        models["ref"] = tr.ref
-    if tr.critic is not None:
-        models["critic"] = tr.critic
-    return models
+class Stateful(Protocol):
+    """A named part of the loop's state (sampler, planner, KL controller, policy version...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def save(tr: Any, step: int, keep_last: int, asynchronous: bool = False) -> Any:
-    """Checkpoint now (a Path), or stage it and return a PendingSave to ``finalize()`` later."""
-    extra = {
-        "step": step,
-        "version": tr.version,
-        "sampler": tr.sampler.state_dict(),
-        "prompt_stats": {"skipped": tr.prompt_stats.skipped_overlong, "truncated": tr.prompt_stats.truncated_overlong},
-        "planner": tr.planner.state_dict(),
-        "kl_ctl": tr.kl_ctl.state_dict(),
-    }
-    files = {"tokenizer.model": tr.tok.path}
+def save(
+    run_dir: str | Path,
+    step: int,
+    models: Mapping[str, Any],
+    parts: Mapping[str, Stateful],
+    files: Mapping[str, Path],
+    keep_last: int,
+    asynchronous: bool = False,
+) -> Any:
+    """Checkpoint ``models`` (dist_ckpt) and ``{"step", name: part.state_dict()}`` now (a Path),
+    or stage it and return a PendingSave to ``finalize()`` later. ``files`` are copied in."""
+    extra: dict[str, Any] = {"step": step, **{name: part.state_dict() for name, part in parts.items()}}
     return save_checkpoint(
-        ckpt_root(tr.run_dir), models_of(tr), extra, keep_last=keep_last, files=files, asynchronous=asynchronous
+        ckpt_root(run_dir), dict(models), extra, keep_last=keep_last, files=dict(files), asynchronous=asynchronous
     )
 
 
@@ -80,19 +82,15 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
     return Path(resume)
 
 
-def restore(tr: Any, path: Path) -> int:
-    """Load models + loop state; returns the number of completed steps."""
-    extra = load_checkpoint(path, models_of(tr))
-    tr.version = int(extra["version"]) - 1  # the next push re-sends this version
-    tr.sampler.load_state_dict(extra["sampler"])
-    tr.prompt_stats.skipped_overlong = int(extra["prompt_stats"]["skipped"])
-    tr.prompt_stats.truncated_overlong = int(extra["prompt_stats"]["truncated"])
-    tr.planner.load_state_dict(extra["planner"])
-    tr.kl_ctl.load_state_dict(extra["kl_ctl"])
-    step = int(extra["step"])
-    if tr.dims.is_rank0:
-        trim_metrics(Path(tr.run_dir) / "metrics.jsonl", step)
-    return step
+def restore(path: Path, models: Mapping[str, Any], parts: Mapping[str, Stateful]) -> int:
+    """Load models + every named part; returns the number of completed steps."""
+    extra = load_checkpoint(path, dict(models))
+    missing = sorted(set(parts) - set(extra))
+    if missing:
+        raise ValueError(f"checkpoint {path} has no state for {missing} (it holds {sorted(extra)})")
+    for name, part in parts.items():
+        part.load_state_dict(extra[name])
+    return int(extra["step"])
 
 
 def rotate_metrics(path: Path) -> None:

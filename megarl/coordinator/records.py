@@ -86,8 +86,8 @@ class StepPlan:
     """Responses per prompt (group size)."""
     lr: dict[str, float]
     """Learning rate per model."""
-    dp_shares: list[float]
-    """Fraction of the batch per DP rank (sums to 1)."""
+    dp_shares: list[float] | None
+    """Fraction of the batch per DP rank (sums to 1); None = equal rows."""
     predicted_goodput: float | None
     """Predicted B0-equivalent responses/s (B0 = initial batch), None if not predictable."""
     b_noise: dict[str, float | None]
@@ -112,7 +112,7 @@ class StepPlan:
             num_prompts=int(d["num_prompts"]),
             samples_per_prompt=int(d["samples_per_prompt"]),
             lr={k: float(v) for k, v in d["lr"].items()},
-            dp_shares=[float(x) for x in d["dp_shares"]],
+            dp_shares=None if d["dp_shares"] is None else [float(x) for x in d["dp_shares"]],
             predicted_goodput=None if d["predicted_goodput"] is None else float(d["predicted_goodput"]),
             b_noise={k: None if v is None else float(v) for k, v in d["b_noise"].items()},
             reason=str(d["reason"]),

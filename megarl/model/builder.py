@@ -216,17 +216,3 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
 def set_lr(model: Model, lr: float) -> None:
     for group in model.optimizer.param_groups:
         group["lr"] = lr
-
-
-def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
-    """Warm-up then constant or cosine; ``step`` counts optimizer steps from 0."""
-    import math
-
-    peak = ocfg.lr if base_lr is None else base_lr
-    if ocfg.warmup_steps and step < ocfg.warmup_steps:
-        return peak * (step + 1) / ocfg.warmup_steps
-    if ocfg.schedule == "constant":
-        return peak
-    span = max(1, total_steps - ocfg.warmup_steps)
-    progress = min(1.0, (step - ocfg.warmup_steps) / span)
-    return ocfg.min_lr + 0.5 * (peak - ocfg.min_lr) * (1 + math.cos(math.pi * progress))

@@ -128,7 +128,7 @@ def _run_schedule(
     )
 
 
-def _labels(tokens: torch.Tensor) -> torch.Tensor:
+def labels_of(tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
 
 
@@ -149,7 +149,7 @@ def forward_logprobs(
 
     def fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = model_logits(model, logits)
-        out = {"logprobs": vocab_parallel_logprobs(logits, _labels(mb["tokens"]), temperature)}
+        out = {"logprobs": vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), temperature)}
         if with_entropy:
             out["entropy"] = vocab_parallel_entropy(logits, temperature, dims.tp_group)
         return out

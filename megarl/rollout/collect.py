@@ -117,22 +117,29 @@ def has_signal(g: Group) -> bool:
     return bool(algo.groups_with_signal(rw, torch.zeros(len(g.rewards), dtype=torch.long)).any())
 
 
+def pack_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids, response ids) pairs -> tokens (B, S) right-padded, mask (B, S) = 1 where
+    ``tokens[t+1]`` is a response token (the forward.py layout)."""
+    S = max(len(p) + len(r) for p, r in seqs)
+    tokens = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S)
+    for b, (p, r) in enumerate(seqs):
+        tokens[b, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[b, len(p) - 1 : len(p) + len(r) - 1] = 1.0
+    return tokens, mask
+
+
 def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
     """Groups -> (B, S) tensors in the forward.py layout."""
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
-    B = len(seqs)
-    S = max(len(p) + len(rr) for p, rr, _, _ in seqs)
-    tokens = torch.full((B, S), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, S)
+    tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
+    B, S = tokens.shape
     elp = torch.zeros(B, S)
     lens = torch.zeros(B, dtype=torch.long)
     trunc = torch.zeros(B, dtype=torch.bool)
     for b, (p, rr, lp, tr) in enumerate(seqs):
-        n = len(p) + len(rr)
-        tokens[b, :n] = torch.tensor(p + rr)
         if rr:
-            mask[b, len(p) - 1 : n - 1] = 1.0
-            elp[b, len(p) - 1 : n - 1] = torch.tensor(lp[: len(rr)])
+            elp[b, len(p) - 1 : len(p) + len(rr) - 1] = torch.tensor(lp[: len(rr)])
         lens[b] = len(rr)
         trunc[b] = tr
     return RolloutBatch(

@@ -13,7 +13,7 @@ from megarl.checkpoint.hf_io import load_hf_tensors, read_hf_folder
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model, build_gpt
-from megarl.model.forward import _labels, train_step, vocab_parallel_logprobs
+from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
 
 B, S, MBS = 8, 16, 2
 
@@ -61,7 +61,7 @@ def sft_step(model: Model, step: int, lr: float | None = None) -> tuple[float, f
     local = {k: v[dims.dp_rank * per : (dims.dp_rank + 1) * per] for k, v in full.items()}
 
     def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        lp = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 1.0)
+        lp = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 1.0)
         loss = -(lp * mb["mask"]).sum() / denom
         return loss, {"loss": loss.detach()}
 

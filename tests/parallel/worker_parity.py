@@ -17,9 +17,9 @@ from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import (  # noqa: E402
-    _labels,
     forward_logprobs,
     forward_values,
+    labels_of,
     train_step,
     vocab_parallel_logprobs,
 )
@@ -69,7 +69,7 @@ weights = {}
 
 def policy_loss_fn(mode, denom):
     def loss_fn(mb, logits):
-        cur = vocab_parallel_logprobs(logits, _labels(mb["tokens"]), 0.7)
+        cur = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 0.7)
         per_tok, _ = algo.policy_loss(cur, mb["old"], algo.sequence_to_token(mb["adv"], mb["mask"]), mb["mask"])
         loss = algo.aggregate(per_tok, mb["mask"], mode=mode, global_denominator=denom)
         return loss, {"loss": loss.detach()}

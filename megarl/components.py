@@ -1,0 +1,243 @@
+"""Set-up: everything one run needs, built once into a typed :class:`Components` bundle.
+
+Order matters and is kept here only: process groups (actor, and the critic's own layout) →
+data → tokenizer → model config (from the HF folder of ``model.init_from``) → the engines
+start (rank 0; they load while the trainer builds) → actor → planner (attaches grad probes),
+rollout collector, advantage estimator, weight sync and publisher. The frozen reference and
+the critic come later (:func:`add_reference_and_critic`): after the warm start, so the
+reference is the warm-started policy, or before a resume overwrites them.
+
+Nothing here runs a step; the phases (``megarl.rollout.collector``, ``megarl.update``,
+``megarl.weight_sync.publisher``) take what they need from the bundle and ``loop.py`` wires
+them. :meth:`Components.stateful` is the mapping a checkpoint saves and restores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
+from megarl.config import RunConfig
+from megarl.distributed import ParallelDims, init_distributed, init_layout
+from megarl.model.builder import Model, build_gpt
+from megarl.planning import Planner
+from megarl.rollout.collector import RolloutCollector
+from megarl.rollout.data import load_prompts
+from megarl.rollout.engine_server import MANIFEST
+from megarl.rollout.fleet import Fleet
+from megarl.rollout.rewards import get_reward_fn
+from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
+from megarl.update import AdvantageEstimator, PolicyUpdater
+from megarl.weight_sync.publisher import PolicyPublisher
+from megarl.weight_sync.sync import WeightSync
+
+log = logging.getLogger("megarl")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Components:
+    cfg: RunConfig
+    dims: ParallelDims
+    """The actor's (and reference's) layout."""
+    critic_dims: ParallelDims
+    """The critic's own layout (``critic.parallel``); ``dims`` when it shares the actor's."""
+    run_dir: Path
+    tok: Tokenizer
+    adapter: LlamaQwen2Adapter
+    fleet: Fleet | None
+    """Rank 0 only."""
+    actor: Model
+    planner: Planner
+    rollouts: RolloutCollector
+    advantages: AdvantageEstimator
+    publisher: PolicyPublisher
+    ref: Model | None = None
+    critic: Model | None = None
+    updater: PolicyUpdater | None = None
+    """Set by :func:`add_reference_and_critic` (it needs the critic)."""
+
+    def models(self) -> dict[str, Model]:
+        """The checkpointed models by name."""
+        out = {"actor": self.actor}
+        if self.ref is not None:
+            out["ref"] = self.ref
+        if self.critic is not None:
+            out["critic"] = self.critic
+        return out
+
+    def stateful(self) -> dict[str, Stateful]:
+        """The loop state a checkpoint carries besides the models, by name."""
+        return {
+            "rollouts": self.rollouts,
+            "planner": self.planner,
+            "advantages": self.advantages,
+            "publisher": self.publisher,
+        }
+
+    def export_hf(self, path: Path) -> None:
+        """The actor as an HF folder (collective; rank 0 writes) with the run's tokenizer."""
+        sd = hf_state_dict(self.actor, self.adapter)
+        if self.dims.is_rank0:
+            hf_cfg = self.adapter.hf_config(self.tok.eos_id, self.tok.bos_id, self.tok.pad_id)
+            save_hf_folder(path, sd, hf_cfg)
+            shutil.copy(self.tok.path, path / "tokenizer.model")
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.shutdown()
+        if self.dims.is_rank0:
+            self.publisher.sync.cleanup()
+
+
+def build(cfg: RunConfig) -> Components:
+    """Process groups, data, tokenizer, engines (started, not awaited), actor and the phases."""
+    p = cfg.parallel
+    dims = init_distributed(p.tensor_parallel, p.pipeline_parallel, cfg.train.seed)
+    critic_dims = dims
+    if cfg.algo.name == "ppo":
+        ctp, cpp, _ = cfg.critic_layout(dims.world_size)
+        critic_dims = init_layout(dims, ctp, cpp)
+    run_dir = Path(cfg.train.run_dir)
+    if dims.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
+    tok = _tokenizer(run_dir, dims, [r.prompt + r.answer for r in train_rows[:5000]])
+    cfg.model = _model_config(cfg, tok)
+    adapter = LlamaQwen2Adapter(cfg.model)
+    fleet = None
+    if dims.is_rank0:  # engines start first and load while the trainer builds its models
+        _write_engine_folder(run_dir / "hf_engine", adapter, tok)
+        fleet = _start_fleet(cfg, run_dir)
+    try:
+        actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
+        if cfg.model.init_from:
+            _, hf = read_hf_folder(cfg.model.init_from)
+            load_hf_tensors(actor, adapter, hf)
+        reward_fn = get_reward_fn(
+            cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
+        )
+        models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
+        planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
+        planner.attach_probe(actor)
+        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, reward_fn)
+        sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
+        probe_tokens = tok.encode(val_rows[0].prompt + val_rows[0].answer)
+        publisher = PolicyPublisher(cfg, actor, sync, fleet, probe_tokens, ready=rollouts.fleet_ready)
+    except BaseException:
+        if fleet is not None:
+            fleet.shutdown()
+        raise
+    return Components(
+        cfg=cfg,
+        dims=dims,
+        critic_dims=critic_dims,
+        run_dir=run_dir,
+        tok=tok,
+        adapter=adapter,
+        fleet=fleet,
+        actor=actor,
+        planner=planner,
+        rollouts=rollouts,
+        advantages=AdvantageEstimator(cfg),
+        publisher=publisher,
+    )
+
+
+def add_reference_and_critic(c: Components) -> None:
+    """Frozen reference = copy of the current actor (same layout: shards copy one to one);
+    critic (PPO) = actor trunk + zero-initialised value head, own optimizer and LR, on its
+    own layout (``critic.parallel``). Across layouts the trunk goes through full HF-named
+    tensors (the one Megatron⇄HF adapter), gathered from the actor's shards."""
+    cfg = c.cfg
+    if cfg.algo.kl_coef > 0:
+        c.ref = build_gpt(cfg.model, cfg.parallel, c.dims, trainable=False)
+        _copy_params(c.actor, c.ref)
+    if cfg.algo.name == "ppo":
+        cd = c.critic_dims
+        c.critic = build_gpt(
+            dataclasses.replace(cfg.model, tie_embeddings=False),
+            dataclasses.replace(cfg.parallel, tensor_parallel=cd.tp, pipeline_parallel=cd.pp, data_parallel=cd.dp),
+            cd,
+            value_head=True,
+            optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr),
+            seed=cfg.train.seed,
+        )
+        if cfg.critic.init_from_actor:
+            copy_weights(c.actor, c.critic, c.adapter)
+        c.planner.attach_probe(c.critic)
+    c.updater = PolicyUpdater(cfg, c.dims, c.actor, c.critic, c.planner)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _tokenizer(run_dir: Path, dims: ParallelDims, texts: list[str]) -> Tokenizer:
+    """The built-in SentencePiece tokenizer, trained on the task's texts by rank 0 once."""
+    tdir = run_dir / "tokenizer"
+    if dims.is_rank0 and not (tdir / "tokenizer.model").exists():
+        train_tokenizer(texts, tdir)
+    dist.barrier()
+    return Tokenizer(tdir / "tokenizer.model")
+
+
+def _model_config(cfg: RunConfig, tok: Tokenizer) -> Any:
+    """``model`` with the HF folder's architecture (``init_from``) or the tokenizer's vocabulary."""
+    m = cfg.model
+    if m.init_from:
+        m = model_config_from_hf(json.loads((Path(m.init_from) / "config.json").read_text()), m)
+    elif m.vocab_size == 0:
+        m = dataclasses.replace(m, vocab_size=tok.vocab_size)
+    if m.vocab_size < tok.vocab_size:
+        raise ValueError(f"model.vocab_size={m.vocab_size} < tokenizer vocabulary {tok.vocab_size}")
+    return m
+
+
+def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Tokenizer) -> None:
+    """config.json + weight manifest: engines start with dummy weights and get synced."""
+    hf_cfg = adapter.hf_config(tok.eos_id, tok.bos_id, tok.pad_id)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    hf_cfg.save_pretrained(str(model_dir))
+    (model_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))
+
+
+def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
+    r = cfg.rollout
+    if r.engine_addresses:
+        return Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
+    return Fleet.start_local(
+        run_dir / "hf_engine",
+        r.num_engines,
+        r.engine_tp,
+        r.kv_cache_gb,
+        run_dir / "logs",
+        cfg.train.seed,
+        r.request_timeout_s,
+        r.engine_start_timeout_s,
+        sleep_mode=r.colocate,
+        wait=False,
+    )
+
+
+@torch.no_grad()
+def _copy_params(src: Model, dst: Model) -> None:
+    params = dict(src.core.named_parameters())
+    for name, p in dst.core.named_parameters():
+        p.copy_(params[name])
+    if dst.optimizer is not None and hasattr(dst.optimizer, "reload_model_params"):
+        dst.optimizer.reload_model_params()

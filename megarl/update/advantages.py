@@ -1,0 +1,55 @@
+"""Phase 3: rewards (+ the KL penalty when ``algo.kl_mode`` is ``reward``) → advantages.
+
+The math is ``megarl.algo``; this phase owns the adaptive KL controller (its β moves with
+the measured KL and is checkpointed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl import algo
+from megarl.config import RunConfig
+from megarl.types import Advantages, PolicyEval, RolloutBatch
+
+
+class AdvantageEstimator:
+    def __init__(self, cfg: RunConfig) -> None:
+        a = cfg.algo
+        self.cfg = cfg
+        self.kl_ctl = algo.make_kl_controller(
+            a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
+        )
+
+    def __call__(self, batch: RolloutBatch, ev: PolicyEval) -> tuple[Advantages, dict[str, float]]:
+        """Advantages (and critic returns). KL in the reward is a per-token penalty β·KL."""
+        a = self.cfg.algo
+        mask = batch.mask
+        if a.overlong_filter:
+            mask = mask * (~batch.truncated).float()[:, None]
+        token_rewards = algo.sequence_to_last_token(batch.rewards, mask)
+        stats: dict[str, float] = {}
+        if a.kl_mode == "reward" and ev.ref_logprobs is not None:
+            assert ev.old_logprobs is not None
+            kl = algo.kl_estimate(ev.old_logprobs, ev.ref_logprobs, a.kl_estimator) * mask
+            token_rewards = token_rewards - self.kl_ctl.value * kl
+            kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
+            stats.update({"train/kl_reward": kl_mean, "train/kl_coef": self.kl_ctl.value})
+            self.kl_ctl.update(kl_mean, batch.size)
+        res = algo.compute_advantages(
+            a.advantage,
+            mask=mask,
+            rewards=batch.rewards,
+            token_rewards=token_rewards,
+            group_ids=batch.group_ids,
+            values=ev.old_values,
+            gamma=a.gamma,
+            lam=a.lam,
+            whiten=a.whiten_advantages,
+        )
+        return Advantages(adv=res.advantages, mask=mask, returns=res.returns), stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.kl_ctl.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kl_ctl.load_state_dict(state)

@@ -1,0 +1,44 @@
+"""Phase 2: forward-only passes over a rollout — old-policy and reference log-probs, critic
+values — split over DP ranks (``megarl.model.forward``), plus the train/inference mismatch."""
+
+from __future__ import annotations
+
+from megarl.config import RunConfig
+from megarl.model.builder import Model
+from megarl.model.forward import forward_logprobs, forward_values
+from megarl.types import PolicyEval, RolloutBatch
+
+
+def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | None, critic: Model | None) -> PolicyEval:
+    """What the step's losses need: π_old when the samples are reused (several updates), the
+    KL is a reward penalty or there is a critic; π_ref when KL is on; V_old with a critic."""
+    a, temp, p = cfg.algo, cfg.rollout.temperature, cfg.parallel
+    lmbs = p.logprob_micro_batch_size
+
+    def fwd_mbs(model: Model) -> int:  # bigger forward-only micro-batches when they divide the batch
+        return lmbs if lmbs and batch.size % (model.dims.dp * lmbs) == 0 else p.micro_batch_size
+
+    out = PolicyEval()
+    mbs = fwd_mbs(actor)
+    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None:
+        out.old_logprobs = forward_logprobs(actor, batch.tokens, micro_batch_size=mbs, temperature=temp)["logprobs"]
+    if a.kl_coef > 0:
+        assert ref is not None
+        out.ref_logprobs = forward_logprobs(ref, batch.tokens, micro_batch_size=mbs, temperature=temp)["logprobs"]
+    if critic is not None:
+        out.old_values = forward_values(critic, batch.tokens, micro_batch_size=fwd_mbs(critic))
+    return out
+
+
+def mismatch(batch: RolloutBatch, ev: PolicyEval) -> dict[str, float]:
+    """Train/inference mismatch on the sampled tokens: mean |Δlogp| and max p_train/p_engine."""
+    if ev.old_logprobs is None:
+        return {}
+    m = batch.mask.bool()
+    d = ev.old_logprobs[m] - batch.engine_logprobs[m]
+    if d.numel() == 0:
+        return {}
+    return {
+        "rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
+        "rollout/mismatch_max_prob_ratio": float(d.exp().max()),
+    }

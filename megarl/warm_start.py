@@ -1,0 +1,58 @@
+"""Supervised warm start: a few steps of token-mean NLL on the reference answers (+ EOS),
+so the policy knows the answer format before RL. Batches are packed like rollouts
+(``megarl.rollout.collect.pack_sequences``) and split over DP ranks like the RL update."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import torch
+
+from megarl.config import RunConfig
+from megarl.distributed import ParallelDims
+from megarl.model.builder import Model
+from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
+from megarl.planning import lr_at
+from megarl.rollout.collect import pack_sequences
+from megarl.rollout.data import PromptRecord
+from megarl.rollout.tokenizer import Tokenizer
+from megarl.update.rows import dp_rows
+
+log = logging.getLogger("megarl")
+
+
+def warm_start(
+    cfg: RunConfig, dims: ParallelDims, actor: Model, tok: Tokenizer, rows: list[PromptRecord]
+) -> list[float]:
+    """``warm_start.steps`` supervised steps; returns the NLL per token of each step."""
+    ws = cfg.warm_start
+    rng = random.Random(cfg.train.seed + 17)
+    losses = []
+    for step in range(ws.steps):
+        picked = [rows[rng.randrange(len(rows))] for _ in range(ws.batch_size)]
+        seqs = [(tok.encode(r.prompt), tok.encode(r.answer, bos=False) + [tok.eos_id]) for r in picked]
+        tokens, mask = pack_sequences(seqs, tok.pad_id)
+        denom = float(mask.sum())
+        mine, _ = dp_rows(tokens.shape[0], cfg.parallel.micro_batch_size, dims)
+
+        def loss_fn(
+            mb: dict[str, torch.Tensor], logits: torch.Tensor, denom: float = denom
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            lp = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 1.0)
+            nll = -(lp * mb["mask"]).sum()
+            return nll / denom, {"nll": nll}
+
+        lr = lr_at(step, dataclasses.replace(cfg.optim, lr=ws.lr, warmup_steps=min(10, ws.steps)), ws.steps)
+        stats, _ = train_step(
+            actor,
+            {"tokens": tokens[mine], "mask": mask[mine]},
+            loss_fn,
+            micro_batch_size=cfg.parallel.micro_batch_size,
+            lr=lr,
+        )
+        losses.append(stats["nll"] / denom)
+        if dims.is_rank0 and (step % 50 == 0 or step == ws.steps - 1):
+            log.info("warm-start %d/%d nll %.4f", step + 1, ws.steps, losses[-1])
+    return losses

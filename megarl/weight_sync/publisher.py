@@ -1,0 +1,61 @@
+"""Phase 5 of the RL step: publish the actor's current weights to the fleet as a new version.
+
+The publisher owns the policy version counter (checkpointed: a resumed run re-sends the saved
+version) and the order around a sync: engines healthy → colocated engines wake their weights →
+:meth:`WeightSync.push` → KV cache back → optional integrity probe (engine vs trainer
+log-probs on one fixed sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megarl.config import RunConfig
+from megarl.model.builder import Model
+from megarl.rollout.fleet import Fleet
+from megarl.weight_sync.sync import WeightSync, probe
+
+
+class PolicyPublisher:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        actor: Model,
+        sync: WeightSync,
+        fleet: Fleet | None,
+        probe_tokens: list[int],
+        ready: Callable[[], None],
+    ) -> None:
+        self.cfg, self.actor, self.sync, self.fleet = cfg, actor, sync, fleet
+        self.probe_tokens = probe_tokens
+        self._ready = ready  # rank 0: wait for engines spawned at start-up (once)
+        self.version = 0
+        """Version of the weights the fleet serves (0 = none pushed yet)."""
+
+    def push(self) -> dict[str, float]:
+        """Collective over the trainer ranks: the actor's weights become version + 1."""
+        self._ready()
+        self.version += 1
+        self._wake(["weights"])  # colocated: weights back on the GPU to be overwritten
+        try:
+            stats = self.sync.push(self.version)
+        finally:
+            self._wake(["kv_cache"])  # ... then the KV cache: the fleet serves again
+        out = {f"sync/{k}": v for k, v in stats.items()}
+        if self.cfg.weight_sync.probe:
+            out["sync/probe_max_abs_diff"] = probe(
+                self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
+            )
+        return out
+
+    def _wake(self, tags: list[str]) -> None:
+        """Colocated engines wake in two steps around a sync (no-op for engines awake)."""
+        if self.cfg.rollout.colocate and self.fleet is not None:
+            self.fleet.wake_up(tags)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"]) - 1  # the next push re-sends the saved version
