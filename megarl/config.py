@@ -261,7 +261,11 @@ class WeightSyncConfig:
 
 
 @dataclass(kw_only=True)
-class CoordSection:
+class CoordinatorConfig:
+    """The critical-batch-size coordinator's settings (docs/COORDINATOR.md). What the run itself
+    fixes (group size, starting batch, DP size, reference LRs) the planner derives and passes
+    beside these (``megarl.coordinator.config.CoordinatorRun``)."""
+
     enabled: bool = False
     """Measure gradient noise per model and plan batch + LR (see docs/COORDINATOR.md)."""
     adapt: bool = True
@@ -275,11 +279,13 @@ class CoordSection:
     min_gain: float = 0.05
     """Switch only if predicted goodput improves by more than this fraction (hysteresis)."""
     warmup_steps: int = 10
-    """Observed steps before the first batch change."""
+    """Observed steps before the first batch change, steps."""
     cooldown_steps: int = 5
-    """Steps after a change before the next one."""
+    """Steps after a change before the next one, steps."""
     ema_beta: float = 0.9
-    """EMA decay per step of |G|², tr(Σ) and timings."""
+    """EMA decay per step of |G|², tr(Σ), per-rank throughput and timings."""
+    band_z: float = 2.0
+    """Width of the reported B_noise band in (approximate) standard errors."""
     lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
     """How LR follows the batch from (b_ref = initial batch, lr_ref = optim.lr / critic.lr)."""
     lr_min: float = 0.0
@@ -287,9 +293,13 @@ class CoordSection:
     lr_max: float = 1.0e-2
     """Upper clip of every planned LR."""
     noise_kind: Literal["plain", "adam"] = "plain"
-    """Which noise scale drives decisions."""
+    """Which noise scale drives decisions (adam: preconditioned gradients)."""
     noise_calibration: float = 1.0
     """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
+    time_window: int = 32
+    """Observations kept by each step-time least-squares fit, steps."""
+    prior_fixed_fraction: float = 0.3
+    """Assumed batch-independent fraction of phase time until two batch sizes were seen."""
 
 
 @dataclass(kw_only=True)
@@ -328,7 +338,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    coordinator: CoordSection = field(default_factory=CoordSection)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @property

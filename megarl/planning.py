@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimConfig, RunConfig
-from megarl.coordinator import Coordinator, CoordinatorConfig, ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe, rescale
@@ -50,28 +50,14 @@ class Planner:
         self.unit = "tokens" if cfg.algo.loss_agg == "token-mean" else "responses"
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
-            self.coord = Coordinator(
-                CoordinatorConfig(
-                    enabled=c.adapt,
-                    samples_per_prompt=r.samples_per_prompt,
-                    initial_prompts=r.num_prompts,
-                    min_prompts=c.min_prompts,
-                    max_prompts=c.max_prompts,
-                    grid_factor=c.grid_factor,
-                    batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
-                    dp_size=dp,
-                    min_gain=c.min_gain,
-                    warmup_steps=c.warmup_steps,
-                    cooldown_steps=c.cooldown_steps,
-                    ema_beta=c.ema_beta,
-                    noise_kind=c.noise_kind,
-                    noise_calibration=c.noise_calibration,
-                    lr_rule=c.lr_rule,
-                    lr_min=c.lr_min,
-                    lr_max=c.lr_max,
-                    lr_ref={m: self.lr_ref[m] for m in models},
-                )
+            run = CoordinatorRun(
+                samples_per_prompt=r.samples_per_prompt,
+                initial_prompts=r.num_prompts,
+                batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
+                dp_size=dp,
+                lr_ref={m: self.lr_ref[m] for m in models},
             )
+            self.coord = Coordinator(c, run)
 
     def plan(self, step: int) -> StepPlan:
         r, o = self.cfg.rollout, self.cfg.optim

@@ -5,7 +5,8 @@ timings each step; `Coordinator.next_plan()` returns prompts per step, per-model
 rates and per-DP-rank shares. See each module's docstring for formulas and sources.
 """
 
-from megarl.coordinator.config import CoordinatorConfig
+from megarl.config import CoordinatorConfig
+from megarl.coordinator.config import CoordinatorRun
 from megarl.coordinator.coordinator import Coordinator
 from megarl.coordinator.goodput import (
     BatchChoice,
@@ -45,6 +46,7 @@ __all__ = [
     "BatchGrid",
     "Coordinator",
     "CoordinatorConfig",
+    "CoordinatorRun",
     "LinearTimeModel",
     "LrInputs",
     "ModelGradStats",

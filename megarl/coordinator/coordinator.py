@@ -31,7 +31,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megarl.coordinator.config import CoordinatorConfig
+from megarl.config import CoordinatorConfig
+from megarl.coordinator.config import CoordinatorRun, grid, validate
 from megarl.coordinator.goodput import choose_batch, goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
 from megarl.coordinator.noise import (
@@ -45,7 +46,7 @@ from megarl.coordinator.noise import (
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
-__all__ = ["Coordinator", "CoordinatorConfig", "ModelGradStats", "StepPlan", "StepTimings"]
+__all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats", "StepPlan", "StepTimings"]
 
 STATE_VERSION = 1
 
@@ -56,13 +57,14 @@ _GradUpdate = tuple[str, BatchUnit, tuple[float, float], tuple[float, float] | N
 class Coordinator:
     """Stateful planner; see the module docstring for the protocol."""
 
-    def __init__(self, config: CoordinatorConfig):
-        config.validate()
+    def __init__(self, config: CoordinatorConfig, run: CoordinatorRun):
+        validate(config, run)
         self.config = config
-        self._grid = config.grid()
+        self.run = run
+        self.grid = grid(config, run)
         self._last_step = -1
         self._observed = 0
-        self._prompts = config.initial_prompts
+        self._prompts = run.initial_prompts
         self._last_switch_step: int | None = None
         self._noise: dict[str, NoiseScaleEstimator] = {}
         self._noise_adam: dict[str, NoiseScaleEstimator] = {}
@@ -72,7 +74,7 @@ class Coordinator:
             prior_fixed_fraction=config.prior_fixed_fraction,
             ema_beta=config.ema_beta,
         )
-        self._rank_tput = [Ema(config.ema_beta) for _ in range(config.dp_size)]
+        self._rank_tput = [Ema(config.ema_beta) for _ in range(run.dp_size)]
         self._plan: StepPlan | None = None
 
     # ----------------------------------------------------------------- observe
@@ -114,9 +116,9 @@ class Coordinator:
         out: list[_GradUpdate] = []
         seen: set[str] = set()
         for g in grads:
-            if g.model not in self.config.lr_ref:
+            if g.model not in self.run.lr_ref:
                 raise ValueError(
-                    f"model {g.model!r} has no lr_ref in CoordinatorConfig (known: {sorted(self.config.lr_ref)})"
+                    f"model {g.model!r} has no lr_ref in CoordinatorRun (known: {sorted(self.run.lr_ref)})"
                 )
             if g.model in seen:
                 raise ValueError(f"model {g.model!r} appears twice in one step's grads")
@@ -155,7 +157,7 @@ class Coordinator:
         """Per-rank responses/s of this step (empty when rank timings were not reported)."""
         if t.rank_train_s is None:
             return []
-        d = self.config.dp_size
+        d = self.run.dp_size
         if len(t.rank_train_s) != d:
             raise ValueError(f"rank_train_s has {len(t.rank_train_s)} entries, dp_size={d}")
         if t.rank_train_samples is not None:
@@ -198,15 +200,15 @@ class Coordinator:
         return None if not tpr else value / tpr
 
     def _decision_b_noise(self) -> float | None:
-        models = self.config.batch_models or sorted(self._noise)
+        models = self.run.batch_models or sorted(self._noise)
         values = [self._b_noise_responses(m, self._decision_estimator(m)) for m in models]
         known = [v for v in values if v is not None]
         return min(known) if known and len(known) == len(values) else None
 
     def _lr(self, model: str, b: int) -> float:
         cfg = self.config
-        lr_ref = cfg.lr_ref[model]
-        if not cfg.enabled:
+        lr_ref = self.run.lr_ref[model]
+        if not cfg.adapt:
             return lr_ref
         est = self._decision_estimator(model)
         g2 = est.g2 if est is not None else None
@@ -214,7 +216,7 @@ class Coordinator:
         tr_resp = None if tr is None else self._to_responses(model, tr * cfg.noise_calibration)
         inputs = LrInputs(
             b=float(b),
-            b_ref=float(cfg.b_ref.get(model, cfg.initial_batch)),
+            b_ref=float(self.run.b_ref.get(model, self.run.initial_batch)),
             lr_ref=lr_ref,
             g2=g2 if tr_resp is not None else None,
             tr_sigma=tr_resp,
@@ -223,9 +225,9 @@ class Coordinator:
         return apply_lr_rule(cfg.lr_rule, inputs, lr_min=cfg.lr_min, lr_max=cfg.lr_max)
 
     def _dp_shares(self) -> list[float]:
-        d = self.config.dp_size
+        d = self.run.dp_size
         values = [e.value for e in self._rank_tput]
-        if not self.config.enabled or any(v is None or v <= 0 for v in values):
+        if not self.config.adapt or any(v is None or v <= 0 for v in values):
             return [1.0 / d] * d
         tput = [float(v) for v in values if v is not None]
         total = sum(tput)
@@ -234,7 +236,7 @@ class Coordinator:
     def _choose(self, step: int, b_noise: float | None) -> tuple[int, str]:
         cfg = self.config
         cur = self._prompts
-        if not cfg.enabled:
+        if not cfg.adapt:
             return cur, "disabled"
         if self._observed < cfg.warmup_steps:
             return cur, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
@@ -244,7 +246,9 @@ class Coordinator:
             return cur, "keep: noise scale not resolved yet"
         if not self._time.ready:
             return cur, "keep: no timings yet"
-        choice = choose_batch(self._grid, b_noise, self._time, cur, min_gain=cfg.min_gain, b0=float(cfg.initial_batch))
+        choice = choose_batch(
+            self.grid, b_noise, self._time, cur, min_gain=cfg.min_gain, b0=float(self.run.initial_batch)
+        )
         return choice.num_prompts, choice.reason
 
     def next_plan(self) -> StepPlan:
@@ -258,15 +262,15 @@ class Coordinator:
         if prompts != self._prompts:
             self._prompts = prompts
             self._last_switch_step = step
-        b = prompts * cfg.samples_per_prompt
+        b = prompts * self.run.samples_per_prompt
         predicted: float | None = None
         if b_noise is not None and self._time.ready:
-            predicted = goodput(float(b), b_noise, float(cfg.initial_batch), self._time.predict(b))
+            predicted = goodput(float(b), b_noise, float(self.run.initial_batch), self._time.predict(b))
         self._plan = StepPlan(
             step=step,
             num_prompts=prompts,
-            samples_per_prompt=cfg.samples_per_prompt,
-            lr={m: self._lr(m, b) for m in sorted(cfg.lr_ref)},
+            samples_per_prompt=self.run.samples_per_prompt,
+            lr={m: self._lr(m, b) for m in sorted(self.run.lr_ref)},
             dp_shares=self._dp_shares(),
             predicted_goodput=predicted,
             b_noise={m: self._b_noise_responses(m, self._decision_estimator(m)) for m in sorted(self._noise)},
@@ -302,11 +306,11 @@ class Coordinator:
             if m in other:
                 bo = self._b_noise_responses(m, other[m])
                 out[f"coord/b_noise_{other[m].kind}/{m}"] = nan if bo is None else bo
-        b = self._prompts * self.config.samples_per_prompt
+        b = self._prompts * self.run.samples_per_prompt
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)
         plan = self._plan
-        for m in sorted(self.config.lr_ref):
+        for m in sorted(self.run.lr_ref):
             out[f"coord/lr/{m}"] = plan.lr[m] if plan is not None else self._lr(m, b)
         pg = plan.predicted_goodput if plan is not None else None
         out["coord/goodput_pred"] = nan if pg is None else pg
@@ -338,9 +342,9 @@ class Coordinator:
         """Restore `state_dict()` output into a coordinator built with the same config."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"coordinator state version {state.get('version')!r}, expected {STATE_VERSION}")
-        if len(state["rank_tput"]) != self.config.dp_size:
+        if len(state["rank_tput"]) != self.run.dp_size:
             raise ValueError(
-                f"coordinator state has {len(state['rank_tput'])} DP ranks, config dp_size={self.config.dp_size}"
+                f"coordinator state has {len(state['rank_tput'])} DP ranks, config dp_size={self.run.dp_size}"
             )
         self._last_step = int(state["last_step"])
         self._observed = int(state["observed"])

@@ -7,6 +7,7 @@ train 2 + 0.03·B, other 1), so the goodput optimum is B* = √(13·B_noise/0.05
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import pytest
 from megarl.coordinator import (
     Coordinator,
     CoordinatorConfig,
+    CoordinatorRun,
     ModelGradStats,
     NoiseScaleEstimator,
     StepPlan,
@@ -84,7 +86,11 @@ class SyntheticTrainer:
         return grads, timings
 
 
-def _config(**overrides: object) -> CoordinatorConfig:
+RUN_FIELDS = {f.name for f in dataclasses.fields(CoordinatorRun)}
+
+
+def _config(**overrides: object) -> tuple[CoordinatorConfig, CoordinatorRun]:
+    """(settings, run) for a Coordinator; each override goes to whichever of the two has it."""
     kw: dict[str, object] = {
         "samples_per_prompt": 8,
         "initial_prompts": 8,
@@ -96,11 +102,14 @@ def _config(**overrides: object) -> CoordinatorConfig:
         "cooldown_steps": 3,
         "ema_beta": 0.95,
         "lr_rule": "sqrt",
+        "lr_max": 1.0,
         "lr_ref": {"actor": 1e-3, "critic": 5e-4},
         "b_ref": {"actor": 64.0},
     }
     kw.update(overrides)
-    return CoordinatorConfig(**kw)  # type: ignore[arg-type]
+    run = CoordinatorRun(**{k: v for k, v in kw.items() if k in RUN_FIELDS})  # type: ignore[arg-type]
+    settings = CoordinatorConfig(**{k: v for k, v in kw.items() if k not in RUN_FIELDS})  # type: ignore[arg-type]
+    return settings, run
 
 
 def _est(coord: Coordinator, model: str) -> NoiseScaleEstimator:
@@ -125,14 +134,14 @@ def _run(coord: Coordinator, trainer: SyntheticTrainer, first: int, last: int) -
 
 
 def test_coordinator_converges_to_goodput_optimum() -> None:
-    coord = Coordinator(_config())
+    coord = Coordinator(*_config())
     trainer = SyntheticTrainer(0, {"actor": 400.0, "critic": 2000.0})
     plans = _run(coord, trainer, 0, 60)
     # Warmup keeps the initial batch; afterwards the batch grows towards B*.
     assert all(p.num_prompts == 8 for p in plans[:10])
     assert all("warmup" in p.reason for p in plans[:10])
     final = coord.next_plan()
-    grid = coord.config.grid().prompts()
+    grid = coord.grid.prompts()
     best = max(_true_goodput(p, 400.0) for p in grid)
     assert _true_goodput(final.num_prompts, 400.0) >= 0.95 * best
     assert _true_goodput(8, 400.0) < 0.8 * best  # the initial batch really was poor
@@ -156,14 +165,14 @@ def test_coordinator_converges_to_goodput_optimum() -> None:
 @pytest.mark.parametrize("save_in", ["warmup", "cooldown"])
 def test_state_dict_round_trip_gives_identical_plans(save_in: str) -> None:
     cfg = _config()
-    coord = Coordinator(cfg)
+    coord = Coordinator(*cfg)
     trainer = SyntheticTrainer(1, {"actor": 400.0, "critic": 2000.0})
     step = 0
     if save_in == "warmup":  # the first switch happens after resume
         _run(coord, trainer, 0, 8)
         step = 8
     else:  # save right after the first switch, while the cooldown holds the batch
-        while coord.next_plan().num_prompts == cfg.initial_prompts:
+        while coord.next_plan().num_prompts == cfg[1].initial_prompts:
             _run(coord, trainer, step, step + 1)
             step += 1
         _run(coord, trainer, step, step + 1)
@@ -171,9 +180,9 @@ def test_state_dict_round_trip_gives_identical_plans(save_in: str) -> None:
         assert "cooldown" in coord.next_plan().reason
     coord.next_plan()
     state = json.loads(json.dumps(coord.state_dict(), allow_nan=False))
-    resumed = Coordinator(cfg)
+    resumed = Coordinator(*cfg)
     resumed.load_state_dict(state)
-    fresh = Coordinator(cfg)  # negative control: no state
+    fresh = Coordinator(*cfg)  # negative control: no state
 
     plans_a, plans_b, plans_c = [], [], []
     for s in range(step, step + 32):
@@ -199,7 +208,7 @@ def _nan_equal(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 def test_dp_shares_follow_rank_throughput() -> None:
-    coord = Coordinator(_config())
+    coord = Coordinator(*_config())
     trainer = SyntheticTrainer(2, {"actor": 400.0}, rank_speed=(1.0, 0.5))
     assert coord.next_plan().dp_shares == [0.5, 0.5]
     _run(coord, trainer, 0, 1)
@@ -212,7 +221,7 @@ def test_dp_shares_follow_rank_throughput() -> None:
 
 def test_token_unit_noise_scale_is_converted_to_responses() -> None:
     cfg = _config(lr_ref={"actor": 1e-3}, b_ref={})
-    coord = Coordinator(cfg)
+    coord = Coordinator(*cfg)
     # 20,000 tokens of noise scale at 50 tokens per response = 400 responses.
     trainer = SyntheticTrainer(3, {"actor": 20000.0}, batch_unit="tokens")
     _run(coord, trainer, 0, 30)
@@ -225,7 +234,7 @@ def test_token_unit_noise_scale_is_converted_to_responses() -> None:
 
 
 def test_disabled_only_measures() -> None:
-    coord = Coordinator(_config(enabled=False, b_ref={"actor": 16.0}))
+    coord = Coordinator(*_config(adapt=False, b_ref={"actor": 16.0}))
     trainer = SyntheticTrainer(4, {"actor": 400.0, "critic": 2000.0}, rank_speed=(1.0, 0.5))
     plans = _run(coord, trainer, 0, 30)
     assert {p.num_prompts for p in plans} == {8}
@@ -235,7 +244,7 @@ def test_disabled_only_measures() -> None:
 
 
 def test_metrics_keys_and_values() -> None:
-    coord = Coordinator(_config())
+    coord = Coordinator(*_config())
     before = coord.metrics()
     assert before["coord/batch"] == 64.0
     assert before["coord/lr/actor"] == pytest.approx(1e-3)
@@ -259,14 +268,14 @@ def test_metrics_keys_and_values() -> None:
 
 
 def test_adam_kind_requires_preconditioned_norms() -> None:
-    coord = Coordinator(_config(noise_kind="adam"))
+    coord = Coordinator(*_config(noise_kind="adam"))
     trainer = SyntheticTrainer(6, {"actor": 400.0})
     with pytest.raises(ValueError, match="noise_kind='adam' needs precond_local_sq_norms"):
         _run(coord, trainer, 0, 1)
 
 
 def test_adam_kind_drives_decisions_when_given() -> None:
-    coord = Coordinator(_config(noise_kind="adam", lr_ref={"actor": 1e-3}))
+    coord = Coordinator(*_config(noise_kind="adam", lr_ref={"actor": 1e-3}))
     trainer = SyntheticTrainer(7, {"actor": 400.0})
     for step in range(20):
         plan = coord.next_plan()
@@ -282,12 +291,12 @@ def test_adam_kind_drives_decisions_when_given() -> None:
 
 def test_protocol_and_config_errors() -> None:
     with pytest.raises(ValueError, match="initial_prompts=7"):
-        Coordinator(_config(initial_prompts=7))
+        Coordinator(*_config(initial_prompts=7))
     with pytest.raises(ValueError, match="lr_rule='cosine'"):
-        Coordinator(_config(lr_rule="cosine"))
+        Coordinator(*_config(lr_rule="cosine"))
     with pytest.raises(ValueError, match="max_prompts=2 must be >= min_prompts=4"):
-        Coordinator(_config(max_prompts=2))
-    coord = Coordinator(_config(lr_ref={"actor": 1e-3}))
+        Coordinator(*_config(max_prompts=2))
+    coord = Coordinator(*_config(lr_ref={"actor": 1e-3}))
     trainer = SyntheticTrainer(8, {"actor": 400.0, "critic": 100.0})
     for step in range(3):  # fine while only the actor is reported
         grads, timings = trainer.step(coord.next_plan())
@@ -300,7 +309,7 @@ def test_protocol_and_config_errors() -> None:
     with pytest.raises(ValueError, match=re.escape("StepTimings.train_s=-1.0 must be")):
         coord.observe(3, grads[:1], timings)
     assert json.dumps(coord.state_dict()) == before  # rejected calls change nothing
-    coord = Coordinator(_config())
+    coord = Coordinator(*_config())
     trainer = SyntheticTrainer(8, {"actor": 400.0})
     _run(coord, trainer, 0, 2)
     with pytest.raises(ValueError, match=r"observe\(step=1\) after step 1"):
