@@ -1,4 +1,5 @@
-"""Shared test helpers: run a worker script under torchrun, make a tiny HF model."""
+"""Shared test helpers: run a worker script under torchrun, run ``megarl train`` end to end,
+make a tiny HF model."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ def torchrun(script: str | Path, nproc: int, args: list[str], timeout: int = 600
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def train_cmd(config: str, sets: list[str]) -> list[str]:
+    """``megarl train --config examples/CONFIG --set ...`` as the real entry point runs it."""
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples" / config)]
+    return cmd + [a for s in sets for a in ("--set", s)]
+
+
+def train_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def megarl_train(config: str, sets: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``megarl train`` to completion (torchrun ranks + engines, as a user would); by
+    default assert it exited 0, showing the tail of its output when it did not."""
+    proc = subprocess.run(train_cmd(config, sets), env=train_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 

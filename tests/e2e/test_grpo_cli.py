@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.metrics import read_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, megarl_train
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +22,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
             "data.num_val=32", f"train.run_dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/grpo_cpu.yaml")]
-    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = megarl_train("grpo_cpu.yaml", sets)
     (run / "stdout.log").write_text(proc.stdout + proc.stderr)
     return run
 
@@ -82,11 +78,7 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
             "algo.overlong_buffer_len=2", "algo.overlong_filter=true", "algo.tis_cap=2.0", "algo.clip_high=0.28",
             "algo.advantage=drgrpo", "algo.loss_agg=seq-mean-token-sum-norm", "train.tensorboard=false",
             f"train.run_dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/grpo_cpu.yaml")]
-    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    megarl_train("grpo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "rollout/reward_mean" in r]
     assert len(steps) == 3
     for r in steps:

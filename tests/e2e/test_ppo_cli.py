@@ -1,13 +1,10 @@
 """A short PPO run through `megarl train`: actor + Megatron critic (TP=2), GAE, KL in the
 reward with the adaptive controller, critic warm-up, 2 epochs × 2 mini-batches."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from megarl.metrics import read_metrics
-from tests.helpers import ROOT
+from tests.helpers import megarl_train
 
 
 def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
@@ -15,11 +12,7 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
     sets = ["train.steps=4", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
             "data.num_val=16", "critic.warmup_steps=2", "train.tensorboard=false", f"train.run_dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/ppo_cpu.yaml")]
-    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    megarl_train("ppo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     # critic warm-up: the actor waits 2 steps, the critic trains from step 1
@@ -45,11 +38,7 @@ def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> No
             "data.num_val=16", "critic.warmup_steps=1", "critic.parallel.tensor_parallel=1",
             "coordinator.enabled=true", "coordinator.adapt=false", "coordinator.min_prompts=8",
             "train.tensorboard=false", f"train.run_dir={run}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples/ppo_cpu.yaml")]
-    proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    megarl_train("ppo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, megarl_train, train_cmd, train_env
 
 # coordinator off: its batch choices follow wall-clock timings, so two runs would differ
 COMMON = ["coordinator.enabled=false", "warm_start.steps=20", "rollout.num_prompts=8", "rollout.samples_per_prompt=4", "data.num_train=2000",
@@ -28,18 +27,8 @@ PPO_DISTOPT = ("ppo_cpu.yaml", ["parallel.tensor_parallel=1", "parallel.data_par
                                 "critic.warmup_steps=1"])
 
 
-def _cmd(config: str, sets: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "examples" / config)]
-    return cmd + [a for s in sets for a in ("--set", s)]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-
-
 def _run(config: str, sets: list[str]) -> str:
-    proc = subprocess.run(_cmd(config, sets), env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = megarl_train(config, sets)
     return proc.stdout + proc.stderr
 
 
@@ -89,7 +78,7 @@ def test_preempted_by_signal_then_resumed(tmp_path: Path) -> None:
     full, pre = tmp_path / "full", tmp_path / "pre"
     sets = [*COMMON, *extra, "train.steps=40", "rollout.num_prompts=4"]
     _run(config, [*sets, f"train.run_dir={full}"])
-    proc = subprocess.Popen(_cmd(config, [*sets, f"train.run_dir={pre}"]), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(train_cmd(config, [*sets, f"train.run_dir={pre}"]), env=train_env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     metrics = pre / "metrics.jsonl"
@@ -113,8 +102,8 @@ def test_resume_fails_clearly_on_other_model_shape(tmp_path: Path) -> None:
     config, extra = GRPO
     run = tmp_path / "run"
     _run(config, [*COMMON, *extra, "train.steps=1", f"train.run_dir={run}"])
-    proc = subprocess.run(_cmd(config, [*COMMON, *extra, "train.steps=2", "model.hidden_size=64",
-                                        f"train.run_dir={run}"]), env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(train_cmd(config, [*COMMON, *extra, "train.steps=2", "model.hidden_size=64",
+                                        f"train.run_dir={run}"]), env=train_env(), capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode != 0
     assert "hidden_size" in proc.stdout + proc.stderr
