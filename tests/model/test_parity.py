@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT, tiny_hf_model, torchrun
 
-WORKER = ROOT / "tests/parallel/worker_parity.py"
+WORKER = ROOT / "tests/model/worker_parity.py"
 
 LAYOUTS = {  # name: (nproc, extra args)
     "tp1": (1, []),

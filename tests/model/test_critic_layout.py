@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT, tiny_hf_model, torchrun
 
-WORKER = ROOT / "tests/parallel/worker_critic_layout.py"
+WORKER = ROOT / "tests/model/worker_critic_layout.py"
 
 RUNS = {  # name: (nproc, actor layout args, critic layouts, checkpoint src:dst pairs)
     "ref": (1, [], "t1p1", ""),
