@@ -190,7 +190,8 @@ class AlgoConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling cap on exp(old - engine) (0 = off)."""
     kl_mode: Literal["loss", "reward"] = "loss"
-    """KL as a loss term (GRPO style) or as a per-token reward penalty (PPO/RLHF style)."""
+    """KL as a loss term (GRPO style) or as a per-token reward penalty β·KL_t (PPO/RLHF style;
+    outcome estimators then read the sequence reward r − β·Σ_t KL_t, as verl)."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     """Fixed kl_coef, or adaptive toward kl_target (Ziegler et al. 2019)."""
     kl_target: float = 0.1

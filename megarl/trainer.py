@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl import algo, objectives
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
-from megarl.config import RunConfig
+from megarl.config import AlgoConfig, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.model.builder import Model, build_gpt, lr_at
 from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
@@ -361,34 +361,8 @@ class Trainer:
     def advantages(
         self, batch: RolloutBatch, lps: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Advantages (and critic returns). KL in the reward is a per-token penalty β·KL."""
-        a = self.cfg.algo
-        mask = batch.mask
-        if a.overlong_filter:
-            mask = mask * (~batch.truncated).float()[:, None]
-        token_rewards = algo.sequence_to_last_token(batch.rewards, mask)
-        stats: dict[str, float] = {}
-        if a.kl_mode == "reward" and "ref_logprobs" in lps:
-            kl = algo.kl_estimate(lps["old_logprobs"], lps["ref_logprobs"], a.kl_estimator) * mask
-            token_rewards = token_rewards - self.kl_ctl.value * kl
-            kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
-            stats.update({"train/kl_reward": kl_mean, "train/kl_coef": self.kl_ctl.value})
-            self.kl_ctl.update(kl_mean, batch.size)
-        res = algo.compute_advantages(
-            a.advantage,
-            mask=mask,
-            rewards=batch.rewards,
-            token_rewards=token_rewards,
-            group_ids=batch.group_ids,
-            values=lps.get("old_values"),
-            gamma=a.gamma,
-            lam=a.lam,
-            whiten=a.whiten_advantages,
-        )
-        out = {"adv": res.advantages, "mask": mask}
-        if res.returns is not None:
-            out["returns"] = res.returns
-        return out, stats
+        """Advantages (and critic returns); see ``rollout_advantages``."""
+        return rollout_advantages(self.cfg.algo, self.kl_ctl, batch, lps)
 
     def update(
         self, batch: RolloutBatch, adv: dict[str, torch.Tensor], lps: dict[str, torch.Tensor], plan: StepPlan, step: int
@@ -557,6 +531,47 @@ class Trainer:
 
 
 @torch.no_grad()
+def rollout_advantages(
+    a: AlgoConfig,
+    kl_ctl: algo.FixedKLController | algo.AdaptiveKLController,
+    batch: RolloutBatch,
+    lps: dict[str, torch.Tensor],  # old_logprobs / ref_logprobs / old_values, (B, S) each
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Advantages (and critic returns) of one rollout batch; updates ``kl_ctl`` in reward mode.
+
+    With ``kl_mode: reward`` the penalty β·KL_t enters both views of the reward (token
+    rewards for reinforce_pp/gae, their sum for the outcome estimators), so it acts on every
+    estimator (``algo.kl_penalized_rewards``); the loss then carries no KL term.
+    """
+    mask = batch.mask
+    if a.overlong_filter:
+        mask = mask * (~batch.truncated).float()[:, None]
+    rewards = batch.rewards
+    token_rewards = algo.sequence_to_last_token(rewards, mask)
+    stats: dict[str, float] = {}
+    if a.kl_mode == "reward" and "ref_logprobs" in lps:
+        kl = algo.kl_estimate(lps["old_logprobs"], lps["ref_logprobs"], a.kl_estimator) * mask
+        rewards, token_rewards = algo.kl_penalized_rewards(batch.rewards, kl, mask, coef=kl_ctl.value)
+        kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
+        stats.update({"train/kl_reward": kl_mean, "train/kl_coef": kl_ctl.value})
+        kl_ctl.update(kl_mean, batch.size)
+    res = algo.compute_advantages(
+        a.advantage,
+        mask=mask,
+        rewards=rewards,
+        token_rewards=token_rewards,
+        group_ids=batch.group_ids,
+        values=lps.get("old_values"),
+        gamma=a.gamma,
+        lam=a.lam,
+        whiten=a.whiten_advantages,
+    )
+    out = {"adv": res.advantages, "mask": mask}
+    if res.returns is not None:
+        out["returns"] = res.returns
+    return out, stats
+
+
 def _copy_params(src: Model, dst: Model) -> None:
     params = dict(src.core.named_parameters())
     for name, p in dst.core.named_parameters():
