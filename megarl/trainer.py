@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megarl import algo, objectives
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+from megarl.checkpoint.hf_config import check_hf_tensors
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import AlgoConfig, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
@@ -83,6 +84,8 @@ class Trainer:
         self.actor = build_gpt(cfg.model, p, self.dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
+            shapes = {k: list(v.shape) for k, v in hf.items()}  # no source tensor may be left out
+            check_hf_tensors(self.adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
             load_hf_tensors(self.actor, self.adapter, hf)
         self.sampler = PromptSampler(len(self.train_rows), cfg.train.seed, cfg.data.shuffle)
         self.prompt_stats = PromptStats()
