@@ -11,8 +11,8 @@ and tokenizer files travel inside it. ``megarl-to-hf`` writes ``model.safetensor
 load, in the source model's dtype unless ``--dtype`` says otherwise. An HF model megarl would
 not reproduce exactly (RoPE type, activation, bias layout, unexpected tensors: see
 :mod:`megarl.checkpoint.hf_config`) is refused in one line naming the config key and value,
-before any process starts. ``--tp/--pp`` give the layout the model is built in; the checkpoint itself reshards,
-so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
+before any process starts. ``--tp/--pp`` give the layout the model is built in; the
+checkpoint itself reshards, so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
 itself under torchrun with TP×PP processes.
 
 Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,

@@ -10,6 +10,10 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
   [g0; u0; g1; u1; ...] and is re-split per shard before building ``gate_proj``/``up_proj``.
 * Vocabulary rows are padded to a multiple of TP (and ``make_vocab_size_divisible_by``):
   stripped on export, zero-padded on import.
+* Biases: Qwen2's q/k/v bias rides in ``linear_qkv.bias`` (grouped like the weight); with
+  ``model.linear_bias`` (HF Llama ``attention_bias`` + ``mlp_bias``) ``linear_fc1.bias`` is
+  [gate; up] per TP shard like its weight, and the row-parallel ``linear_proj.bias`` /
+  ``linear_fc2.bias`` are whole on every TP rank (added after the reduce).
 * Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
   fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
 """
@@ -36,7 +40,7 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "self_attention.linear_qkv.weight": ("@qkv.weight", 0),
     "self_attention.linear_qkv.bias": ("@qkv.bias", 0),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
-    "self_attention.linear_proj.bias": ("self_attn.o_proj.bias", None),  # row-parallel: added after the reduce
+    "self_attention.linear_proj.bias": ("self_attn.o_proj.bias", None),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
     "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight", None),
     "mlp.linear_fc1.weight": ("@fc1.weight", 0),
