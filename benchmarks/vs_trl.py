@@ -484,7 +484,7 @@ def summarise_profile(path: Path, rate: int = 25, top: int = 8) -> dict[str, Any
 
 
 def _fname(frame: str) -> str:
-    """'Trainer.update (megarl/trainer.py:388)' → 'megarl/trainer.py:Trainer.update'."""
+    """'PolicyUpdater.__call__ (megarl/update/optimize.py:30)' → 'megarl/update/optimize.py:PolicyUpdater.__call__'."""
     fn, _, where = frame.partition(" (")
     file = where.rsplit(":", 1)[0]
     for root in ("megarl/", "vllm/", "megatron/", "torch/", "transformers/"):

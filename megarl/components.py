@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+from megarl.checkpoint.hf_config import check_hf_tensors
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
@@ -128,6 +129,8 @@ def build(cfg: RunConfig) -> Components:
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
+            shapes = {k: list(v.shape) for k, v in hf.items()}  # no source tensor may be left out
+            check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
             load_hf_tensors(actor, adapter, hf)
         reward_fn = get_reward_fn(
             cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")

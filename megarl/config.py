@@ -41,7 +41,20 @@ class ModelConfig:
     max_position_embeddings: int = 128
     """Longest sequence (prompt + response) in tokens."""
     rotary_base: float = 10000.0
-    """RoPE theta."""
+    """RoPE theta (fractional values are kept)."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """RoPE frequency scaling (HF rope_scaling rope_type); llama3 = Llama 3.1/3.2 long-context."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max / this are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 scaling: context length the model was pretrained on, tokens."""
+    linear_bias: bool = False
+    """Biases on every linear layer (HF Llama attention_bias and mlp_bias together); Qwen2's
+    QKV-only bias comes with arch=qwen2."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -190,7 +203,8 @@ class AlgoConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling cap on exp(old - engine) (0 = off)."""
     kl_mode: Literal["loss", "reward"] = "loss"
-    """KL as a loss term (GRPO style) or as a per-token reward penalty (PPO/RLHF style)."""
+    """KL as a loss term (GRPO style) or as a per-token reward penalty β·KL_t (PPO/RLHF style;
+    outcome estimators then read the sequence reward r − β·Σ_t KL_t, as verl)."""
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     """Fixed kl_coef, or adaptive toward kl_target (Ziegler et al. 2019)."""
     kl_target: float = 0.1

@@ -12,6 +12,14 @@ from megarl.config import RunConfig, _fail, _walk
 def check(cfg: RunConfig, world_size: int) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     _positive(cfg)
+    if m.linear_bias and m.arch == "qwen2":
+        _fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        _fail(
+            "model.rope_high_freq_factor",
+            m.rope_high_freq_factor,
+            f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 RoPE scaling)",
+        )
     if m.hidden_size % m.num_attention_heads:
         _fail(
             "model.hidden_size",

@@ -47,29 +47,46 @@ def megarl_train(config: str, sets: list[str], timeout: int = 600, check: bool =
     return proc
 
 
-def tiny_hf_model(path: Path, arch: str = "llama", vocab: int = 61, tie: bool = False, seed: int = 0) -> Path:
-    """A random tiny Llama/Qwen2 model saved by transformers itself (the independent oracle)."""
+def tiny_hf_model(
+    path: Path,
+    arch: str = "llama",
+    vocab: int = 61,
+    tie: bool = False,
+    seed: int = 0,
+    extra: dict[str, Any] | None = None,
+    dtype: str = "float32",
+    qk_gain: float = 1.0,
+) -> Path:
+    """A random tiny Llama/Qwen2 model saved by transformers itself (the independent oracle).
+
+    ``extra``: more config keys (rope_scaling, attention_bias, ...); ``dtype``: the saved
+    tensors' dtype; ``qk_gain`` scales q/k projections so attention is sharp and position
+    (RoPE) visibly changes the logits (random init attends almost uniformly).
+    """
     import torch
 
     torch.manual_seed(seed)
     common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
-                                  pad_token_id=0)
+                                  pad_token_id=0, rope_theta=10000.0)
+    common.update(extra or {})
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, head_dim=32))
+        model = LlamaForCausalLM(LlamaConfig(head_dim=32, **common))
     # transformers inits norms to 1 and biases to 0: perturb them so the mapping is tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path), safe_serialization=True)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+    model.to(getattr(torch, dtype)).save_pretrained(str(path), safe_serialization=True)
     return path
 
 

@@ -35,6 +35,16 @@ Estimators (``r`` = sequence reward, ``G`` = a prompt group of size n):
   ``A_t = sum_l (gamma lam)^l delta_{t+l}``; returns ``R_t = A_t + V_t`` (the TD(lam)
   target for the critic). ``V`` after the last valid token is 0 (no bootstrap).
 
+KL in the reward (``algo.kl_mode: reward``; Ziegler et al. 2019 §2.2; Ouyang et al. 2022
+eq. (2)): ``kl_penalized_rewards`` turns the outcome reward into per-token rewards
+``r_t = [t last] r - β KL_t`` and the matching sequence reward ``r - β Σ_t KL_t``, which is
+the sum of those token rewards. Outcome estimators read the sequence reward, token
+estimators the token rewards, so the penalty acts on every estimator (verl does the same:
+``apply_kl_penalty`` then ``token_level_rewards.sum(-1)`` as the GRPO/RLOO score).
+``compute_advantages`` refuses ``rewards`` and ``token_rewards`` that disagree on this sum,
+so a penalty put into one of them cannot be silently ignored by an estimator reading the
+other.
+
 Recurrences run over the *valid* tokens only: a masked position inside a response (for
 example a tool output in a multi-turn rollout) is skipped, not counted as a time step,
 and its reward and value are ignored. For right-padded single-turn responses this is the
@@ -52,6 +62,7 @@ from megarl.algo.masked import (
     as_bool_mask,
     check_same_shape,
     masked_fill_zero,
+    masked_sum,
     masked_whiten,
 )
 
@@ -131,6 +142,27 @@ def sequence_to_last_token(
     rows = torch.nonzero(last >= 0).squeeze(1)
     out[rows, last[rows]] = rewards[rows].to(out.dtype)
     return out
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor,  # (B,) outcome reward per sequence
+    kl: torch.Tensor,  # (B, T) per-token KL(π || π_ref) estimate; ignored outside the mask
+    mask: torch.Tensor,  # (B, T) 1 on response tokens
+    *,
+    coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (sequence rewards (B,), token rewards (B, T))
+    """Put a KL penalty ``β·KL_t`` into the rewards, as sequence and as token rewards.
+
+    ``token = [t last valid] r - coef·KL_t`` on valid tokens (0 elsewhere) and
+    ``sequence = r - coef·Σ_t KL_t``: the sequence reward is the sum of the token rewards
+    (a row without valid tokens keeps its outcome reward, it has no KL to pay).
+    """
+    check_same_shape(kl=kl, mask=mask)
+    penalty = coef * masked_fill_zero(kl, mask).to(torch.float64)  # (B, T)
+    token = sequence_to_last_token(rewards.to(torch.float64), mask) - penalty
+    sequence = rewards.to(torch.float64) - penalty.sum(dim=1)
+    dtype = _float_dtype(rewards)
+    return sequence.to(dtype), masked_fill_zero(token, mask).to(dtype)
 
 
 # ------------------------------------------------------------------ outcome estimators
@@ -268,16 +300,39 @@ def _need(name: str, field: str, value: torch.Tensor | None, shape: str) -> torc
     return value
 
 
-def _token_rewards(
+def _reward_views(
     name: str,
-    rewards: torch.Tensor | None,
-    token_rewards: torch.Tensor | None,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    if token_rewards is not None:
-        return token_rewards
-    seq = _need(name, "rewards or token_rewards", rewards, "(B,) or (B, T)")
-    return sequence_to_last_token(seq, mask)
+    rewards: torch.Tensor | None,  # (B,) sequence rewards
+    token_rewards: torch.Tensor | None,  # (B, T) per-token rewards
+    mask: torch.Tensor,  # (B, T)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (sequence (B,), token (B, T)) rewards that agree
+    """Both views of the rewards; the missing one is derived, two given ones must agree.
+
+    A sequence reward is the sum of its token rewards over the valid tokens (rows without
+    valid tokens are not compared: they take no part in any loss).
+    """
+    if token_rewards is None:
+        seq = _need(name, "rewards or token_rewards", rewards, "(B,) or (B, T)")
+        return seq, sequence_to_last_token(seq, mask)
+    check_same_shape(token_rewards=token_rewards, mask=mask)
+    summed = masked_sum(token_rewards.to(torch.float64), mask, dim=1)  # (B,)
+    if rewards is None:
+        return summed.to(_float_dtype(token_rewards)), token_rewards
+    r = rewards.to(torch.float64)
+    # rounding of each summand, not of the (possibly cancelling) sum, bounds the disagreement
+    eps = max(torch.finfo(_float_dtype(token_rewards)).eps, torch.finfo(_float_dtype(rewards)).eps)
+    scale = masked_sum(token_rewards.to(torch.float64).abs(), mask, dim=1) + r.abs()
+    has_tokens = as_bool_mask(mask).any(dim=1)
+    bad = torch.nonzero(has_tokens & ((summed - r).abs() > 1e-6 + 16 * eps * scale)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"advantage estimator '{name}': rewards and token_rewards disagree on {bad.numel()} row(s), "
+            f"first row {i}: rewards[{i}]={float(r[i]):.6g} but token_rewards sum to {float(summed[i]):.6g}; "
+            "a sequence reward must be the sum of its token rewards (put a per-token penalty such as "
+            "KL into both, see kl_penalized_rewards, or pass only one of them)"
+        )
+    return rewards, token_rewards
 
 
 def compute_advantages(
@@ -295,16 +350,19 @@ def compute_advantages(
 ) -> AdvantageResult:
     """Run the estimator named by the config key ``name`` (see ``ADVANTAGE_ESTIMATORS``).
 
-    Outcome estimators (grpo, drgrpo, rloo, reinforce_pp_baseline) read ``rewards`` and
-    ``group_ids``. Token estimators (reinforce_pp, gae) read ``token_rewards``; if only
-    ``rewards`` is given it is placed on the last response token. ``whiten`` applies to
-    GAE only (the other estimators define their own normalisation).
+    Give ``rewards``, ``token_rewards`` or both (then they must agree: each sequence reward
+    is the sum of its token rewards over the mask, else ``ValueError``). Outcome estimators
+    (grpo, drgrpo, rloo, reinforce_pp_baseline) read the sequence rewards (the token-reward
+    sums when only ``token_rewards`` is given, as verl) and ``group_ids``. Token estimators
+    (reinforce_pp, gae) read the token rewards (an outcome reward on the last response token
+    when only ``rewards`` is given). ``whiten`` applies to GAE only (the other estimators
+    define their own normalisation).
     """
     if name not in ADVANTAGE_ESTIMATORS:
         valid = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
         raise ValueError(f"unknown advantage estimator '{name}'; valid options: {valid}")
+    seq, tok = _reward_views(name, rewards, token_rewards, mask)
     if name in ("grpo", "drgrpo", "rloo"):
-        seq = _need(name, "rewards", rewards, "(B,)")
         gid = _need(name, "group_ids", group_ids, "(B,)")
         if name == "rloo":
             adv = rloo_advantages(seq, gid)
@@ -312,10 +370,8 @@ def compute_advantages(
             adv = grpo_advantages(seq, gid, normalize_std=name == "grpo", eps=std_eps)
         return AdvantageResult(advantages=sequence_to_token(adv, mask), returns=None)
     if name == "reinforce_pp_baseline":
-        seq = _need(name, "rewards", rewards, "(B,)")
         gid = _need(name, "group_ids", group_ids, "(B,)")
         return AdvantageResult(advantages=reinforce_pp_baseline_advantages(seq, gid, mask), returns=None)
-    tok = _token_rewards(name, rewards, token_rewards, mask)
     if name == "reinforce_pp":
         return AdvantageResult(advantages=reinforce_pp_advantages(tok, mask, gamma=gamma), returns=None)
     vals = _need(name, "values", values, "(B, T)")

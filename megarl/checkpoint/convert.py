@@ -8,8 +8,11 @@
 ``CKPT_ROOT/<name>/`` and points ``CKPT_ROOT/latest`` at it; the HF config, generation config
 and tokenizer files travel inside it. ``megarl-to-hf`` writes ``model.safetensors`` +
 ``config.json`` + ``generation_config.json`` (+ tokenizer files) that transformers and vLLM
-load. ``--tp/--pp`` give the layout the model is built in; the checkpoint itself reshards,
-so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
+load, in the source model's dtype unless ``--dtype`` says otherwise. An HF model megarl would
+not reproduce exactly (RoPE type, activation, bias layout, unexpected tensors: see
+:mod:`megarl.checkpoint.hf_config`) is refused in one line naming the config key and value,
+before any process starts. ``--tp/--pp`` give the layout the model is built in; the
+checkpoint itself reshards, so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
 itself under torchrun with TP×PP processes.
 
 Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,
@@ -42,6 +45,9 @@ HF_CONFIG_IN_CKPT = "hf_config.json"
 """The source HF ``config.json`` as stored inside a converted checkpoint."""
 GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+SOURCE_DTYPE = "hf_dtype"
+"""Key of the converted checkpoint's state.json holding the source tensors' dtype name."""
 
 
 class LazyHFTensors(Mapping[str, Any]):
@@ -66,6 +72,10 @@ class LazyHFTensors(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         return self._where[name].get_tensor(name)
 
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape, read from the file headers (no tensor is loaded)."""
+        return {name: list(h.get_slice(name).get_shape()) for name, h in self._where.items()}
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -86,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, type=Path, help="HF folder to write (replaced if it exists)")
     exp.add_argument("--model", default="actor", help="model name inside the checkpoint (default: actor)")
     exp.add_argument("--tokenizer", type=Path, help="tokenizer file or folder to copy (default: the checkpoint's)")
+    exp.add_argument(
+        "--dtype",
+        choices=["auto", *EXPORT_DTYPES],
+        default="auto",
+        help="tensor dtype of the HF folder (default auto: the dtype of the HF model the checkpoint was "
+        "converted from, else the checkpoint's own)",
+    )
     for flag in ("bos", "eos", "pad"):
         exp.add_argument(f"--{flag}-id", type=int, help=f"{flag} token id (default: from the checkpoint)")
     for p in (imp, exp):
@@ -101,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or args.pp < 1:
         raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
     if args.command == "hf-to-megarl":
-        _check_hf_layout(args.hf, args.tp, args.pp)
+        _check_hf_model(args.hf, args.tp, args.pp)
         run: Any = hf_to_megarl
     else:
         from megarl.checkpoint.dist_ckpt import checkpoint_model_config
@@ -147,31 +164,41 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     mcfg = model_config_from_hf(hf_cfg, ModelConfig(dtype=args.dtype))
     pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
     model = build_gpt(mcfg, pcfg, dims, trainable=False)
-    load_hf_tensors(model, LlamaQwen2Adapter(mcfg), LazyHFTensors(hf_dir))
+    source = LazyHFTensors(hf_dir)
+    load_hf_tensors(model, LlamaQwen2Adapter(mcfg), source)
     files = {HF_CONFIG_IN_CKPT: hf_dir / "config.json"}
     for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
         if (hf_dir / name).is_file():
             files[name] = hf_dir / name
-    extra = {"step": 0, "converted_from": str(hf_dir.resolve()), "arch": mcfg.arch}
+    dtype = str(source["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    extra = {"step": 0, "converted_from": str(hf_dir.resolve()), "arch": mcfg.arch, SOURCE_DTYPE: dtype}
     path = save_checkpoint(args.out, {"actor": model}, extra, keep_last=sys.maxsize, name=args.name, files=files)
     if dims.is_rank0:
         logger.info("wrote %s (%s, TP=%d PP=%d)", path, mcfg.arch, args.tp, args.pp)
     return path
 
 
-def _check_hf_layout(hf_dir: Path, tp: int, pp: int) -> None:
-    """Fail before any process group starts when the layout cannot split this model."""
+def _check_hf_model(hf_dir: Path, tp: int, pp: int) -> None:
+    """Fail with one line, before any process starts, when megarl would not reproduce the HF
+    model exactly (config key and value named) or the layout cannot split it."""
+    from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
+    from megarl.checkpoint.hf_config import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
+    from megarl.config import ModelConfig
+
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
         raise SystemExit(f"{cfg_file} not found: not an HF model folder")
     cfg = json.loads(cfg_file.read_text())
-    heads = cfg["num_attention_heads"]
-    groups = cfg.get("num_key_value_heads", heads)
-    layers = cfg["num_hidden_layers"]
+    try:
+        mcfg = model_config_from_hf(cfg, ModelConfig())
+        found = LazyHFTensors(hf_dir).shapes()
+        check_hf_tensors(LlamaQwen2Adapter(mcfg).hf_shapes(), found, tied=mcfg.tie_embeddings, where=str(hf_dir))
+    except (UnsupportedHFModel, FileNotFoundError) as e:
+        raise SystemExit(f"{cfg_file}: {e}") from None
     for flag, div, field, value in (
-        ("--tp", tp, "num_attention_heads", heads),
-        ("--tp", tp, "num_key_value_heads", groups),
-        ("--pp", pp, "num_hidden_layers", layers),
+        ("--tp", tp, "num_attention_heads", mcfg.num_attention_heads),
+        ("--tp", tp, "num_key_value_heads", mcfg.num_query_groups),
+        ("--pp", pp, "num_hidden_layers", mcfg.num_layers),
     ):
         if value % div:
             raise SystemExit(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
@@ -182,6 +209,7 @@ def _check_hf_layout(hf_dir: Path, tp: int, pp: int) -> None:
 
 def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
     """Load the checkpoint's model at ``dims``' layout and write it as an HF folder (rank 0)."""
+    import torch
     import torch.distributed as dist
 
     from megarl.checkpoint.dist_ckpt import checkpoint_model_config, load_checkpoint, resolve_checkpoint
@@ -200,16 +228,33 @@ def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
     out: Path | None = None
     if dims.is_rank0:
         ids = _token_ids(args, ckpt)
-        hf_config = adapter.hf_config(ids["eos"], ids["bos"], ids["pad"])
+        dtype = _export_dtype(args.dtype, ckpt, mcfg.dtype)
+        tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
+        hf_config = adapter.hf_config(ids["eos"], ids["bos"], ids["pad"], dtype=dtype)
         hf_config.architectures = [ARCHITECTURES[mcfg.arch]]  # vLLM picks its model class by this
         out = save_hf_folder(args.out, tensors, hf_config)
         if (ckpt / GENERATION_CONFIG).is_file():  # the source model's sampling defaults, verbatim
             shutil.copyfile(ckpt / GENERATION_CONFIG, out / GENERATION_CONFIG)
         for src in _tokenizer_files(args.tokenizer, ckpt):
             shutil.copyfile(src, out / src.name)
-        logger.info("wrote %s (%d tensors) from %s", out, len(tensors), ckpt)
+        logger.info("wrote %s (%d tensors, %s) from %s", out, len(tensors), dtype, ckpt)
     dist.barrier()
     return out
+
+
+def _export_dtype(flag: str, ckpt: Path, model_dtype: str) -> str:
+    """``--dtype``, or auto: the source HF model's dtype (recorded at import), else the checkpoint's."""
+    if flag != "auto":
+        return flag
+    from megarl.checkpoint.hf_config import hf_dtype_name
+
+    state = ckpt / "state.json"
+    recorded = json.loads(state.read_text()).get(SOURCE_DTYPE) if state.is_file() else None
+    if recorded is None and (ckpt / HF_CONFIG_IN_CKPT).is_file():
+        recorded = hf_dtype_name(json.loads((ckpt / HF_CONFIG_IN_CKPT).read_text()))
+    if recorded in EXPORT_DTYPES:
+        return str(recorded)
+    return "bfloat16" if model_dtype == "bf16" else "float32"
 
 
 def _token_ids(args: argparse.Namespace, ckpt: Path) -> dict[str, int | None]:

@@ -322,6 +322,8 @@ def model_config_dict(model: Model) -> dict[str, Any]:
         "rotary_base": float(getattr(core, "rotary_base", 0.0)),
         "norm_eps": float(cfg.layernorm_epsilon),
         "tie_embeddings": bool(getattr(core, "share_embeddings_and_output_weights", False)),
+        "linear_bias": bool(cfg.add_bias_linear),
+        **getattr(core, "megarl_rope_scaling", {"rope_scaling": "none"}),  # set by the builder
         "value_head": _has_value_head(model),
         _DTYPE_FIELD: "bf16" if cfg.bf16 else "fp32",
     }
@@ -422,8 +424,13 @@ def _save_strategy(async_group: Any = None) -> Any:
     return strategy
 
 
+# model-config fields added after checkpoints were first written, and the value they had then
+_ADDED_FIELD_DEFAULTS: dict[str, Any] = {"linear_bias": False, "rope_scaling": "none"}
+
+
 def _check_model_config(path: Path, mname: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise naming every model-config field that differs (dtype only logs: values are cast)."""
+    saved = {**_ADDED_FIELD_DEFAULTS, **saved}  # checkpoints written before these fields existed
     keys = sorted(set(saved) | set(current))
     diff = [k for k in keys if k != _DTYPE_FIELD and saved.get(k) != current.get(k)]
     if diff:

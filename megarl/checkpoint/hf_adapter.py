@@ -10,6 +10,10 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
   [g0; u0; g1; u1; ...] and is re-split per shard before building ``gate_proj``/``up_proj``.
 * Vocabulary rows are padded to a multiple of TP (and ``make_vocab_size_divisible_by``):
   stripped on export, zero-padded on import.
+* Biases: Qwen2's q/k/v bias rides in ``linear_qkv.bias`` (grouped like the weight); with
+  ``model.linear_bias`` (HF Llama ``attention_bias`` + ``mlp_bias``) ``linear_fc1.bias`` is
+  [gate; up] per TP shard like its weight, and the row-parallel ``linear_proj.bias`` /
+  ``linear_fc2.bias`` are whole on every TP rank (added after the reduce).
 * Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
   fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
 """
@@ -22,7 +26,10 @@ from typing import Any
 
 import torch
 
+from megarl.checkpoint.hf_config import model_config_from_hf
 from megarl.config import ModelConfig
+
+__all__ = ["AdapterError", "LlamaQwen2Adapter", "iter_layer_groups", "model_config_from_hf"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -33,10 +40,13 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "self_attention.linear_qkv.weight": ("@qkv.weight", 0),
     "self_attention.linear_qkv.bias": ("@qkv.bias", 0),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+    "self_attention.linear_proj.bias": ("self_attn.o_proj.bias", None),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
     "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight", None),
-    "mlp.linear_fc1.weight": ("@fc1", 0),
+    "mlp.linear_fc1.weight": ("@fc1.weight", 0),
+    "mlp.linear_fc1.bias": ("@fc1.bias", 0),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+    "mlp.linear_fc2.bias": ("mlp.down_proj.bias", None),
 }
 _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
@@ -84,12 +94,21 @@ class LlamaQwen2Adapter:
                     p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
                 }
             )
-            if m.arch == "qwen2":
+            if m.arch == "qwen2" or m.linear_bias:
                 shapes.update(
                     {
                         p + "self_attn.q_proj.bias": [q],
                         p + "self_attn.k_proj.bias": [kv],
                         p + "self_attn.v_proj.bias": [kv],
+                    }
+                )
+            if m.linear_bias:
+                shapes.update(
+                    {
+                        p + "self_attn.o_proj.bias": [H],
+                        p + "mlp.gate_proj.bias": [m.ffn_hidden_size],
+                        p + "mlp.up_proj.bias": [m.ffn_hidden_size],
+                        p + "mlp.down_proj.bias": [H],
                     }
                 )
         return shapes
@@ -127,9 +146,10 @@ class LlamaQwen2Adapter:
                 (f"{prefix}self_attn.k_proj.{kind}", k),
                 (f"{prefix}self_attn.v_proj.{kind}", v),
             ]
-        if target == "@fc1":
+        if target in ("@fc1.weight", "@fc1.bias"):
+            kind = target.split(".")[1]
             gate, up = self._split_fc1(full, tp)
-            return [(f"{prefix}mlp.gate_proj.weight", gate), (f"{prefix}mlp.up_proj.weight", up)]
+            return [(f"{prefix}mlp.gate_proj.{kind}", gate), (f"{prefix}mlp.up_proj.{kind}", up)]
         if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[: self.vocab]
         return [(prefix + target, full)]
@@ -186,9 +206,10 @@ class LlamaQwen2Adapter:
                 ],
                 dim=1,
             ).reshape(-1, *rest)
-        elif target == "@fc1":
-            gate = get(f"{prefix}mlp.gate_proj.weight").chunk(tp, dim=0)
-            up = get(f"{prefix}mlp.up_proj.weight").chunk(tp, dim=0)
+        elif target in ("@fc1.weight", "@fc1.bias"):
+            kind = target.split(".")[1]
+            gate = get(f"{prefix}mlp.gate_proj.{kind}").chunk(tp, dim=0)
+            up = get(f"{prefix}mlp.up_proj.{kind}").chunk(tp, dim=0)
             full = torch.cat([torch.cat([g, u], dim=0) for g, u in zip(gate, up)], dim=0)
         elif mname == "output_layer.weight" and "lm_head.weight" not in hf:
             full = get("model.embed_tokens.weight")  # tied embeddings
@@ -210,9 +231,28 @@ class LlamaQwen2Adapter:
 
     # ------------------------------------------------------------------ HF config
 
-    def hf_config(self, eos_token_id: int | None, bos_token_id: int | None, pad_token_id: int | None) -> Any:
-        """A transformers config object matching this model exactly."""
+    def hf_config(
+        self,
+        eos_token_id: int | None,
+        bos_token_id: int | None,
+        pad_token_id: int | None,
+        dtype: str | None = None,
+    ) -> Any:
+        """A transformers config object matching this model exactly.
+
+        ``dtype``: the ``torch_dtype`` to record (e.g. "bfloat16"); default the trainer's dtype.
+        """
         c = self.cfg
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
+        if c.rope_scaling == "llama3":
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": c.rotary_base,
+                "factor": c.rope_scaling_factor,
+                "low_freq_factor": c.rope_low_freq_factor,
+                "high_freq_factor": c.rope_high_freq_factor,
+                "original_max_position_embeddings": c.rope_original_max_position_embeddings,
+            }
         common: dict[str, Any] = dict(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -222,13 +262,13 @@ class LlamaQwen2Adapter:
             num_key_value_heads=c.num_query_groups,
             max_position_embeddings=c.max_position_embeddings,
             rms_norm_eps=c.norm_eps,
-            rope_theta=c.rotary_base,
+            rope_parameters=rope,
             tie_word_embeddings=c.tie_embeddings,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             hidden_act="silu",
-            torch_dtype="float32" if c.dtype == "fp32" else "bfloat16",
+            torch_dtype=dtype or ("float32" if c.dtype == "fp32" else "bfloat16"),
         )
         if c.arch == "qwen2":
             from transformers import Qwen2Config
@@ -237,38 +277,12 @@ class LlamaQwen2Adapter:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            **common, head_dim=c.head_dim, attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"]
+            **common,
+            head_dim=c.head_dim,
+            attention_bias=c.linear_bias,
+            mlp_bias=c.linear_bias,
+            architectures=["LlamaForCausalLM"],
         )
-
-
-def model_config_from_hf(hf_cfg: dict[str, Any], base: ModelConfig) -> ModelConfig:
-    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2)."""
-    import dataclasses
-
-    arch = hf_cfg.get("model_type", "llama")
-    if arch not in ("llama", "qwen2"):
-        raise AdapterError(f"unsupported HF model_type '{arch}' (supported: llama, qwen2)")
-    rope = hf_cfg.get("rope_theta")
-    if rope is None:
-        rope = (hf_cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    heads = hf_cfg["num_attention_heads"]
-    head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads
-    if head_dim * heads != hf_cfg["hidden_size"]:
-        raise AdapterError("head_dim × num_attention_heads != hidden_size is not supported")
-    return dataclasses.replace(
-        base,
-        arch=arch,
-        num_layers=hf_cfg["num_hidden_layers"],
-        hidden_size=hf_cfg["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf_cfg.get("num_key_value_heads", heads),
-        ffn_hidden_size=hf_cfg["intermediate_size"],
-        vocab_size=hf_cfg["vocab_size"],
-        max_position_embeddings=hf_cfg.get("max_position_embeddings", base.max_position_embeddings),
-        rotary_base=float(rope),
-        norm_eps=hf_cfg.get("rms_norm_eps", base.norm_eps),
-        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
-    )
 
 
 def iter_layer_groups(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -256,7 +256,6 @@ class Coordinator:
         step = self._last_step + 1
         if self._plan is not None and self._plan.step == step:
             return self._plan
-        cfg = self.config
         b_noise = self._decision_b_noise()
         prompts, reason = self._choose(step, b_noise)
         if prompts != self._prompts:

@@ -1,7 +1,8 @@
 """Build megatron-core GPTModels (actor, reference, critic) and their optimizer from config.
 
-A Llama/Qwen2-style decoder: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE, GQA,
-no linear biases except Qwen2's QKV bias. The layer spec is megatron's ``local`` spec
+A Llama/Qwen2-style decoder: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE (optionally
+Llama 3 scaled, ``megarl.model.rope``), GQA; linear biases: none, Qwen2's QKV bias, or all
+(``model.linear_bias``, HF Llama ``attention_bias`` + ``mlp_bias``). The layer spec is megatron's ``local`` spec
 (CPU and GPU) or Transformer Engine's (GPU only), selected by ``model.transformer_impl``.
 
 Loss scaling convention: ``calculate_per_token_loss=True`` and a finalize function that
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig
 from megarl.distributed import ParallelDims
+from megarl.model.rope import apply_rope_scaling
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 8) -> int:
@@ -46,7 +48,7 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
         layernorm_epsilon=mcfg.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=mcfg.linear_bias,
         add_qkv_bias=mcfg.arch == "qwen2",
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -144,10 +146,12 @@ def build_gpt(
             post_process=dims.is_last_stage,
             share_embeddings_and_output_weights=mcfg.tie_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(mcfg.rotary_base),
+            # megatron hints int, but computes base ** (i/d) in float: int() would change the model
+            rotary_base=mcfg.rotary_base,  # type: ignore[arg-type]
             parallel_output=True,
             pg_collection=dims.pgs,
         )
+    apply_rope_scaling(gpt, mcfg)
     if value_head:
         from megarl.model.value_head import attach_value_head
 

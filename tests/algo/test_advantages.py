@@ -291,10 +291,13 @@ def test_compute_advantages_dispatch() -> None:
     assert gae.returns is not None
     torch.testing.assert_close(gae.returns, ret)
     assert set(ADVANTAGE_ESTIMATORS) == {*expect, "gae"}
-    # explicit token rewards take precedence over the sequence rewards
+    # explicit token rewards alone drive the token estimators
     tok, _ = _tokens(0, mask)
-    explicit = compute_advantages("reinforce_pp", mask=mask, rewards=rewards, token_rewards=tok)
+    explicit = compute_advantages("reinforce_pp", mask=mask, token_rewards=tok)
     torch.testing.assert_close(explicit.advantages, reinforce_pp_advantages(tok, mask))
+    # rewards that are not the token rewards' sums are refused, whichever estimator would read them
+    with pytest.raises(ValueError, match="'reinforce_pp': rewards and token_rewards disagree"):
+        compute_advantages("reinforce_pp", mask=mask, rewards=rewards, token_rewards=tok)
 
 
 def test_compute_advantages_errors() -> None:

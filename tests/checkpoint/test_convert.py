@@ -2,13 +2,17 @@
 identical tensors; the Megatron model built from the checkpoint matches transformers (the
 independent oracle) on the same tokens; the round-tripped folder loads with transformers.
 Llama with untied embeddings and a vocabulary that needs TP padding; Qwen2 with tied
-embeddings and QKV bias. The command line re-launches itself under torchrun."""
+embeddings and QKV bias; a Llama 3.1-style model (llama3 RoPE scaling, attention and MLP
+biases, fractional rope_theta, bf16, which comes back bf16). The command line re-launches
+itself under torchrun. HF models megarl would not reproduce are refused before any work."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +22,21 @@ from tests.helpers import ROOT, tiny_hf_model, torchrun
 
 WORKER = ROOT / "tests/checkpoint/worker_convert.py"
 TOOL = ROOT / "tools/convert.py"
-ARCHS = {"llama": dict(arch="llama", vocab=100, tie=False), "qwen2": dict(arch="qwen2", vocab=61, tie=True)}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # < the 24 test positions: scaling acts
+}
+# Llama 3.1-style: llama3 RoPE scaling, attention + MLP biases, a fractional rope_theta, bf16
+# tensors; q/k are sharpened so that position visibly changes the logits.
+LLAMA3 = dict(rope_theta=10.5, rope_scaling=LLAMA3_ROPE, attention_bias=True, mlp_bias=True)
+ARCHS = {
+    "llama": dict(arch="llama", vocab=100, tie=False),
+    "qwen2": dict(arch="qwen2", vocab=61, tie=True),
+    "llama3": dict(arch="llama", vocab=100, tie=False, extra=LLAMA3, dtype="bfloat16", qk_gain=8.0),
+}
 TOKENIZER_BYTES = b"not a real sentencepiece model, copied verbatim"
 
 
@@ -51,10 +69,18 @@ def _same_tensors(a_dir: Path, b_dir: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def _hf_logprobs(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def _hf_logprobs(hf_dir: Path, tokens: torch.Tensor, **config_changes: Any) -> torch.Tensor:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), config=config, dtype=torch.float32)
+    if config_changes.get("zero_biases"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
     with torch.no_grad():
         logits = model(tokens).logits
     return logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
@@ -65,7 +91,9 @@ def test_roundtrip_gives_identical_tensors(base: Path, arch: str) -> None:
     _same_tensors(base / arch / "hf", base / arch / "hf_rt")
     names = set(load_file(str(base / arch / "hf_rt" / "model.safetensors")))
     assert ("lm_head.weight" in names) is (not ARCHS[arch]["tie"])
-    assert any(n.endswith("q_proj.bias") for n in names) is (arch == "qwen2")
+    assert any(n.endswith("q_proj.bias") for n in names) is (arch in ("qwen2", "llama3"))
+    for bias in ("o_proj.bias", "gate_proj.bias", "up_proj.bias", "down_proj.bias"):
+        assert sum(n.endswith(bias) for n in names) == (4 if arch == "llama3" else 0), bias
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,6 +101,7 @@ def test_megatron_tp2pp2_matches_transformers(base: Path, arch: str) -> None:
     got = load_file(str(base / arch / "megatron_logprobs.safetensors"))
     ref = _hf_logprobs(base / arch / "hf", got["tokens"])
     diff = (got["logprobs"][:, :-1] - ref).abs().max().item()
+    print(f"{arch}: Megatron TP2 PP2 vs transformers, max |Δ logprob| = {diff:.2e}")
     assert diff < 1e-4, diff
 
 
@@ -97,10 +126,32 @@ def test_roundtrip_folder_loads_with_transformers(base: Path, arch: str) -> None
         "bos_token_id",
         "eos_token_id",
         "pad_token_id",
+        "rope_parameters",
+        "attention_bias",
+        "mlp_bias",
+        "hidden_act",
+        "dtype",
     ):
         assert a.get(key) == b.get(key), key
     assert json.loads((rt / "generation_config.json").read_text())["eos_token_id"] == 2
     assert (rt / "tokenizer.model").read_bytes() == TOKENIZER_BYTES
+
+
+def test_llama3_features_each_change_the_logits(base: Path) -> None:
+    """The 1e-4 agreement above would fail without any one feature: dropping the llama3
+    scaling, truncating rope_theta to an int or dropping the biases moves transformers'
+    own log-probs far more (what the converter used to build)."""
+    got = load_file(str(base / "llama3" / "megatron_logprobs.safetensors"))
+    hf = base / "llama3" / "hf"
+    rope = {**LLAMA3_ROPE, "rope_theta": 10.5}
+    for change in (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10.5}},
+        {"rope_parameters": {**rope, "rope_theta": 10.0}},
+        {"zero_biases": True},
+    ):
+        diff = (got["logprobs"][:, :-1] - _hf_logprobs(hf, got["tokens"], **change)).abs().max().item()
+        print(f"llama3 Megatron vs transformers with {change}: max |Δ logprob| = {diff:.3f}")
+        assert diff > 1e-3, (change, diff)  # 10× the agreement tolerance
 
 
 def test_converted_checkpoint_format(base: Path) -> None:
@@ -120,3 +171,78 @@ def test_command_line_with_relaunch_and_resharding(base: Path) -> None:
     assert meta["layout"]["tp"] == 2  # written by 2 torchrun ranks
     _same_tensors(q / "hf", q / "cli_hf")  # read back at TP=1 in one process
     assert (q / "cli_hf" / "tokenizer.model").read_bytes() == TOKENIZER_BYTES
+
+
+# --------------------------------------------------------------------------- refusals
+
+REFUSED = {
+    # case -> (config.json changes, the one line that must name key and value)
+    "yarn": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+        "rope_parameters.rope_type='yarn'",
+    ),
+    "dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type='dynamic'"),
+    "linear": ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='linear'"),
+    "gelu": ({"hidden_act": "gelu"}, "unsupported HF config hidden_act='gelu'"),
+    "attention_bias_only": ({"attention_bias": True}, "unsupported HF config attention_bias=True"),
+    "llama3_extra_key": ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 1e4, "beta_fast": 32}}, "beta_fast=32"),
+    "biases_missing": (
+        {"attention_bias": True, "mlp_bias": True},
+        "tensor 'model.layers.0.mlp.down_proj.bias' [128] is missing",
+    ),
+    "extra_tensor": ({}, "tensor 'model.layers.0.self_attn.q_norm.weight' [32] is not part of the model"),
+}
+
+_PROBE = """
+import json, sys
+from megarl.checkpoint.convert import main
+out = {}
+for case, hf in json.loads(sys.argv[1]).items():
+    try:
+        main(["hf-to-megarl", "--hf", hf, "--out", hf + "_ckpt", "--tp", "2"])
+        out[case] = "exit 0"
+    except SystemExit as e:
+        out[case] = str(e)
+out["_megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    good = tiny_hf_model(tmp_path / "good", vocab=61, seed=1)
+    dirs = {}
+    for case, (changes, _) in REFUSED.items():
+        d = tmp_path / case
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+        dirs[case] = str(d)
+    save_file(
+        {"model.layers.0.self_attn.q_norm.weight": torch.ones(32)}, str(tmp_path / "extra_tensor" / "more.safetensors")
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(dirs)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("_megatron_imported") is False  # refused before megatron (or torchrun) started
+    for case, (_, needle) in REFUSED.items():
+        line = got[case]
+        assert needle in line and "\n" not in line and line.startswith(str(tmp_path / case / "config.json")), (
+            case,
+            line,
+        )
+        assert not (tmp_path / f"{case}_ckpt").exists(), case
+    # the command line: exit status 1 and the same single line on stderr
+    cli = subprocess.run(
+        [sys.executable, str(TOOL), "hf-to-megarl", "--hf", dirs["gelu"], "--out", str(tmp_path / "o"), "--tp", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 1 and cli.stderr.strip() == got["gelu"], cli.stderr

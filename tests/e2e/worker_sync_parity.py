@@ -9,10 +9,11 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from megarl.components import add_reference_and_critic, build  # noqa: E402
 from megarl.config import load_config  # noqa: E402
 from megarl.loop import rl_step  # noqa: E402
 from megarl.model.forward import forward_logprobs, greedy_generate  # noqa: E402
-from megarl.trainer import Trainer  # noqa: E402
+from megarl.warm_start import warm_start  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
@@ -20,25 +21,25 @@ ap.add_argument("--set", action="append", default=[])
 args = ap.parse_args()
 
 cfg = load_config(None, args.set)
-tr = Trainer(cfg)
+tr = build(cfg)
 result: dict = {}
 try:
-    tr.warm_start()
-    tr.build_reference_and_critic()
-    tr.push_weights()
+    warm_start(cfg, tr.dims, tr.actor, tr.tok, tr.rollouts.train_rows)
+    add_reference_and_critic(tr)
+    tr.publisher.push()
     steps = [rl_step(tr, s) for s in range(cfg.train.steps)]
     result["versions"] = [m.get("rollout/policy_version", -1.0) for m in steps]
     result["probe"] = [m["sync/probe_max_abs_diff"] for m in steps]
-    prompts = [tr.tok.encode(r.prompt) for r in tr.val_rows[:8]]
+    prompts = [tr.tok.encode(r.prompt) for r in tr.rollouts.val_rows[:8]]
     # 1) engine samples + logprobs vs trainer logprobs of the same tokens
-    batch, _ = tr.generate(999, 8, 4)
+    batch, _ = tr.rollouts.collect(999, 8, 4)
     lp = forward_logprobs(tr.actor, batch.tokens, micro_batch_size=cfg.parallel.micro_batch_size,
                           temperature=cfg.rollout.temperature)["logprobs"]
     m = batch.mask.bool()
     result["sampled_logprob_max_abs_diff"] = float((lp[m] - batch.engine_logprobs[m]).abs().max())
     result["sampled_tokens"] = int(m.sum())
     result["batch_version"] = batch.version
-    result["trainer_version"] = tr.version
+    result["trainer_version"] = tr.publisher.version
     # 2) greedy: engine vs Megatron reference decoding
     ours = greedy_generate(tr.actor, prompts, cfg.rollout.max_response_len, tr.tok.eos_id)
     if tr.dims.is_rank0:

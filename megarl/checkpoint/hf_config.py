@@ -1,0 +1,171 @@
+"""What megarl can represent of an HF Llama / Qwen2 checkpoint, decided before any work starts.
+
+A converter that drops what it does not understand builds a *different model* and exits 0.
+So the HF ``config.json`` is read key by key: every key that changes the forward pass is
+either mapped onto :class:`megarl.config.ModelConfig` or refused with
+:class:`UnsupportedHFModel` naming the key and its value. Mapped: sizes, RMSNorm eps, tied
+embeddings, ``rope_theta`` (kept fractional), ``rope_scaling`` / ``rope_parameters`` of type
+``default`` or ``llama3`` (Llama 3.1/3.2), Llama ``attention_bias`` + ``mlp_bias`` when both
+are set (megatron's ``add_bias_linear`` covers both at once), Qwen2's QKV bias. Refused:
+other RoPE types (``linear``, ``dynamic``, ``yarn``, ...), partial rotary, activations other
+than SiLU, one of ``attention_bias`` / ``mlp_bias`` without the other, Qwen2 sliding window,
+quantized checkpoints. Keys that only matter for training regularisation or generation
+(dropout, ``use_cache``, token ids) are not refused.
+
+:func:`check_hf_tensors` then compares the checkpoint's tensor names and shapes with the ones
+the model consumes (``LlamaQwen2Adapter.hf_shapes``): a missing, unexpected or misshapen
+tensor is refused, so no source tensor is silently left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megarl.config import ModelConfig
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_TYPE_KEYS = ("rope_type", "type")
+
+
+class UnsupportedHFModel(ValueError):
+    """An HF checkpoint megarl would not reproduce exactly; the message names key and value."""
+
+
+def _refuse(key: str, value: Any, why: str) -> UnsupportedHFModel:
+    return UnsupportedHFModel(f"unsupported HF config {key}={value!r}: {why}")
+
+
+def _rope(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig RoPE fields from ``rope_theta`` + ``rope_scaling`` (transformers 4) or
+    ``rope_parameters`` (transformers 5)."""
+    scaling = hf_cfg.get("rope_scaling") or {}
+    params = hf_cfg.get("rope_parameters") or {}
+    theta = hf_cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    key, spec = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
+    type_key = next((k for k in _ROPE_TYPE_KEYS if k in spec), "rope_type")
+    kind = spec.get(type_key, "default")
+    out: dict[str, Any] = {"rotary_base": float(theta), "rope_scaling": "none"}
+    known = {*_ROPE_TYPE_KEYS, "rope_theta"}
+    if kind == "llama3":
+        known.update(_LLAMA3_KEYS)
+        for k in _LLAMA3_KEYS:
+            if spec.get(k) is None:
+                raise _refuse(f"{key}.{k}", None, "llama3 RoPE scaling needs it")
+        out.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(spec["factor"]),
+            rope_low_freq_factor=float(spec["low_freq_factor"]),
+            rope_high_freq_factor=float(spec["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+        )
+        if out["rope_high_freq_factor"] <= out["rope_low_freq_factor"]:
+            raise _refuse(f"{key}.high_freq_factor", spec["high_freq_factor"], "must exceed low_freq_factor")
+    elif kind != "default":
+        raise _refuse(f"{key}.{type_key}", kind, "megarl reproduces RoPE types 'default' and 'llama3' only")
+    for k, v in spec.items():
+        if k == "partial_rotary_factor" and v == 1.0:
+            continue
+        if k not in known:
+            raise _refuse(f"{key}.{k}", v, f"not part of RoPE type '{kind}' as megarl reproduces it")
+    return out
+
+
+def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
+    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2), or refuse.
+
+    Raises :class:`UnsupportedHFModel` naming the first key whose value megarl would not
+    reproduce (see the module docstring).
+    """
+    arch = hf_cfg.get("model_type", "llama")
+    if arch not in ("llama", "qwen2"):
+        raise _refuse("model_type", arch, "supported: llama, qwen2")
+    act = hf_cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "megarl builds SwiGLU with SiLU only")
+    if hf_cfg.get("quantization_config"):
+        method = hf_cfg["quantization_config"].get("quant_method", "?")
+        raise _refuse("quantization_config.quant_method", method, "quantized weights are not supported")
+    partial = hf_cfg.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise _refuse("partial_rotary_factor", partial, "megarl rotates the whole head")
+    if arch == "qwen2" and hf_cfg.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", hf_cfg["use_sliding_window"], "megarl attends over the full context")
+    linear_bias = False
+    if arch == "llama":
+        attn_bias, mlp_bias = bool(hf_cfg.get("attention_bias", False)), bool(hf_cfg.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise _refuse(
+                "attention_bias" if attn_bias else "mlp_bias",
+                True,
+                "megatron's add_bias_linear puts biases on the attention and MLP linears together; "
+                "only attention_bias == mlp_bias can be represented",
+            )
+        linear_bias = attn_bias
+    heads = hf_cfg["num_attention_heads"]
+    head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads
+    if head_dim * heads != hf_cfg["hidden_size"]:
+        raise _refuse(
+            "head_dim",
+            head_dim,
+            f"head_dim × num_attention_heads={heads} must equal hidden_size={hf_cfg['hidden_size']}",
+        )
+    return dataclasses.replace(
+        base,
+        arch=arch,
+        num_layers=hf_cfg["num_hidden_layers"],
+        hidden_size=hf_cfg["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf_cfg.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf_cfg["intermediate_size"],
+        vocab_size=hf_cfg["vocab_size"],
+        max_position_embeddings=hf_cfg.get("max_position_embeddings", base.max_position_embeddings),
+        norm_eps=hf_cfg.get("rms_norm_eps", base.norm_eps),
+        tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
+        linear_bias=linear_bias,
+        **_rope(hf_cfg),
+    )
+
+
+def _ignorable(name: str, tied: bool) -> bool:
+    # derived buffers some exporters store; with tied embeddings transformers ignores lm_head too
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+
+def check_hf_tensors(
+    expected: Mapping[str, Sequence[int]],  # name -> shape the model consumes (adapter.hf_shapes())
+    found: Mapping[str, Sequence[int]],  # name -> shape in the checkpoint's safetensors files
+    *,
+    tied: bool,
+    where: str,
+) -> None:
+    """Refuse a checkpoint whose tensors are not exactly the ones the model consumes."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(n for n in found if n not in expected and not _ignorable(n, tied))
+    wrong = [n for n in sorted(expected) if n in found and list(found[n]) != list(expected[n])]
+    more = {k: len(v) - 1 for k, v in (("missing", missing), ("extra", extra), ("wrong", wrong))}
+    if extra:
+        n = extra[0]
+        raise UnsupportedHFModel(
+            f"{where}: tensor '{n}' {list(found[n])} is not part of the model its config.json describes "
+            f"(and {more['extra']} more unexpected tensor(s)); megarl would drop it"
+        )
+    if missing:
+        n = missing[0]
+        raise UnsupportedHFModel(
+            f"{where}: tensor '{n}' {list(expected[n])} is missing (and {more['missing']} more); "
+            "its config.json describes a model that has it"
+        )
+    if wrong:
+        n = wrong[0]
+        raise UnsupportedHFModel(
+            f"{where}: tensor '{n}' has shape {list(found[n])}, its config.json implies {list(expected[n])} "
+            f"(and {more['wrong']} more)"
+        )
+
+
+def hf_dtype_name(hf_cfg: Mapping[str, Any]) -> str | None:
+    """The ``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5) an HF config records."""
+    value = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
+    return str(value) if value else None

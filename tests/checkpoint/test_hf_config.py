@@ -1,0 +1,93 @@
+"""Reading HF config.json into a ModelConfig: every key that changes the forward pass is mapped
+or refused by name (pure; the end-to-end checks are in test_convert.py)."""
+
+import pytest
+
+from megarl.checkpoint.hf_config import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
+from megarl.config import ModelConfig
+
+# Llama-3.1-8B's config.json as published (transformers 4 layout: rope_theta + rope_scaling)
+LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_llama31_config_maps_every_rope_number() -> None:
+    m = model_config_from_hf(LLAMA31, ModelConfig())
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+    )
+    assert (m.rope_original_max_position_embeddings, m.rotary_base, m.num_query_groups) == (8192, 500000.0, 8)
+    assert m.linear_bias is False
+
+
+def test_transformers5_rope_parameters_and_fractional_theta() -> None:
+    cfg = {k: v for k, v in LLAMA31.items() if k not in ("rope_scaling", "rope_theta")}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 12345.6}
+    m = model_config_from_hf(cfg, ModelConfig())
+    assert (m.rope_scaling, m.rotary_base) == ("none", 12345.6)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method='awq'"),
+        ({"mlp_bias": True}, "mlp_bias=True: megatron's add_bias_linear"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor=None"),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"head_dim": 64}, "head_dim=64"),
+    ],
+)
+def test_refusals_name_key_and_value(change: dict, message: str) -> None:
+    with pytest.raises(UnsupportedHFModel, match="unsupported HF config " + message.replace("(", r"\(")):
+        model_config_from_hf({**LLAMA31, **change}, ModelConfig())
+
+
+def test_qwen2_sliding_window_is_refused() -> None:
+    qwen = {**LLAMA31, "model_type": "qwen2", "use_sliding_window": True, "rope_scaling": None}
+    with pytest.raises(UnsupportedHFModel, match="use_sliding_window=True"):
+        model_config_from_hf(qwen, ModelConfig())
+
+
+def test_tensor_check() -> None:
+    expected = {"a": [2, 3], "b": [4]}
+    check_hf_tensors(expected, {"a": [2, 3], "b": [4], "x.rotary_emb.inv_freq": [8]}, tied=False, where="m")
+    check_hf_tensors(expected, {"a": [2, 3], "b": [4], "lm_head.weight": [9, 9]}, tied=True, where="m")
+    with pytest.raises(UnsupportedHFModel, match=r"m: tensor 'lm_head.weight' \[9, 9\] is not part"):
+        check_hf_tensors(expected, {"a": [2, 3], "b": [4], "lm_head.weight": [9, 9]}, tied=False, where="m")
+    with pytest.raises(UnsupportedHFModel, match=r"m: tensor 'b' \[4\] is missing \(and 0 more\)"):
+        check_hf_tensors(expected, {"a": [2, 3]}, tied=False, where="m")
+    with pytest.raises(UnsupportedHFModel, match=r"m: tensor 'a' has shape \[3, 2\], its config.json implies \[2, 3\]"):
+        check_hf_tensors(expected, {"a": [3, 2], "b": [4]}, tied=False, where="m")

@@ -1,0 +1,48 @@
+"""Checkpoint metadata and the model-config fields added for llama3 RoPE and linear biases:
+checkpoints written before them still load (they meant no scaling, no biases), and a model
+that differs in them is refused by name."""
+
+from pathlib import Path
+
+import pytest
+
+from megarl.checkpoint.dist_ckpt import CheckpointError, _check_model_config
+
+OLD = {  # meta.json model_config as written before linear_bias / rope_scaling existed
+    "arch": "llama",
+    "num_layers": 2,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "head_dim": 32,
+    "ffn_hidden_size": 256,
+    "vocab_size": 100,
+    "max_position_embeddings": 64,
+    "rotary_base": 10000.0,
+    "norm_eps": 1e-5,
+    "tie_embeddings": False,
+    "value_head": False,
+    "dtype": "fp32",
+}
+NEW = {**OLD, "linear_bias": False, "rope_scaling": "none"}
+LLAMA3 = {
+    **OLD,
+    "linear_bias": True,
+    "rope_scaling": "llama3",
+    "rope_scaling_factor": 8.0,
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_max_position_embeddings": 8192,
+}
+
+
+def test_old_checkpoint_fits_a_plain_model() -> None:
+    _check_model_config(Path("ckpt"), "actor", OLD, NEW)
+
+
+def test_scaling_and_bias_differences_are_named() -> None:
+    with pytest.raises(CheckpointError, match=r"saved with .*linear_bias=False.*rope_scaling='none'.*"):
+        _check_model_config(Path("ckpt"), "actor", OLD, LLAMA3)
+    with pytest.raises(CheckpointError, match=r"rope_scaling_factor=8\.0"):
+        _check_model_config(Path("ckpt"), "actor", LLAMA3, NEW)
+    _check_model_config(Path("ckpt"), "actor", LLAMA3, dict(LLAMA3))
