@@ -27,6 +27,7 @@ from megarl.model.builder import Model, build_gpt, lr_at
 from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
 from megarl.model.grad_stats import GradProbe
 from megarl.planning import Planner, grad_stats
+from megarl.rollout import faults
 from megarl.rollout.collect import (
     PromptStats,
     batch_stats,
@@ -330,6 +331,8 @@ class Trainer:
             return lmbs if lmbs and batch.size % (model.dims.dp * lmbs) == 0 else p.micro_batch_size
 
         mbs = fwd_mbs(self.actor)
+        if self.fleet is not None:  # test-only: an engine killed while idle (MEGARL_FAULT)
+            faults.inject("logprobs", self.version, self.fleet.engines)
         out: dict[str, torch.Tensor] = {}
         if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or self.critic is not None:
             out["old_logprobs"] = forward_logprobs(self.actor, batch.tokens, micro_batch_size=mbs, temperature=temp)[
@@ -512,6 +515,8 @@ class Trainer:
             out["sync/probe_max_abs_diff"] = probe(
                 self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
             )
+        if self.fleet is not None:  # engines restarted so far, including during this sync
+            out["fleet/restarts"] = float(self.fleet.restarts)
         return out
 
     def _colocate_wake(self, tags: list[str]) -> None:
