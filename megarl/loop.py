@@ -18,6 +18,7 @@ from megarl.checkpoint import state
 from megarl.components import Components, add_reference_and_critic, build
 from megarl.config import RunConfig
 from megarl.metrics import MetricsLogger, Timer
+from megarl.rollout import faults
 from megarl.update import evaluate, mismatch
 from megarl.warm_start import warm_start
 
@@ -32,6 +33,8 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     with timer("generate"):  # 1. sample responses on the fleet and score them
         batch, metrics = c.rollouts.collect(step, plan.num_prompts, plan.samples_per_prompt)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
+        if c.fleet is not None:  # test-only: an engine killed while idle (MEGARL_FAULT, rollout/faults.py)
+            faults.inject("logprobs", c.publisher.version, c.fleet.engines)
         ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))
     with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)

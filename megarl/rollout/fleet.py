@@ -6,6 +6,15 @@ dies mid-generation, its prompts are re-issued to the surviving engines (or to t
 after it is restarted and given the current weights), so a step always completes with the
 planned number of samples; the event is logged and counted in ``fleet.restarts``.
 
+Engines can die at any other moment too. One found dead before a generation or an update
+(``recover``: process exited or /health silent) is restarted first. During an update
+(begin / load / commit) a connection-level failure (``EngineDead``) does not fail the update:
+the engine is marked down, the others carry on, and when the update commits the dead ones
+are restarted and replay *that* version (or, if the update was rejected, the previous one);
+then every engine must report the same version. A rejection (engine alive, says no) still
+aborts everywhere and raises ``WeightSyncError``. Remote engines (no launch command) cannot
+be restarted: their death is an error naming the engine and its address.
+
 Weight updates go to every engine as begin → load (all engines) → commit (all engines);
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
 serving the previous version. The primitives (``begin_update``, ``load_files``,
@@ -35,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.rollout import faults
 from megarl.rollout.data import RolloutError
 
 log = logging.getLogger("megarl.fleet")
@@ -109,6 +119,10 @@ class Fleet:
         self.restarts = 0
         self.reissued_prompts = 0
         self._replay: Callable[[list[Engine]], None] | None = None
+        self.version = -1
+        """The last weight version committed by any engine (-1: none yet)."""
+        self.down: set[str] = set()
+        """Engines that failed at the connection level during the current update."""
         self._starting = False  # spawned by start_local(wait=False), not yet known healthy
 
     # ------------------------------------------------------------------ lifecycle
@@ -220,19 +234,60 @@ class Fleet:
             if pending:
                 time.sleep(0.5)
 
-    def restart(self, e: Engine) -> None:
-        """Restart a local engine and bring it to the fleet's current weights."""
+    def restart(self, e: Engine, attempts: int = 3) -> None:
+        """Restart a local engine and bring it to the fleet's current weights (the replay).
+
+        An engine that dies again while it starts or replays is restarted again, up to
+        ``attempts`` times; a replay rejected by the live engine raises WeightSyncError."""
         if not e.launch:
-            raise RolloutError(f"engine {e.name} ({e.address}) is remote and down; cannot restart")
-        if e.proc is not None and e.proc.poll() is None:
-            e.proc.kill()
-            e.proc.wait()
-        self._spawn(e)
-        self.wait_healthy([e])
-        if self._replay is not None:
-            self._replay([e])
-        self.restarts += 1
-        log.warning("restarted %s (restart #%d)", e.name, self.restarts)
+            raise RolloutError(
+                f"engine {e.name} ({e.address}) is down and remote (started outside megarl): cannot restart it"
+            )
+        for attempt in range(1, attempts + 1):
+            if e.proc is not None and e.proc.poll() is None:
+                e.proc.kill()
+                e.proc.wait()
+            self._spawn(e)
+            self.restarts += 1
+            self.down.discard(e.name)
+            try:
+                self.wait_healthy([e])
+                if self._replay is not None:
+                    self._replay([e])
+            except EngineDead as err:  # e.g. wait_healthy's request to a process that just died
+                log.warning("%s died again while restarting (attempt %d): %s", e.name, attempt, err)
+                continue
+            except RolloutError as err:
+                if e.alive():
+                    raise
+                log.warning("%s died again while restarting (attempt %d): %s", e.name, attempt, err)
+                continue
+            served = (e.health(timeout=30) or {}).get("version")
+            if e.name not in self.down and served == self.version:
+                log.warning("restarted %s at version %d (restart #%d)", e.name, self.version, self.restarts)
+                return
+            log.warning(
+                "%s not at version %d after restart attempt %d (serves %s)", e.name, self.version, attempt, served
+            )
+        raise RolloutError(
+            f"engine {e.name} ({e.address}) could not be restarted at version {self.version} in {attempts} "
+            f"attempts; last log lines ({e.log_path}):\n{e.log_tail()}"
+        )
+
+    def recover(self) -> None:
+        """Restart every engine that is down (marked during an update, exited, or silent on
+        /health), bring it to the current version, then check the fleet agrees on it."""
+        if self._starting:  # engines still loading are not dead: wait for them first
+            self.ready()
+        for e in self.engines:
+            if e.name in self.down or not e.alive() or e.health(timeout=30) is None:
+                log.warning("%s (%s) is down; restarting it", e.name, e.address)
+                self.restart(e)
+        self.down.clear()
+        served = self.versions()
+        if len(set(served)) > 1:  # (not checked against self.version: another client may have updated them)
+            have = ", ".join(f"{e.name}={v}" for e, v in zip(self.engines, served))
+            raise RolloutError(f"engines disagree on the weight version after recovery: {have}")
 
     def shutdown(self) -> None:
         for e in self.engines:
@@ -260,6 +315,7 @@ class Fleet:
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
+        self.recover()  # an engine that died while idle is restarted before it is given prompts
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
         versions: list[int] = []
         todo = list(range(len(prompts)))
@@ -294,8 +350,7 @@ class Fleet:
                     log.warning("%s died mid-generation (%s); re-issuing %d prompts", engine.name, out, len(idx))
                     self.reissued_prompts += len(idx)
                     failed.extend(idx)
-                    if engine.launch:
-                        self.restart(engine)
+                    self.restart(engine)
                     continue
                 versions.append(int(out["version"]))
                 for i, group in zip(idx, out["outputs"]):
@@ -317,19 +372,36 @@ class Fleet:
         return [(e, sorted(shares[e.name])) for e in engines]
 
     def logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
-        """Prompt log-probs of each sequence on every engine (integrity probe)."""
-        return [
-            e.post("/logprobs", {"sequences": sequences, "temperature": temperature}, self.timeout)["logprobs"]
-            for e in self.engines
-        ]
+        """Prompt log-probs of each sequence on every engine (integrity probe); an engine
+        that died is restarted at the current version and asked again (bounded)."""
+        faults.inject("probe", self.version, self.engines)
+        body = {"sequences": sequences, "temperature": temperature}
+        out = []
+        for e in self.engines:
+            for attempt in range(3):
+                try:
+                    out.append(e.post("/logprobs", body, self.timeout)["logprobs"])
+                    break
+                except EngineDead as err:
+                    if attempt == 2:
+                        raise
+                    log.warning("%s died before the integrity probe (%s); restarting it", e.name, err)
+                    self.restart(e)
+        return out
 
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
         """begin → load(files) → commit on every engine; a restarted engine replays it."""
         t0 = time.perf_counter()
-        self.update_engines(self.engines, version, files)
+        self.recover()
+        try:
+            self.update_engines(self.engines, version, files)
+        except WeightSyncError:
+            self.recover()  # engines that died meanwhile come back at the previous version
+            raise
         self.set_replay(lambda engines: self.update_engines(engines, version, files))
+        self.recover()  # engines that died during the update come back at this version
         return {"fleet_update_s": time.perf_counter() - t0}
 
     def update_engines(self, engines: list[Engine], version: int, files: list[str]) -> None:
@@ -347,14 +419,22 @@ class Fleet:
 
     def post_all(
         self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[Engine] | None = None
-    ) -> list[dict[str, Any]]:
-        """One request to every engine, concurrently; a rejection becomes WeightSyncError."""
+    ) -> list[dict[str, Any] | None]:
+        """One request to every engine, concurrently; a rejection becomes WeightSyncError.
+
+        An engine that fails at the connection level (``EngineDead``) is marked in ``down``
+        and answers None: the update goes on without it, :meth:`recover` restarts it."""
         engines = engines or self.engines
 
-        def one(e: Engine) -> dict[str, Any]:
-            if isinstance(body, bytes):
-                return e.post_bytes(path, body, self.timeout)
-            return e.post(path, body, self.timeout)
+        def one(e: Engine) -> dict[str, Any] | None:
+            try:
+                if isinstance(body, bytes):
+                    return e.post_bytes(path, body, self.timeout)
+                return e.post(path, body, self.timeout)
+            except EngineDead as err:
+                log.warning("%s died during update %d (%s); it will be restarted", e.name, version, err)
+                self.down.add(e.name)
+                return None
 
         try:
             with ThreadPoolExecutor(max_workers=len(engines)) as pool:
@@ -364,21 +444,32 @@ class Fleet:
 
     def begin_update(self, version: int, engines: list[Engine] | None = None) -> None:
         self.post_all("/weights/begin", {"version": version}, version, engines)
+        faults.inject("sync_begin", version, engines or self.engines)
 
     def load_files(self, version: int, files: list[str], engines: list[Engine] | None = None) -> None:
+        faults.inject("sync_load", version, engines or self.engines)
         self.post_all("/weights/load", {"version": version, "files": files}, version, engines)
 
     def load_bytes(self, version: int, data: bytes, engines: list[Engine] | None = None) -> None:
         """One bucket as safetensors bytes (http transport)."""
+        faults.inject("sync_load", version, engines or self.engines)
         self.post_all(f"/weights/load_bytes?version={version}", data, version, engines)
 
     def commit_update(self, version: int, engines: list[Engine] | None = None) -> None:
+        """Commit engine by engine; one that died is left to :meth:`recover` (it replays this
+        version), one that refuses aborts the engines not reached yet."""
         for e in engines or self.engines:
+            faults.inject("sync_commit", version, [e])
             try:
                 e.post("/weights/commit", {"version": version}, self.timeout)
+            except EngineDead as err:
+                log.warning("%s died before committing version %d (%s); it will be restarted", e.name, version, err)
+                self.down.add(e.name)
+                continue
             except RolloutError as err:
                 self.abort_update(engines)  # engines not reached yet drop their staged tensors
                 raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
+            self.version = version
 
     def abort_update(self, engines: list[Engine] | None = None) -> None:
         """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""

@@ -47,6 +47,8 @@ class PolicyPublisher:
             out["sync/probe_max_abs_diff"] = probe(
                 self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
             )
+        if self.fleet is not None:  # engines restarted so far, including during this sync
+            out["fleet/restarts"] = float(self.fleet.restarts)
         return out
 
     def _wake(self, tags: list[str]) -> None:

@@ -9,7 +9,9 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
    moves the buckets: rank 0 opens the update on every engine (begin), the stage owners send,
    rank 0 has the engines stage and validate (load), then commit. A bucket rejected by any
    engine aborts the update everywhere (old version keeps serving) and raises
-   ``WeightSyncError`` naming the tensor, on every rank.
+   ``WeightSyncError`` naming the tensor, on every rank. An engine that *dies* (connection
+   lost) does not fail the update: the fleet restarts it and it replays the committed
+   version (``Fleet.recover``, called by the transport's begin / commit / abort).
 4. Optional integrity probe: engine vs trainer log-probs on a fixed sequence.
 """
 
@@ -29,6 +31,7 @@ from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, iter_layer_groups
 from megarl.checkpoint.hf_io import gather_hf_tensors
 from megarl.config import ConfigError
 from megarl.model.builder import Model
+from megarl.rollout.data import RolloutError
 from megarl.rollout.fleet import Fleet, WeightSyncError
 from megarl.weight_sync.transport import Transport, bucket_bytes, make_transport, resolve_transport
 
@@ -122,7 +125,7 @@ class WeightSync:
             errors = [e for _, e, _ in gathered if e]
             error = errors[0] if errors else self._rank0(lambda: self._finish(version, [r for r, _, _ in gathered]))
             if error:
-                tr.abort(version)
+                error += self._rank0(lambda: tr.abort(version))  # "" unless restarting a dead engine failed too
             stats["fleet_update_s"] = time.perf_counter() - t1
             stats["bytes"] = float(sum(b for _, _, b in gathered))
         self._agree(error, version, committed=True)
@@ -134,13 +137,17 @@ class WeightSync:
         self.transport.commit(version)
 
     def _rank0(self, fn: Any) -> str:
-        """Run ``fn`` on rank 0; the WeightSyncError message it raised, or ''."""
+        """Run ``fn`` on rank 0; the message of the WeightSyncError it raised (or of the
+        RolloutError: an engine that died and could not be restarted), or ''. Every rank
+        then raises it (``_agree``) instead of waiting for rank 0 forever."""
         if not self.model.dims.is_rank0:
             return ""
         try:
             fn()
         except WeightSyncError as err:
             return str(err)
+        except RolloutError as err:
+            return f"weight update: {err}"
         return ""
 
     def _agree(self, error: str, version: int, committed: bool | None) -> None:

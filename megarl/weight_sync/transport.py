@@ -115,22 +115,29 @@ def cannot_replay(reason: str) -> Callable[[list[Engine]], None]:
 
 
 class _FleetPhases:
-    """begin / commit / abort shared by every transport (rank 0 holds the fleet)."""
+    """begin / commit / abort shared by every transport (rank 0 holds the fleet).
+
+    Engine deaths: one found dead before the update is restarted at the previous version
+    (``Fleet.recover`` in begin); one that dies during it is left out of the rest of it and
+    restarted after commit, replaying this version (or after abort, the previous one)."""
 
     fleet: Fleet | None
 
     def begin(self, version: int) -> None:
         if self.fleet is not None:
+            self.fleet.recover()
             self.fleet.begin_update(version)
 
     def commit(self, version: int) -> None:
         if self.fleet is not None:
             self.fleet.commit_update(version)
             self.fleet.set_replay(self.replay(version))
+            self.fleet.recover()
 
     def abort(self, version: int) -> None:
         if self.fleet is not None:
             self.fleet.abort_update()
+            self.fleet.recover()
 
     def replay(self, version: int) -> Callable[[list[Engine]], None] | None:
         return None

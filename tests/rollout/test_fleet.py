@@ -220,3 +220,55 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
     finally:
         f.update_weights(1, [str(hf / "model.safetensors")])  # later tests expect version 1
     assert f.logprobs([SEQ], temperature=1.0) == before
+
+
+def test_engine_dead_between_commits_is_restarted_at_the_new_version(fleet, monkeypatch) -> None:
+    """engine0 commits version 2, engine1 is SIGKILLed just before its commit (the fault
+    hook): the update still succeeds, engine1 comes back at version 2 and agrees with engine0."""
+    f, hf, weights, base = fleet
+    g = torch.Generator().manual_seed(5)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    save_file(new, str(base / "v2.safetensors"))
+    before = f.logprobs([SEQ], temperature=1.0)
+    restarts, pid = f.restarts, f.engines[1].proc.pid
+    monkeypatch.setenv("MEGARL_FAULT", "kill_engine_at=sync_commit:version=2:engine=1")
+    try:
+        f.update_weights(2, [str(base / "v2.safetensors")])
+        assert f.restarts == restarts + 1 and f.engines[1].proc.pid != pid
+        assert f.versions() == [2, 2]
+        after = f.logprobs([SEQ], temperature=1.0)
+        assert _max_diff(after, before) > 0.01  # the new weights serve ...
+        assert _max_diff(after[:1], after[1:]) <= 1e-6  # ... on both engines, the restarted one too
+    finally:
+        f.update_weights(1, [str(hf / "model.safetensors")])  # later tests expect version 1
+    assert f.versions() == [1, 1] and f.logprobs([SEQ], temperature=1.0) == before
+
+
+def test_rejected_update_with_a_dead_engine_restarts_it_at_the_old_version(fleet, monkeypatch) -> None:
+    """engine0 is SIGKILLed after begin of an update that engine1 then rejects (NaN): the
+    rejection is still a WeightSyncError naming the tensor, and engine0 comes back at version 1."""
+    f, _, weights, base = fleet
+    before = f.logprobs([SEQ], temperature=1.0)
+    nan = {k: v.clone() for k, v in weights.items()}
+    nan["model.norm.weight"][0] = float("nan")
+    save_file(nan, str(base / "nan_dead.safetensors"))
+    restarts = f.restarts
+    monkeypatch.setenv("MEGARL_FAULT", "kill_engine_at=sync_begin:version=7:engine=0")
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*NaN"):
+        f.update_weights(7, [str(base / "nan_dead.safetensors")])
+    assert f.restarts == restarts + 1
+    assert f.versions() == [1, 1]
+    assert f.logprobs([SEQ], temperature=1.0) == before
+
+
+def test_dead_remote_engine_is_a_clear_error(tmp_path) -> None:
+    """An engine megarl did not start (an address only) cannot be restarted: the error names it."""
+    from megarl.rollout.data import RolloutError
+    from megarl.rollout.fleet import Engine, free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there: a real refused connection
+    f = Fleet([Engine("engine0", address)], request_timeout_s=5, start_timeout_s=5)
+    with pytest.raises(RolloutError, match=f"engine engine0 \\({address}\\) is down and remote"):
+        f.generate([[1, 2]], n=1, max_tokens=2, temperature=1.0, top_p=1.0, stop_token_ids=[])
+    with pytest.raises(RolloutError, match="is down and remote"):
+        f.update_weights(1, [str(tmp_path / "none.safetensors")])
