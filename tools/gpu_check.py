@@ -49,13 +49,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_FAIL, EXIT_MISSING, EXIT_NO_CUDA = 1, 2, 3
 REQUIRED = {
-    "torch": "torch",
+    "torch": "nothing: a CUDA build of torch must already be installed there",
     "numpy": "numpy",
     "packaging": "packaging",
     "yaml": "PyYAML",
+    "setuptools": "setuptools",
     "megatron.core": "megatron-core==0.16.1",
 }
-"""Modules the checks import → the distribution to carry when one is missing."""
+"""Modules the checks import → the distribution to carry when one is missing (megatron imports
+numpy, packaging and torch.utils.cpp_extension, which imports setuptools; megarl.config yaml).
+Found by running the dry run in a venv holding only torch's own dependencies plus these."""
+PYTEST_NEEDS = "pytest pluggy iniconfig pygments safetensors"
+"""What the pytest check imports beyond REQUIRED (tests/gpu/test_transports_gpu.py: safetensors)."""
 TOL = {
     "logprob_max": 0.05,
     "logprob_mean": 0.01,
@@ -124,14 +129,18 @@ def _judge(checks: dict[str, bool]) -> str:
 
 
 def check_pytest_gpu() -> tuple[str, str, dict[str, Any]]:
-    if importlib.util.find_spec("pytest") is None:
-        return "NOT RUNNABLE", "not runnable on this device: pytest is not installed (carry its wheels)", {}
+    probe = subprocess.run([sys.executable, "-c", "import pytest, safetensors"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit {probe.returncode}"
+        return "NOT RUNNABLE", f"not runnable on this device: {why} (carry wheels of {PYTEST_NEEDS})", {}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider", "tests/gpu"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = proc.stdout.strip().splitlines()
     for line in lines[-30:]:
         print(f"    | {line}")
-    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    summary = lines[-1] if lines else ""
+    if proc.returncode not in (0, 5):
+        summary += f" (exit {proc.returncode}) {proc.stderr.strip()[-400:]}"
     # 0 = all selected passed or skipped; 5 = nothing collected
     return (
         ("PASS" if proc.returncode in (0, 5) else "FAIL"),
