@@ -336,7 +336,8 @@ def check_transformer_engine(device_run: bool) -> tuple[str, str, dict[str, Any]
     return ("PASS" if ok else "FAIL"), f"TE layer spec bf16 forward: log-probs finite and < 0: {ok}", {}
 
 
-def check_vllm(device_run: bool) -> tuple[str, str, dict[str, Any]]:
+def check_vllm(device_run: bool, pytest_status: str) -> tuple[str, str, dict[str, Any]]:
+    """With vLLM present its paths are tests/gpu/test_transports_gpu.py, run by the pytest check."""
     import torch
 
     if not device_run:
@@ -349,7 +350,11 @@ def check_vllm(device_run: bool) -> tuple[str, str, dict[str, Any]]:
             {},
         )
     extra = "" if torch.cuda.device_count() >= 2 else "; the NCCL push also needs a second GPU (skipped)"
-    return "PASS", f"vllm present: tests/gpu/test_transports_gpu.py ran in the pytest check{extra}", {}
+    return (
+        pytest_status,
+        f"vllm present: tests/gpu/test_transports_gpu.py ran in the pytest check ({pytest_status}){extra}",
+        {},
+    )
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         report.run("grpo-loop", lambda: check_grpo_loop(dtype, args.steps))
         report.run("cuda-ipc-wire", lambda: check_cuda_ipc(device_run))
         report.run("transformer-engine", lambda: check_transformer_engine(device_run))
-        report.run("vllm-paths", lambda: check_vllm(device_run))
+        pytest_status = report.results[0]["status"]
+        report.run("vllm-paths", lambda: check_vllm(device_run, pytest_status))
     total = time.perf_counter() - t0
     report.run(
         "budget",
