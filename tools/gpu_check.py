@@ -9,7 +9,9 @@ On a CUDA machine (``tools/gpu_check.sh`` installs the carried wheels and calls 
    child process with CUDA hidden; log-probs, loss, grad norm and updated main params must
    agree within the bf16 tolerances stated in ``TOL``.
 3. NCCL groups: megarl.distributed with TP=1 on CUDA must pick NCCL; an all-reduce on the
-   data-parallel group must sum.
+   data-parallel group must sum. Then CPU-tensor collectives on those groups, as megarl's
+   rollout broadcast, trainer and checkpoint code run them (NCCL alone refuses CPU tensors),
+   plus, in a child process, whether a ``cpu:gloo,cuda:nccl`` default backend would fix that.
 4. GRPO loop: 5 updates on a synthetic rollout through megarl's advantage / loss / train-step
    / gradient-probe code; finite numbers, loss and objective moving the right way, probe
    |g|² equal to the optimizer's grad norm² (DP = 1), step time and peak memory printed.
@@ -236,6 +238,88 @@ def check_process_groups(device_run: bool) -> tuple[str, str, dict[str, Any]]:
     return _judge(ok), text, {"backend": backend, "device": str(dims.device)}
 
 
+CPU_COLLECTIVE_SITES = (
+    "rollout/collect.py (rollout batch broadcast), trainer.py (sample counts, timings, validation), "
+    "checkpoint/state.py (preemption flag), weight_sync/sync.py (integrity probe)"
+)
+"""megarl code that runs collectives on CPU tensors over the default / DP group."""
+
+
+def mixed_backend_probe() -> None:
+    """Child process: a default group with a backend per device, megatron's groups on it, and
+    CPU + CUDA collectives over each (the candidate fix for CPU-tensor collectives on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    for name, group in (
+        ("world", None),
+        ("dp", ps.get_data_parallel_group()),
+        ("tp", ps.get_tensor_model_parallel_group()),
+    ):
+        for dev in ("cpu", "cuda"):
+            t = torch.full((2,), 2.0, device=dev)
+            dist.all_reduce(t, group=group)
+            dist.broadcast(t, src=0, group=group)
+            if float(t[0]) != 2.0:
+                raise RuntimeError(f"{name} group, {dev} tensor: all-reduce gave {float(t[0])}, want 2")
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    print("mixed-backend: ok")
+
+
+def check_cpu_collectives(device_run: bool) -> tuple[str, str, dict[str, Any]]:
+    """megarl broadcasts / all-reduces CPU tensors (CPU_COLLECTIVE_SITES) over groups that are
+    NCCL on CUDA; run the same on megarl's groups. With CUDA, a child process also tries the
+    candidate fix (default backend ``cpu:gloo,cuda:nccl``) and its result is printed."""
+    import torch
+    import torch.distributed as dist
+
+    dims = _dims()
+    errors = {}
+    for name, group in (("default", None), ("dp", dims.dp_group)):
+        t = torch.full((3,), 2.0)
+        try:
+            dist.broadcast(t, src=0, group=group)
+            dist.all_reduce(t, group=group)
+            if float(t[0]) != 2.0:
+                errors[name] = f"all-reduce gave {float(t[0])}, want 2"
+        except Exception as e:  # the failure is the finding: report it with its message
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    text = (
+        f"CPU tensors over megarl's default and DP groups ({dist.get_backend()}): "
+        f"{'ok' if not errors else errors}; used by {CPU_COLLECTIVE_SITES}"
+    )
+    n: dict[str, Any] = {"errors": errors}
+    if device_run:
+        env = {
+            **os.environ,
+            "MASTER_PORT": str(free_port()),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "PYTHONPATH": _pythonpath(),
+        }
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--mixed-backend-probe"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        ok = proc.returncode == 0 and "mixed-backend: ok" in proc.stdout
+        n["mixed_backend_fix_works"] = ok
+        text += (
+            "; candidate fix init_process_group(backend='cpu:gloo,cuda:nccl') + megatron groups: CPU and "
+            f"CUDA collectives {'work' if ok else 'FAIL: ' + proc.stderr.strip()[-300:]}"
+        )
+    return ("PASS" if not errors else "FAIL"), text, n
+
+
 def check_grpo_loop(dtype: str, steps: int) -> tuple[str, str, dict[str, Any]]:
     import math
 
@@ -388,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-time budget the whole run must fit")
     ap.add_argument("--report", default="", help="JSON report path (default $OUT/gpu_check.json when $OUT is set)")
     ap.add_argument("--cpu-reference", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--mixed-backend-probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -401,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_MISSING
     if args.cpu_reference:
         cpu_reference(Path(args.cpu_reference))
+        return 0
+    if args.mixed_backend_probe:
+        mixed_backend_probe()
         return 0
     if args.cpu_dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: hidden for real
@@ -429,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         report.run("actor-parity", lambda: check_actor_parity(dtype, Path(tmp)))
         report.run("process-groups", lambda: check_process_groups(device_run))
         report.run("grpo-loop", lambda: check_grpo_loop(dtype, args.steps))
+        report.run("cpu-tensor-collectives", lambda: check_cpu_collectives(device_run))
         report.run("cuda-ipc-wire", lambda: check_cuda_ipc(device_run))
         report.run("transformer-engine", lambda: check_transformer_engine(device_run))
         pytest_status = report.results[0]["status"]
