@@ -52,6 +52,7 @@ def _common(res: dict[str, dict], tol: dict[str, float]) -> None:
     assert par["logprob_max"] <= tol["logprob_max"] and par["main_param_max"] <= tol["main_param_max"]
     assert par["update_cos"] >= tol["update_cos"] and par["grad_norm_ref"] > 0.1
     assert res["process-groups"]["status"] == "PASS" and res["process-groups"]["backend"] == "gloo"
+    assert res["cpu-tensor-collectives"]["status"] == "PASS" and res["cpu-tensor-collectives"]["errors"] == {}
     loop = res["grpo-loop"]
     assert loop["status"] == "PASS", loop["summary"]
     assert len(loop["loss"]) == 5 and loop["loss"][-1] < loop["loss"][0] - 0.05
