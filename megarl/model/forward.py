@@ -249,8 +249,9 @@ def train_step(
     # Stats live on the last stage: keys ending in "_max" are maxima, all others sums;
     # reduce over micro-batches and DP, then share across the pipeline.
     names = _broadcast_keys(keys, dims)
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64)
-    maxes = torch.full((len(names) + 1,), -float("inf"), dtype=torch.float64)
+    # on the model's device: NCCL groups (CUDA) refuse CPU tensors
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=dims.device)
+    maxes = torch.full((len(names) + 1,), -float("inf"), dtype=torch.float64, device=dims.device)
     if dims.is_last_stage and store:
         for d in store:
             for i, k in enumerate(names):

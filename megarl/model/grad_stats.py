@@ -67,7 +67,7 @@ class GradProbe:
         return self._weights
 
     def _sq(self, ddp: Any, grads: list[torch.Tensor]) -> float:
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.dims.device)  # NCCL refuses CPU tensors
         for g, w in zip(grads, self._count_weights(ddp), strict=True):
             total += (g.double() ** 2 * w).sum()
         if self.dims.tp * self.dims.pp > 1:
@@ -103,7 +103,7 @@ class GradProbe:
 
     def gather_local(self) -> list[float]:
         t0 = time.perf_counter()
-        t = torch.tensor([self.local_sq], dtype=torch.float64)
+        t = torch.tensor([self.local_sq], dtype=torch.float64, device=self.dims.device)
         parts = [torch.zeros_like(t) for _ in range(self.dims.dp)]
         dist.all_gather(parts, t, group=self.dims.dp_group)
         self.seconds += time.perf_counter() - t0
