@@ -92,8 +92,11 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
         os.environ.setdefault("WORLD_SIZE", "1")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # On CUDA both backends: megatron's and megarl's groups (backend=None) then carry GPU
+        # tensors over NCCL and the small CPU tensors megarl broadcasts and reduces (rollout
+        # batches, plan timings, checkpoint agreement) over gloo; NCCL alone refuses CPU tensors.
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     world = dist.get_world_size()

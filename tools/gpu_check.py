@@ -10,8 +10,9 @@ On a CUDA machine (``tools/gpu_check.sh`` installs the carried wheels and calls 
    agree within the bf16 tolerances stated in ``TOL``.
 3. NCCL groups: megarl.distributed with TP=1 on CUDA must pick NCCL; an all-reduce on the
    data-parallel group must sum. Then CPU-tensor collectives on those groups, as megarl's
-   rollout broadcast, trainer and checkpoint code run them (NCCL alone refuses CPU tensors),
-   plus, in a child process, whether a ``cpu:gloo,cuda:nccl`` default backend would fix that.
+   rollout broadcast, trainer and checkpoint code run them (NCCL alone refuses CPU tensors;
+   megarl.distributed therefore starts the default group as ``cpu:gloo,cuda:nccl``), plus, in
+   a child process, the same mixed backend with megatron's own groups.
 4. GRPO loop: 5 updates on a synthetic rollout through megarl's advantage / loss / train-step
    / gradient-probe code; finite numbers, loss and objective moving the right way, probe
    |g|² equal to the optimizer's grad norm² (DP = 1), step time and peak memory printed.
@@ -230,7 +231,7 @@ def check_process_groups(device_run: bool) -> tuple[str, str, dict[str, Any]]:
     x = torch.full((4,), 3.0, device=dims.device)
     dist.all_reduce(x, group=dims.dp_group)
     dist.all_reduce(x, group=dims.tp_group)
-    ok = {"backend": backend == want, "sum": bool((x == 3.0).all()), "tp": dims.tp == 1 and dims.world_size == 1}
+    ok = {"backend": want in str(backend), "sum": bool((x == 3.0).all()), "tp": dims.tp == 1 and dims.world_size == 1}
     text = (
         f"init_distributed(tp=1, pp=1) on {dims.device}: backend {backend} (want {want}), world "
         f"{dims.world_size}, TP {dims.tp} DP {dims.dp}; all-reduce over DP and TP groups = {x[0].item():g} (want 3)"
