@@ -179,7 +179,7 @@ def probe(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> f
     if model.dims.is_rank0 and fleet is not None:
         for engine_lp in fleet.logprobs([tokens], temperature):
             e = torch.tensor(engine_lp[0], dtype=torch.float64)
-            diff = torch.maximum(diff, (e - lp.double()).abs().max().reshape(1))
+            diff = torch.maximum(diff, (e - lp.double().cpu()).abs().max().reshape(1))
     dist.broadcast(diff, src=0)
     if float(diff) > tol:
         raise WeightSyncError(f"integrity probe: engine vs trainer log-prob differ by {float(diff):.3g} > {tol}")
