@@ -32,14 +32,15 @@ from megarl.rollout.collect import (
     batch_stats,
     broadcast_batch,
     has_signal,
+    overlong_summary,
     pack_groups,
     sample_groups,
     take_prompts,
 )
-from megarl.rollout.data import PromptSampler, load_prompts
+from megarl.rollout.data import PromptSampler, fit_prompt, load_prompts, tokenizer_corpus
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
-from megarl.rollout.rewards import get_reward_fn
+from megarl.rollout.rewards import failure_summary, get_reward_fn, score_all
 from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
 from megarl.types import RolloutBatch, StepPlan
 from megarl.weight_sync.sync import WeightSync, probe
@@ -104,17 +105,24 @@ class Trainer:
             self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport
         )
         self.version = 0
-        self.probe_tokens = self.tok.encode(self.val_rows[0].prompt + self.val_rows[0].answer)
+        self.probe_tokens = self._probe_sequence()
 
     # ------------------------------------------------------------------ setup
 
     def _tokenizer(self) -> Tokenizer:
         tdir = self.run_dir / "tokenizer"
         if self.dims.is_rank0 and not (tdir / "tokenizer.model").exists():
-            texts = [r.prompt + r.answer for r in self.train_rows[:5000]]
-            train_tokenizer(texts, tdir)
+            train_tokenizer(tokenizer_corpus(self.train_rows), tdir)
         dist.barrier()
         return Tokenizer(tdir / "tokenizer.model")
+
+    def _probe_sequence(self) -> list[int]:
+        """The weight-sync probe's fixed sequence: the first validation prompt + answer that
+        fits rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
+        r = self.cfg.rollout
+        limit = r.max_prompt_len + r.max_response_len
+        seqs = [self.tok.encode(row.prompt + row.answer) for row in self.val_rows[:64]]
+        return next((ids for ids in seqs if len(ids) <= limit), seqs[0][:limit])
 
     def _resolve_model_config(self) -> None:
         m = self.cfg.model
@@ -274,7 +282,14 @@ class Trainer:
                 n[0] = self._sample_round(prompts, step, rounds, samples, kept)
             dist.broadcast(n, src=0)
             n_kept = int(n)
+        overlong = self.prompt_stats.drain()  # every rank met the same prompts; rank 0 tells
         if self.dims.is_rank0:
+            for line in (
+                overlong_summary(overlong, self.cfg),
+                failure_summary(self._round_failures, len(kept) * samples),
+            ):
+                if line:
+                    log.warning("step %d: %s", step + 1, line)
             short = num_prompts - len(kept)
             if short > 0:  # out of rounds: fill with signal-less groups (zero advantage), counted
                 kept.extend(self._reserve[:short])
@@ -300,6 +315,7 @@ class Trainer:
         assert self.fleet is not None
         if rnd == 1:
             self._round_version, self._round_failed, self._round_dropped = 10**9, 0, 0
+            self._round_failures: list[str] = []
             self._reserve: list[Any] = []
         groups, v, nfail = sample_groups(
             self.fleet,
@@ -309,6 +325,7 @@ class Trainer:
             self.reward_fn,
             seed=self.cfg.train.seed + 7919 * step + rnd,
             samples=samples,
+            failures=self._round_failures,
         )
         self._round_version = min(self._round_version, v)
         self._round_failed += nfail
@@ -525,9 +542,20 @@ class Trainer:
         if self.dims.is_rank0:
             assert self.fleet is not None
             self._fleet_ready()
-            prompts = [self.tok.encode(r.prompt) for r in self.val_rows]
+            # the overlong-prompt rule applies here too (a prompt past the context would fail the
+            # engine); a reward that raises scores 0, as in training, counted in one line
+            limit, mode = self.cfg.rollout.max_prompt_len, self.cfg.data.overlong_prompt
+            fitted = [(r, fit_prompt(self.tok.encode(r.prompt), limit, mode)) for r in self.val_rows]
+            rows = [(r, ids) for r, ids in fitted if ids is not None]
+            if len(rows) < len(fitted):
+                log.warning(
+                    "validation: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
+                    len(fitted) - len(rows),
+                    len(fitted),
+                    limit,
+                )
             outs, _ = self.fleet.generate(
-                prompts,
+                [ids for _, ids in rows],
                 n=1,
                 max_tokens=self.cfg.rollout.max_response_len,
                 temperature=0.0,
@@ -535,8 +563,14 @@ class Trainer:
                 stop_token_ids=[self.tok.eos_id],
             )
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
-            rewards = [self.reward_fn(r.prompt, t, r.answer) for r, t in zip(self.val_rows, texts)]
-            value[0] = sum(rewards) / len(rewards)
+            failures: list[str] = []
+            rewards = [
+                score_all(self.reward_fn, [r.prompt], [t], [r.answer], failures=failures, where=r.where)[0][0]
+                for (r, _), t in zip(rows, texts)
+            ]
+            if failures:
+                log.warning("validation: %s", failure_summary(failures, len(rows), "prompts"))
+            value[0] = sum(rewards) / max(len(rewards), 1)
         dist.broadcast(value, src=0)
         return float(value)
 

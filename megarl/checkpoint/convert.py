@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or args.pp < 1:
         raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
     if args.command == "hf-to-megarl":
+        check_hf_source(args.hf)
         _check_hf_layout(args.hf, args.tp, args.pp)
         run: Any = hf_to_megarl
     else:
@@ -157,6 +158,30 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     if dims.is_rank0:
         logger.info("wrote %s (%s, TP=%d PP=%d)", path, mcfg.arch, args.tp, args.pp)
     return path
+
+
+def check_hf_source(hf_dir: Path) -> None:
+    """Before anything else: an HF folder of a supported architecture, with safetensors weights.
+    Raises :class:`megarl.errors.ConvertError` naming the folder or its config.json."""
+    from megarl.errors import ConvertError
+
+    cfg_file = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf {hf_dir} does not exist (expected an HF model folder)")
+    if not cfg_file.is_file():
+        raise ConvertError(f"{cfg_file} not found: {hf_dir} is not an HF model folder")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConvertError(f"{cfg_file} is not a JSON object ({e})") from None
+    if model_type not in ARCHITECTURES:
+        raise ConvertError(
+            f"{cfg_file}: model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    if not list(hf_dir.glob("*.safetensors")):
+        others = sorted(p.name for p in hf_dir.glob("*.bin"))
+        hint = f" (found {', '.join(others)}: re-save with safe_serialization=True)" if others else ""
+        raise ConvertError(f"no *.safetensors weights in {hf_dir}{hint}")
 
 
 def _check_hf_layout(hf_dir: Path, tp: int, pp: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megarl.config import ModelConfig
+from megarl.errors import CheckpointError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -45,7 +46,7 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
 }
 
 
-class AdapterError(KeyError):
+class AdapterError(CheckpointError, KeyError):
     """A Megatron or HF parameter name/shape the adapter does not know."""
 
 
