@@ -66,13 +66,19 @@ def _rows(n: int) -> list[str]:
     [
         (["optim.lr=0"], "config error: optim.lr=0.0 must be > 0"),
         (["optim.lr=-1e-4"], "config error: optim.lr=-0.0001 must be > 0"),
-        (["rollout.temperature=0"], "config error: rollout.temperature=0.0 is greedy decoding: the "
-         "rollout.samples_per_prompt=16 samples of a prompt would be identical"),
+        (
+            ["rollout.temperature=0"],
+            "config error: rollout.temperature=0.0 is greedy decoding: the "
+            "rollout.samples_per_prompt=16 samples of a prompt would be identical",
+        ),
         (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt=1 must be >= 2 with algo.advantage='grpo'"),
         (["rollout.samples_per_prompt=1", "algo.advantage=rloo"], "must be >= 2 with algo.advantage='rloo'"),
         (["rollout.kv_cache_gb=0"], "rollout.kv_cache_gb=0.0 must be > 0"),
-        (["rollout.kv_cache_gb=0.00005"], "rollout.kv_cache_gb=5e-05 holds 0 KV tokens per engine; one sequence "
-         "of model.max_position_embeddings=64 needs 128"),
+        (
+            ["rollout.kv_cache_gb=0.00005"],
+            "rollout.kv_cache_gb=5e-05 holds 0 KV tokens per engine; one sequence "
+            "of model.max_position_embeddings=64 needs 128",
+        ),
         (["model.init_from=/nonexistent/model"], "model.init_from='/nonexistent/model' does not exist"),
     ],
 )
@@ -106,10 +112,20 @@ def test_run_dir_that_is_a_file(capfd: pytest.CaptureFixture[str], tmp_path: Pat
     assert f"train.run_dir='{tmp_path}/taken/run' cannot be created: {tmp_path}/taken is a file" in line
 
 
-def test_init_from_without_weights_or_of_another_architecture(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_init_from_without_weights_or_of_another_architecture(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     folder = tmp_path / "hf"
     folder.mkdir()
-    base = ["train", "--config", CONFIG, "--set", f"train.run_dir={tmp_path / 'run'}", "--set", f"model.init_from={folder}"]
+    base = [
+        "train",
+        "--config",
+        CONFIG,
+        "--set",
+        f"train.run_dir={tmp_path / 'run'}",
+        "--set",
+        f"model.init_from={folder}",
+    ]
     assert "has no config.json: not an HF model folder" in _one_line(capfd, base)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert f"model.init_from='{folder}' has no *.safetensors weights" in _one_line(capfd, base)
@@ -133,14 +149,18 @@ def _data_case(tmp_path: Path, case: str) -> tuple[str, str]:
     """(data.source, expected message) of one bad-data case."""
     p = tmp_path / "p.jsonl"
     if case == "missing":
-        return str(tmp_path / "none.jsonl"), f"data error: data.source: prompt file {tmp_path}/none.jsonl does not exist"
+        return str(
+            tmp_path / "none.jsonl"
+        ), f"data error: data.source: prompt file {tmp_path}/none.jsonl does not exist"
     if case == "extension":
         (tmp_path / "p.csv").write_text("prompt,answer\n1+1=,2\n")
         return str(tmp_path / "p.csv"), "unsupported prompt file type '.csv' (use .jsonl or .parquet)"
     if case == "missing_field":
         return _jsonl(p, _rows(5) + ['{"prompt": "2+2="}']), f"{p}:6: missing field 'answer' (data.answer_key"
     if case == "wrong_type":
-        return _jsonl(p, _rows(3) + ['{"prompt": {"x": 1}, "answer": "2"}']), f"{p}:4: field 'prompt' must be a string, got dict"
+        return _jsonl(
+            p, _rows(3) + ['{"prompt": {"x": 1}, "answer": "2"}']
+        ), f"{p}:4: field 'prompt' must be a string, got dict"
     if case == "bad_json":
         return _jsonl(p, _rows(2) + ['{"prompt": "2+2=", "answer": ']), f"{p}:3: invalid JSON (Expecting value"
     if case == "not_utf8":
@@ -156,8 +176,17 @@ def _data_case(tmp_path: Path, case: str) -> tuple[str, str]:
     raise AssertionError(case)
 
 
-DATA_CASES = ["missing", "extension", "missing_field", "wrong_type", "bad_json", "not_utf8", "too_few_rows",
-              "none_fits", "builtin"]
+DATA_CASES = [
+    "missing",
+    "extension",
+    "missing_field",
+    "wrong_type",
+    "bad_json",
+    "not_utf8",
+    "too_few_rows",
+    "none_fits",
+    "builtin",
+]
 
 
 @pytest.mark.parametrize("case", DATA_CASES)
@@ -224,8 +253,15 @@ def _gpt2(folder: Path) -> Path:
 def _mistral(folder: Path) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = MistralConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     MistralForCausalLM(cfg).save_pretrained(folder)
     return folder
 

@@ -41,7 +41,10 @@ def server() -> Iterator[ThreadingHTTPServer]:
 def test_address_that_is_not_an_engine_fails_fast(server: ThreadingHTTPServer) -> None:
     address = f"127.0.0.1:{server.server_port}"
     t0 = time.monotonic()
-    with pytest.raises(RolloutError, match=rf"rollout.engine_addresses: {address} is not a megarl engine: GET /health answered \{{'status': 'green'\}}"):
+    with pytest.raises(
+        RolloutError,
+        match=rf"rollout.engine_addresses: {address} is not a megarl engine: GET /health answered \{{'status': 'green'\}}",
+    ):
         Fleet.attach([address], request_timeout_s=5, start_timeout_s=300)
     assert time.monotonic() - t0 < 5  # not the 300 s start timeout
 
