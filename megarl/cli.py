@@ -10,9 +10,7 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
-import tempfile
 
 EXIT_USER_ERROR = 2
 """Exit code of a failure the user can fix (bad config, data, checkpoint, engine address)."""
@@ -52,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import signal
 
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        from megarl.launcher import ERROR_DIR_ENV, first_rank_error
+        from megarl.launcher import launch
 
         cmd = [
             sys.executable,
@@ -71,14 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cmd += ["--set", s]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        with tempfile.TemporaryDirectory(prefix="megarl-errors-") as errors:
-            env[ERROR_DIR_ENV] = errors
-            rc = subprocess.call(cmd, env=env)
-            line = first_rank_error(errors)
-        if line:
-            sys.stderr.write(line + "\n")
-            return EXIT_USER_ERROR
-        return rc
+        return launch(cmd, env)  # a rank's one-line error is printed once, exit 2
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
         from megarl.config import ConfigError
 

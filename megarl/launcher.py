@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ERROR_DIR_ENV = "MEGARL_ERROR_DIR"
@@ -43,6 +45,18 @@ def first_rank_error(folder: str | Path) -> str | None:
     """The first error any rank wrote (earliest, then lowest rank): the root cause."""
     files = sorted(Path(folder).glob("rank*"), key=lambda p: (p.stat().st_mtime_ns, int(p.name[4:])))
     return files[0].read_text().strip() if files else None
+
+
+def launch(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` (a ``python -m megarl.launcher ...`` command) with a fresh error folder;
+    print the first rank's one-line error and return 2, or return the command's exit code."""
+    with tempfile.TemporaryDirectory(prefix="megarl-errors-") as errors:
+        rc = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors})
+        line = first_rank_error(errors)
+    if line:
+        sys.stderr.write(line + "\n")
+        return EXIT_USER_ERROR
+    return rc
 
 
 class _UnlessReported(logging.Filter):

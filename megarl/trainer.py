@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl import algo, objectives
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
-from megarl.config import RunConfig
+from megarl.config import ConfigError, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.model.builder import Model, build_gpt, lr_at
 from megarl.model.forward import _labels, forward_logprobs, forward_values, train_step, vocab_parallel_logprobs
@@ -132,7 +132,7 @@ class Trainer:
         elif m.vocab_size == 0:
             self.cfg.model = dataclasses.replace(m, vocab_size=self.tok.vocab_size)
         if self.cfg.model.vocab_size < self.tok.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"model.vocab_size={self.cfg.model.vocab_size} < tokenizer vocabulary {self.tok.vocab_size}"
             )
 

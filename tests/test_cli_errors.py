@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from megarl import cli
+from megarl import cli, launcher
 from megarl.config import load_config
 from tests.helpers import ROOT
 
@@ -33,7 +33,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> int:
         raise AssertionError(f"a process was launched: {args[0] if args else kwargs}")
 
-    monkeypatch.setattr(cli.subprocess, "call", refuse)
+    monkeypatch.setattr(launcher.subprocess, "call", refuse)
     monkeypatch.delenv("RANK", raising=False)
 
 

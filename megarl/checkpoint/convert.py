@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -280,13 +279,15 @@ def _relaunch(argv: list[str], nproc: int) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megarl.launcher",  # torchrun, quiet when a rank reported a one-line error
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(Path(__file__).resolve()),
         *argv,
     ]
-    return subprocess.call(cmd, env=env)
+    from megarl.launcher import launch
+
+    return launch(cmd, env)
 
 
 def _free_port() -> int:
@@ -305,5 +306,7 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a torchrun rank of _relaunch: errors become one line, as in `megarl convert`
+    from megarl.cli import main as cli_main
+
+    sys.exit(cli_main(["convert", *sys.argv[1:]]))
