@@ -1,7 +1,12 @@
 """``megarl train|convert|report`` — parses, then calls; nothing else.
 
-``megarl train`` re-launches itself under torchrun when it is not already a torchrun rank,
-with ``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+``megarl train`` checks the config and reads every row of the data, then re-launches itself
+under torchrun (``megarl.launcher``) when it is not already a torchrun rank, with
+``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+
+A failure the user can fix (:class:`megarl.errors.MegarlError`) ends as one line on stderr,
+``megarl: <kind> error: <message>``, and exit code 2, printed once: by rank 0, or by the
+launcher for ranks it started. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
