@@ -34,10 +34,12 @@ from megarl.rollout.collect import (
     has_signal,
     overlong_summary,
     pack_groups,
+    probe_sequence,
     sample_groups,
     take_prompts,
+    validation_prompts,
 )
-from megarl.rollout.data import PromptSampler, fit_prompt, load_prompts, tokenizer_corpus
+from megarl.rollout.data import PromptSampler, load_prompts, tokenizer_corpus
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import failure_summary, get_reward_fn, score_all
@@ -105,7 +107,7 @@ class Trainer:
             self.actor, self.adapter, self.fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport
         )
         self.version = 0
-        self.probe_tokens = self._probe_sequence()
+        self.probe_tokens = probe_sequence(self.val_rows, self.tok, self.cfg)
 
     # ------------------------------------------------------------------ setup
 
@@ -115,14 +117,6 @@ class Trainer:
             train_tokenizer(tokenizer_corpus(self.train_rows), tdir)
         dist.barrier()
         return Tokenizer(tdir / "tokenizer.model")
-
-    def _probe_sequence(self) -> list[int]:
-        """The weight-sync probe's fixed sequence: the first validation prompt + answer that
-        fits rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
-        r = self.cfg.rollout
-        limit = r.max_prompt_len + r.max_response_len
-        seqs = [self.tok.encode(row.prompt + row.answer) for row in self.val_rows[:64]]
-        return next((ids for ids in seqs if len(ids) <= limit), seqs[0][:limit])
 
     def _resolve_model_config(self) -> None:
         m = self.cfg.model
@@ -544,16 +538,7 @@ class Trainer:
             self._fleet_ready()
             # the overlong-prompt rule applies here too (a prompt past the context would fail the
             # engine); a reward that raises scores 0, as in training, counted in one line
-            limit, mode = self.cfg.rollout.max_prompt_len, self.cfg.data.overlong_prompt
-            fitted = [(r, fit_prompt(self.tok.encode(r.prompt), limit, mode)) for r in self.val_rows]
-            rows = [(r, ids) for r, ids in fitted if ids is not None]
-            if len(rows) < len(fitted):
-                log.warning(
-                    "validation: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
-                    len(fitted) - len(rows),
-                    len(fitted),
-                    limit,
-                )
+            rows = validation_prompts(self.val_rows, self.tok, self.cfg)
             outs, _ = self.fleet.generate(
                 [ids for _, ids in rows],
                 n=1,

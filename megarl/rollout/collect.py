@@ -78,6 +78,32 @@ def overlong_summary(recent: list[str], cfg: RunConfig) -> str:
     )
 
 
+def validation_prompts(
+    records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig
+) -> list[tuple[PromptRecord, list[int]]]:
+    """Validation prompts under the same ``data.overlong_prompt`` rule as training (one log line
+    for those skipped): a prompt past the model's context would fail the engine."""
+    limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
+    fitted = [(r, fit_prompt(tok.encode(r.prompt), limit, mode)) for r in records]
+    rows = [(r, ids) for r, ids in fitted if ids is not None]
+    if len(rows) < len(fitted):
+        log.warning(
+            "validation: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
+            len(fitted) - len(rows),
+            len(fitted),
+            limit,
+        )
+    return rows
+
+
+def probe_sequence(records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig) -> list[int]:
+    """The weight-sync probe's fixed sequence: the first validation prompt + answer that fits
+    rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
+    limit = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    seqs = [tok.encode(r.prompt + r.answer) for r in records[:64]]
+    return next((ids for ids in seqs if len(ids) <= limit), seqs[0][:limit])
+
+
 @dataclass
 class Group:
     """One prompt's samples: ``samples[j]`` = (response ids, engine logprobs, truncated)."""
