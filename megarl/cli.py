@@ -1,7 +1,12 @@
 """``megarl train|convert|report`` — parses, then calls; nothing else.
 
-``megarl train`` re-launches itself under torchrun when it is not already a torchrun rank,
-with ``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+``megarl train`` checks the config and reads every row of the data, then re-launches itself
+under torchrun (``megarl.launcher``) when it is not already a torchrun rank, with
+``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+
+A failure the user can fix (:class:`megarl.errors.MegarlError`) ends as one line on stderr,
+``megarl: <kind> error: <message>``, and exit code 2, printed once: by rank 0, or by the
+launcher for ranks it started. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
+
+EXIT_USER_ERROR = 2
+"""Exit code of a failure the user can fix (bad config, data, checkpoint, engine address)."""
 
 
 def _setup_logging() -> None:
@@ -31,17 +38,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     p = cfg.parallel
     world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    if args.print_config:
+        from megarl.config_docs import explain
+
+        sys.stdout.write(explain(cfg) + "\n")
+        return 0
     cfg.validate(world)  # before any process group starts
+    if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
+        from megarl.rollout.data import check_data
+
+        counts = check_data(cfg)
+        logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
     if "RANK" not in os.environ and world > 1:
         # SIGUSR1 (SLURM's warning signal, or a preemption) reaches the whole process group:
         # torchrun forwards it to the ranks, which checkpoint and stop; this launcher waits.
         import signal
 
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        from megarl.launcher import launch
+
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "megarl.launcher",  # torchrun, quiet when a rank reported a one-line error
             "--standalone",
             f"--nproc-per-node={world}",
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -55,12 +74,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             cmd += ["--set", s]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        return subprocess.call(cmd, env=env)
+        return launch(cmd, env)  # a rank's one-line error is printed once, exit 2
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
         from megarl.config import ConfigError
 
         raise ConfigError(
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel×pipeline_parallel×data_parallel={world}"
+            f"this run has {os.environ.get('WORLD_SIZE')} ranks (WORLD_SIZE) but parallel.tensor_parallel="
+            f"{p.tensor_parallel} × pipeline_parallel={p.pipeline_parallel} × data_parallel={p.data_parallel} = "
+            f"{world}: start it with `megarl train` (it launches torchrun itself) or --nproc-per-node={world}"
         )
     import warnings
 
@@ -92,17 +113,60 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a :class:`~megarl.errors.MegarlError` becomes one line and exit code 2."""
+    from megarl.errors import MegarlError
+
     _setup_logging()
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except MegarlError as e:
+        return _user_error(e)
+    except Exception:
+        from megarl.launcher import peer_reported
+
+        if peer_reported():  # another rank failed first and said why; this is its consequence
+            return EXIT_USER_ERROR
+        raise
+
+
+def _user_error(e: Exception) -> int:
+    """Print ``megarl: <kind> error: <message>`` once: on rank 0 under torchrun, or handed to the
+    megarl launcher (which prints the first rank's line) when it started this rank."""
+    from megarl.launcher import record_rank_error
+
+    message = " ".join(line.strip() for line in getattr(e, "message", str(e)).splitlines() if line.strip())
+    line = f"megarl: {getattr(e, 'kind', 'megarl')} error: {message}"
+    if not record_rank_error(line) and int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(line + "\n")
+    return EXIT_USER_ERROR
+
+
+def _dispatch(args_list: list[str]) -> int:
     if args_list[:1] == ["convert"]:  # its own parser (tools/convert.py is the same tool)
         from megarl.checkpoint.convert import main as convert
+        from megarl.errors import ConvertError
 
-        return int(convert(args_list[1:]))
+        try:
+            return int(convert(args_list[1:]))
+        except SystemExit as e:  # the tool's own one-line refusals (argparse's usage errors are ints)
+            if isinstance(e.code, str):
+                raise ConvertError(e.code) from None
+            raise
     ap = argparse.ArgumentParser(prog="megarl")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="run RL training")
+    t = sub.add_parser(
+        "train",
+        help="run RL training",
+        description="Run RL training. Settings come from --config and --set; --print-config lists every "
+        "setting with its value and meaning.",
+    )
     t.add_argument("--config", help="YAML config (examples/*.yaml)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=5")
+    t.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (YAML, each setting with its doc) and exit without training",
+    )
     t.set_defaults(fn=cmd_train)
     r = sub.add_parser("report", help="plots + HTML page of a run's metrics")
     r.add_argument("run_dir")
@@ -110,13 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_report)
     sub.add_parser("convert", help="HF <-> megarl checkpoint: hf-to-megarl | megarl-to-hf (megarl convert -h)")
     args = ap.parse_args(args_list)
-    from megarl.config import ConfigError
-
-    try:
-        return int(args.fn(args))
-    except ConfigError as e:
-        sys.stderr.write(f"megarl: config error: {e}\n")
-        return 2
+    return int(args.fn(args))
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ import torch.distributed as dist
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_config import check_hf_tensors
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
-from megarl.config import RunConfig
+from megarl.config import ConfigError, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
+from megarl.rollout.collect import probe_sequence
 from megarl.rollout.collector import RolloutCollector
-from megarl.rollout.data import load_prompts
+from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import get_reward_fn
@@ -118,7 +119,7 @@ def build(cfg: RunConfig) -> Components:
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
-    tok = _tokenizer(run_dir, dims, [r.prompt + r.answer for r in train_rows[:5000]])
+    tok = _tokenizer(run_dir, dims, tokenizer_corpus(train_rows))
     cfg.model = _model_config(cfg, tok)
     adapter = LlamaQwen2Adapter(cfg.model)
     fleet = None
@@ -140,7 +141,7 @@ def build(cfg: RunConfig) -> Components:
         planner.attach_probe(actor)
         rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, reward_fn)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
-        probe_tokens = tok.encode(val_rows[0].prompt + val_rows[0].answer)
+        probe_tokens = probe_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
         publisher = PolicyPublisher(cfg, actor, sync, fleet, probe_tokens, ready=rollouts.fleet_ready)
     except BaseException:
         if fleet is not None:
@@ -207,7 +208,7 @@ def _model_config(cfg: RunConfig, tok: Tokenizer) -> Any:
     elif m.vocab_size == 0:
         m = dataclasses.replace(m, vocab_size=tok.vocab_size)
     if m.vocab_size < tok.vocab_size:
-        raise ValueError(f"model.vocab_size={m.vocab_size} < tokenizer vocabulary {tok.vocab_size}")
+        raise ConfigError(f"model.vocab_size={m.vocab_size} < tokenizer vocabulary {tok.vocab_size}")
     return m
 
 

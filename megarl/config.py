@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import yaml
 
+from megarl.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, mistyped or inconsistent."""
+__all__ = ["ConfigError", "RunConfig", "load_config"]
 
 
 @dataclass(kw_only=True)
@@ -473,7 +473,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: the text itself (a string field takes it; others say why not)
+    return key.strip().split("."), value
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
@@ -483,7 +487,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        if not p.is_file():
+            raise ConfigError(f"config file {p} is a directory, not a YAML file")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not valid UTF-8 text (byte offset {e.start})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: invalid YAML ({problem})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping")
         data = loaded

@@ -6,12 +6,17 @@ rule, before any process group starts.
 
 from __future__ import annotations
 
-from megarl.config import RunConfig, _fail, _walk
+import json
+from pathlib import Path
+
+from megarl.config import ModelConfig, RunConfig, _fail, _walk
 
 
 def check(cfg: RunConfig, world_size: int) -> None:
-    m, p, r = cfg.model, cfg.parallel, cfg.rollout
     _positive(cfg)
+    _rates_and_sampling(cfg)
+    _paths(cfg)
+    m, p, r = resolved_model(cfg), cfg.parallel, cfg.rollout
     if m.linear_bias and m.arch == "qwen2":
         _fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
@@ -83,7 +88,8 @@ def check(cfg: RunConfig, world_size: int) -> None:
         _fail(
             "rollout.max_prompt_len+max_response_len",
             r.max_prompt_len + r.max_response_len,
-            f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
+            f"exceeds model.max_position_embeddings={m.max_position_embeddings}"
+            + (f" (from {m.init_from}/config.json)" if m.init_from else ""),
         )
     if not 0 <= r.min_response_len <= r.max_response_len:
         _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
@@ -91,6 +97,7 @@ def check(cfg: RunConfig, world_size: int) -> None:
 
     if cfg.data.reward and cfg.data.reward not in REWARDS:
         _fail("data.reward", cfg.data.reward, f"must be one of {sorted(REWARDS)} (or '' for the default)")
+    check_kv_cache(cfg, m)
     if r.engine_tp < 1:
         _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
     if m.num_query_groups % r.engine_tp:
@@ -200,3 +207,100 @@ def _positive(cfg: RunConfig) -> None:
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")
+
+
+def _rates_and_sampling(cfg: RunConfig) -> None:
+    """Float settings with a sign or range rule, and sampling that cannot feed the estimator."""
+    o, r, a = cfg.optim, cfg.rollout, cfg.algo
+    for name, value in (("optim.lr", o.lr), ("critic.lr", cfg.critic.lr), ("warm_start.lr", cfg.warm_start.lr)):
+        if not value > 0:
+            _fail(name, value, "must be > 0")
+    if not 0 <= o.min_lr <= o.lr:
+        _fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
+    if not 0 < o.adam_eps or not 0 <= o.adam_beta1 < 1 or not 0 <= o.adam_beta2 < 1:
+        _fail(
+            "optim.adam_beta1/adam_beta2/adam_eps", (o.adam_beta1, o.adam_beta2, o.adam_eps), "need β in [0, 1), ε > 0"
+        )
+    if o.clip_grad < 0 or o.weight_decay < 0:
+        _fail("optim.clip_grad/weight_decay", (o.clip_grad, o.weight_decay), "must be >= 0")
+    if r.temperature < 0:
+        _fail("rollout.temperature", r.temperature, "must be >= 0")
+    if r.temperature == 0 and r.samples_per_prompt > 1:
+        _fail(
+            "rollout.temperature",
+            0.0,
+            f"is greedy decoding: the rollout.samples_per_prompt={r.samples_per_prompt} samples of a prompt "
+            "would be identical (use a temperature > 0, or samples_per_prompt=1 with a non-group estimator)",
+        )
+    if not 0 < r.top_p <= 1:
+        _fail("rollout.top_p", r.top_p, "must be in (0, 1]")
+    group_estimators = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+    if a.advantage in group_estimators and r.samples_per_prompt < 2:
+        _fail(
+            "rollout.samples_per_prompt",
+            r.samples_per_prompt,
+            f"must be >= 2 with algo.advantage='{a.advantage}' (a group of one has no baseline: "
+            "every advantage, and so the loss, would be exactly 0)",
+        )
+    if not r.kv_cache_gb > 0:
+        _fail("rollout.kv_cache_gb", r.kv_cache_gb, "must be > 0 (KV cache per engine, GiB)")
+    for name, value in (
+        ("rollout.engine_start_timeout_s", r.engine_start_timeout_s),
+        ("rollout.request_timeout_s", r.request_timeout_s),
+    ):
+        if not value > 0:
+            _fail(name, value, "must be > 0")
+
+
+def _paths(cfg: RunConfig) -> None:
+    """Files and folders the run reads or writes, before any process starts."""
+    run_dir = Path(cfg.train.run_dir)
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            _fail("train.run_dir", cfg.train.run_dir, f"cannot be created: {parent} is a file")
+    src = cfg.model.init_from
+    if src:
+        folder = Path(src)
+        if not folder.is_dir():
+            _fail("model.init_from", src, "does not exist (expected an HF model folder)")
+        if not (folder / "config.json").is_file():
+            _fail("model.init_from", src, "has no config.json: not an HF model folder")
+        if not list(folder.glob("*.safetensors")):
+            _fail("model.init_from", src, "has no *.safetensors weights")
+
+
+def resolved_model(cfg: RunConfig) -> ModelConfig:
+    """The model the run will build: ``model`` itself, or its shape from ``model.init_from``."""
+    m = cfg.model
+    if not m.init_from:
+        return m
+    from megarl.checkpoint.hf_adapter import model_config_from_hf
+
+    cfg_file = Path(m.init_from) / "config.json"
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+        return model_config_from_hf(hf_cfg, m)
+    except json.JSONDecodeError as e:
+        _fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
+    except (KeyError, ValueError) as e:  # AdapterError, UnsupportedHFModel: the key and value named
+        reason = e.args[0] if len(e.args) == 1 else e
+        _fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
+
+
+def check_kv_cache(cfg: RunConfig, m: ModelConfig) -> None:
+    """Each engine's KV cache must hold one whole sequence of the model's context, which vLLM
+    requires at start; measured in its blocks (128 tokens on CPU, 16 on GPU)."""
+    import torch
+
+    r = cfg.rollout
+    block = 16 if torch.cuda.is_available() else 128
+    per_token = 2 * m.num_layers * max(1, m.num_query_groups // r.engine_tp) * m.head_dim * 4  # K and V, fp32
+    need_tokens = -(-m.max_position_embeddings // block) * block
+    have_tokens = int(r.kv_cache_gb * (1 << 30)) // per_token // block * block
+    if have_tokens < need_tokens:
+        _fail(
+            "rollout.kv_cache_gb",
+            r.kv_cache_gb,
+            f"holds {have_tokens} KV tokens per engine; one sequence of model.max_position_embeddings="
+            f"{m.max_position_embeddings} needs {need_tokens} ({need_tokens * per_token / (1 << 30):.4g} GiB)",
+        )

@@ -86,19 +86,24 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
     if not use_cuda:
         cpu_compat.install()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # On CUDA both backends: megatron's and megarl's groups (backend=None) then carry GPU
         # tensors over NCCL and the small CPU tensors megarl broadcasts and reduces (rollout
         # batches, plan timings, checkpoint agreement) over gloo; NCCL alone refuses CPU tensors.
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" not in os.environ and "MASTER_PORT" not in os.environ:
+            # one process, not launched: an in-process store, no TCP port. (A fixed default port
+            # made two single-rank runs on one machine collide at start-up.)
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29511")  # ranks started without torchrun must agree on one
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}")

@@ -51,8 +51,30 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's metric records. A cut last line (a run killed mid-write) is skipped with a
+    warning; a bad line elsewhere, a missing run folder or file is a :class:`ReportError`."""
+    from megarl.errors import ReportError
+
+    run = Path(run_dir)
+    path = run / "metrics.jsonl"
+    if not run.is_dir():
+        raise ReportError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a folder")
+    if not path.is_file():
+        raise ReportError(f"{path} not found: {run} is not a megarl run folder (train.run_dir) or it never logged")
+    lines = [(i, line) for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    recs: list[dict[str, Any]] = []
+    for n, (lineno, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "step" not in rec:
+                raise ValueError("not a metrics record (an object with 'step')")
+        except ValueError as e:
+            if n == len(lines) - 1:
+                log.warning("%s:%d: skipping the cut last line (%s)", path, lineno, e)
+                break
+            raise ReportError(f"{path}:{lineno}: {e}") from None
+        recs.append(rec)
+    return recs
 
 
 class Timer:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megarl.errors import ReportError
 from megarl.metrics import read_metrics
 
 
@@ -64,7 +65,7 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     run = Path(run_dir)
     recs = read_metrics(run)
     if not recs:
-        raise ValueError(f"{run}/metrics.jsonl has no records")
+        raise ReportError(f"{run}/metrics.jsonl has no records: the run logged no step yet")
     out = Path(out_dir) if out_dir else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     images: list[tuple[str, Path]] = []

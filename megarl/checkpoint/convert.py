@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -118,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or args.pp < 1:
         raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
     if args.command == "hf-to-megarl":
+        check_hf_source(args.hf)
         _check_hf_model(args.hf, args.tp, args.pp)
         run: Any = hf_to_megarl
     else:
@@ -178,30 +178,55 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     return path
 
 
+def check_hf_source(hf_dir: Path) -> None:
+    """Before anything else: an HF folder of a supported architecture, with safetensors weights.
+    Raises :class:`megarl.errors.ConvertError` naming the folder or its config.json."""
+    from megarl.errors import ConvertError
+
+    cfg_file = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf {hf_dir} does not exist (expected an HF model folder)")
+    if not cfg_file.is_file():
+        raise ConvertError(f"{cfg_file} not found: {hf_dir} is not an HF model folder")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConvertError(f"{cfg_file} is not a JSON object ({e})") from None
+    if model_type not in ARCHITECTURES:
+        raise ConvertError(
+            f"{cfg_file}: model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    if not list(hf_dir.glob("*.safetensors")):
+        others = sorted(p.name for p in hf_dir.glob("*.bin"))
+        hint = f" (found {', '.join(others)}: re-save with safe_serialization=True)" if others else ""
+        raise ConvertError(f"no *.safetensors weights in {hf_dir}{hint}")
+
+
 def _check_hf_model(hf_dir: Path, tp: int, pp: int) -> None:
     """Fail with one line, before any process starts, when megarl would not reproduce the HF
     model exactly (config key and value named) or the layout cannot split it."""
     from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
     from megarl.checkpoint.hf_config import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
     from megarl.config import ModelConfig
+    from megarl.errors import ConvertError
 
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
-        raise SystemExit(f"{cfg_file} not found: not an HF model folder")
+        raise ConvertError(f"{cfg_file} not found: not an HF model folder")
     cfg = json.loads(cfg_file.read_text())
     try:
         mcfg = model_config_from_hf(cfg, ModelConfig())
         found = LazyHFTensors(hf_dir).shapes()
         check_hf_tensors(LlamaQwen2Adapter(mcfg).hf_shapes(), found, tied=mcfg.tie_embeddings, where=str(hf_dir))
     except (UnsupportedHFModel, FileNotFoundError) as e:
-        raise SystemExit(f"{cfg_file}: {e}") from None
+        raise ConvertError(f"{cfg_file}: {e}") from None
     for flag, div, field, value in (
         ("--tp", tp, "num_attention_heads", mcfg.num_attention_heads),
         ("--tp", tp, "num_key_value_heads", mcfg.num_query_groups),
         ("--pp", pp, "num_hidden_layers", mcfg.num_layers),
     ):
         if value % div:
-            raise SystemExit(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
+            raise ConvertError(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
 
 
 # --------------------------------------------------------------------------- megarl -> HF
@@ -300,13 +325,15 @@ def _relaunch(argv: list[str], nproc: int) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megarl.launcher",  # torchrun, quiet when a rank reported a one-line error
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(Path(__file__).resolve()),
         *argv,
     ]
-    return subprocess.call(cmd, env=env)
+    from megarl.launcher import launch
+
+    return launch(cmd, env)
 
 
 def _free_port() -> int:
@@ -325,5 +352,7 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a torchrun rank of _relaunch: errors become one line, as in `megarl convert`
+    from megarl.cli import main as cli_main
+
+    sys.exit(cli_main(["convert", *sys.argv[1:]]))

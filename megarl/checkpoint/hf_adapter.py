@@ -28,6 +28,7 @@ import torch
 
 from megarl.checkpoint.hf_config import model_config_from_hf
 from megarl.config import ModelConfig
+from megarl.errors import CheckpointError
 
 __all__ = ["AdapterError", "LlamaQwen2Adapter", "iter_layer_groups", "model_config_from_hf"]
 
@@ -55,7 +56,7 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
 }
 
 
-class AdapterError(KeyError):
+class AdapterError(CheckpointError, KeyError):
     """A Megatron or HF parameter name/shape the adapter does not know."""
 
 

@@ -7,14 +7,14 @@ tensors (no Python objects) to every trainer rank.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megarl import algo
 from megarl.config import RunConfig
-from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError
+from megarl.rollout.data import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import RewardFn, score_all
 from megarl.rollout.tokenizer import Tokenizer
@@ -27,6 +27,12 @@ log = logging.getLogger("megarl.rollout")
 class PromptStats:
     skipped_overlong: int = 0
     truncated_overlong: int = 0
+    recent: list[str] = field(default_factory=list)
+    """Overlong prompts met since :meth:`drain` ('file:line (N tokens)'), for one log line a step."""
+
+    def drain(self) -> list[str]:
+        out, self.recent = self.recent, []
+        return out
 
 
 def take_prompts(
@@ -37,7 +43,8 @@ def take_prompts(
     cfg: RunConfig,
     stats: PromptStats,
 ) -> list[tuple[PromptRecord, list[int]]]:
-    """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted)."""
+    """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted;
+    the caller logs them once per step, see :func:`overlong_summary`)."""
     limit = cfg.rollout.max_prompt_len
     out: list[tuple[PromptRecord, list[int]]] = []
     scanned = 0
@@ -45,19 +52,56 @@ def take_prompts(
         for i in sampler.next(k - len(out)):
             scanned += 1
             ids = tok.encode(records[i].prompt)
+            fitted = fit_prompt(ids, limit, cfg.data.overlong_prompt)
             if len(ids) > limit:
-                if cfg.data.overlong_prompt == "skip":
+                stats.recent.append(f"{records[i].where} ({len(ids)} tokens)")
+                if fitted is None:
                     stats.skipped_overlong += 1
-                    log.warning(
-                        "skipping prompt %s: %d tokens > rollout.max_prompt_len=%d", records[i].where, len(ids), limit
-                    )
                     continue
                 stats.truncated_overlong += 1
-                ids = [ids[0], *ids[len(ids) - limit + 1 :]]
-            out.append((records[i], ids))
+            assert fitted is not None
+            out.append((records[i], fitted))
         if scanned > 10 * len(records) + k:
-            raise RolloutError(f"fewer than {k} prompts fit rollout.max_prompt_len={limit}")
+            raise DataError(f"fewer than {k} prompts fit rollout.max_prompt_len={limit}")
     return out
+
+
+def overlong_summary(recent: list[str], cfg: RunConfig) -> str:
+    """One log line for the overlong prompts of a step ('' if none): the count and two examples."""
+    if not recent:
+        return ""
+    action = "skipped" if cfg.data.overlong_prompt == "skip" else "truncated"
+    more = f" and {len(recent) - 2} more" if len(recent) > 2 else ""
+    return (
+        f"{action} {len(recent)} prompts longer than rollout.max_prompt_len={cfg.rollout.max_prompt_len}: "
+        f"{', '.join(recent[:2])}{more}"
+    )
+
+
+def validation_prompts(
+    records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig
+) -> list[tuple[PromptRecord, list[int]]]:
+    """Validation prompts under the same ``data.overlong_prompt`` rule as training (one log line
+    for those skipped): a prompt past the model's context would fail the engine."""
+    limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
+    fitted = [(r, fit_prompt(tok.encode(r.prompt), limit, mode)) for r in records]
+    rows = [(r, ids) for r, ids in fitted if ids is not None]
+    if len(rows) < len(fitted):
+        log.warning(
+            "validation: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
+            len(fitted) - len(rows),
+            len(fitted),
+            limit,
+        )
+    return rows
+
+
+def probe_sequence(records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig) -> list[int]:
+    """The weight-sync probe's fixed sequence: the first validation prompt + answer that fits
+    rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
+    limit = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    seqs = [tok.encode(r.prompt + r.answer) for r in records[:64]]
+    return next((ids for ids in seqs if len(ids) <= limit), seqs[0][:limit])
 
 
 @dataclass
@@ -79,8 +123,10 @@ def sample_groups(
     reward_fn: RewardFn,
     seed: int,
     samples: int,
+    failures: list[str] | None = None,
 ) -> tuple[list[Group], int, int]:
-    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, failed rewards)."""
+    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, failed
+    rewards); each failure's reason goes to ``failures``."""
     r = cfg.rollout
     outs, version = fleet.generate(
         [ids for _, ids in prompts],
@@ -99,7 +145,9 @@ def sample_groups(
             raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
         smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
         texts = [tok.decode(ids) for ids, _, _ in smp]
-        rewards, nfail = score_all(reward_fn, [rec.prompt] * samples, texts, [rec.answer] * samples)
+        rewards, nfail = score_all(
+            reward_fn, [rec.prompt] * samples, texts, [rec.answer] * samples, failures=failures, where=rec.where
+        )
         failed += nfail
         if cfg.algo.overlong_buffer_len:
             lengths = torch.tensor([len(ids) for ids, _, _ in smp], dtype=torch.float32)

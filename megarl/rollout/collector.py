@@ -11,6 +11,7 @@ and skips none; only rank 0 talks to the fleet, and the packed batch is broadcas
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any
 
@@ -25,15 +26,19 @@ from megarl.rollout.collect import (
     batch_stats,
     broadcast_batch,
     has_signal,
+    overlong_summary,
     pack_groups,
     sample_groups,
     take_prompts,
+    validation_prompts,
 )
 from megarl.rollout.data import PromptRecord, PromptSampler
 from megarl.rollout.fleet import Fleet
-from megarl.rollout.rewards import RewardFn
+from megarl.rollout.rewards import RewardFn, failure_summary, score_all
 from megarl.rollout.tokenizer import Tokenizer
 from megarl.types import RolloutBatch
+
+log = logging.getLogger("megarl")
 
 
 class RolloutCollector:
@@ -79,8 +84,12 @@ class RolloutCollector:
                 n[0] = self._sample_round(prompts, step, samples, rnd)
             dist.broadcast(n, src=0)
             n_kept = int(n)
+        overlong = self.prompt_stats.drain()  # every rank met the same prompts; rank 0 tells
         if self.dims.is_rank0:
             assert self.fleet is not None
+            for line in (overlong_summary(overlong, self.cfg), failure_summary(rnd.failures, len(rnd.kept) * samples)):
+                if line:
+                    log.warning("step %d: %s", step + 1, line)
             short = num_prompts - len(rnd.kept)
             if short > 0:  # out of rounds: fill with signal-less groups (zero advantage), counted
                 rnd.kept.extend(rnd.reserve[:short])
@@ -112,6 +121,7 @@ class RolloutCollector:
             self.reward_fn,
             seed=self.cfg.train.seed + 7919 * step + rnd.count,
             samples=samples,
+            failures=rnd.failures,
         )
         rnd.version = min(rnd.version, v)
         rnd.failed += nfail
@@ -131,9 +141,11 @@ class RolloutCollector:
         if self.dims.is_rank0:
             assert self.fleet is not None
             self.fleet_ready()
-            prompts = [self.tok.encode(r.prompt) for r in self.val_rows]
+            # the overlong-prompt rule applies here too (a prompt past the context would fail the
+            # engine); a reward that raises scores 0, as in training, counted in one line
+            rows = validation_prompts(self.val_rows, self.tok, self.cfg)
             outs, _ = self.fleet.generate(
-                prompts,
+                [ids for _, ids in rows],
                 n=1,
                 max_tokens=self.cfg.rollout.max_response_len,
                 temperature=0.0,
@@ -141,8 +153,14 @@ class RolloutCollector:
                 stop_token_ids=[self.tok.eos_id],
             )
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
-            rewards = [self.reward_fn(r.prompt, t, r.answer) for r, t in zip(self.val_rows, texts)]
-            value[0] = sum(rewards) / len(rewards)
+            failures: list[str] = []
+            rewards = [
+                score_all(self.reward_fn, [r.prompt], [t], [r.answer], failures=failures, where=r.where)[0][0]
+                for (r, _), t in zip(rows, texts)
+            ]
+            if failures:
+                log.warning("validation: %s", failure_summary(failures, len(rows), "prompts"))
+            value[0] = sum(rewards) / max(len(rewards), 1)
         dist.broadcast(value, src=0)
         return float(value)
 
@@ -168,6 +186,7 @@ class _Round:
         self.count = 0
         self.version = 10**9  # the oldest policy version that produced a kept sample
         self.failed = 0  # reward calls that raised
+        self.failures: list[str] = []  # which samples' rewards raised, and why (logged once per step)
         self.dropped = 0  # groups without reward signal (dynamic sampling)
         self.kept: list[Group] = []
         self.reserve: list[Group] = []  # dropped groups, used if the rounds run out

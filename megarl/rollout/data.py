@@ -1,8 +1,10 @@
 """Prompt data: the built-in arithmetic task, JSONL / Parquet files, and a resumable sampler.
 
 Every row becomes a :class:`PromptRecord` (prompt text, reference answer, source location).
-A malformed row raises :class:`RolloutError` naming the file and line; a prompt longer than
-``rollout.max_prompt_len`` tokens is skipped or truncated by config and always counted.
+A malformed row raises :class:`~megarl.errors.DataError` naming the file and line (the launcher
+reads every row before any process starts: :func:`check_data`); a
+prompt longer than ``rollout.max_prompt_len`` tokens is skipped or truncated by config and
+always counted.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megarl.config import DataConfig
+from megarl.config import DataConfig, RunConfig
+from megarl.errors import DataError, RolloutError
 
+__all__ = ["DataError", "PromptRecord", "PromptSampler", "RolloutError", "check_data", "load_prompts"]
 
-class RolloutError(RuntimeError):
-    """Bad prompt data, a failed engine request or a failed reward."""
+TOKENIZER_CORPUS_ROWS = 5000
+"""The tokenizer is trained on prompt + answer of the first this-many training rows."""
 
 
 @dataclass(frozen=True)
@@ -42,45 +46,69 @@ def arithmetic_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
     return rows
 
 
-def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
-    if not path.exists():
-        raise RolloutError(f"prompt file {path} does not exist")
+def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     raw: list[tuple[str, Any]] = []
+    with path.open("rb") as fh:  # bytes: a bad encoding is reported with its line
+        for lineno, data in enumerate(fh, 1):
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                raw.append((f"{path}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    return raw
+
+
+def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
+    if not path.is_file():
+        what = "is a directory, not a prompt file" if path.is_dir() else "does not exist"
+        raise DataError(f"data.source: prompt file {path} {what}")
     if path.suffix == ".jsonl":
-        with path.open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    raw.append((f"{path}:{lineno}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise RolloutError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+        raw = _read_jsonl(path)
     elif path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            raw.append((f"{path}:row {i}", row))
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+        raw = [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
     else:
-        raise RolloutError(f"{path}: unsupported prompt file type (use .jsonl or .parquet)")
+        raise DataError(f"data.source: {path}: unsupported prompt file type '{path.suffix}' (use .jsonl or .parquet)")
     out: list[PromptRecord] = []
     for where, row in raw:
         if not isinstance(row, dict):
-            raise RolloutError(f"{where}: row must be an object, got {type(row).__name__}")
-        for key in (cfg.prompt_key, cfg.answer_key):
+            raise DataError(f"{where}: row must be an object, got {type(row).__name__}")
+        for key, setting in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
             if key not in row:
-                raise RolloutError(f"{where}: missing field '{key}'")
-            if not isinstance(row[key], (str, int, float)):
-                raise RolloutError(f"{where}: field '{key}' must be a string")
+                raise DataError(f"{where}: missing field '{key}' ({setting}; the row has {sorted(row)})")
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
+        if not str(row[cfg.prompt_key]).strip():
+            raise DataError(f"{where}: field '{cfg.prompt_key}' is empty")
         out.append(PromptRecord(str(row[cfg.prompt_key]), str(row[cfg.answer_key]), where))
     return out
 
 
+BUILTIN_TASKS = ("arithmetic",)
+
+
 def load_prompts(cfg: DataConfig, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """(train, validation) prompt records."""
+    """(train, validation) prompt records; :class:`DataError` names the file and line."""
     if cfg.source.startswith("builtin:"):
         name = cfg.source.split(":", 1)[1]
-        if name != "arithmetic":
-            raise RolloutError(f"data.source: unknown built-in task '{name}' (known: arithmetic)")
+        if name not in BUILTIN_TASKS:
+            raise DataError(
+                f"data.source='{cfg.source}': unknown built-in task '{name}' (known: {list(BUILTIN_TASKS)})"
+            )
         train = arithmetic_rows(cfg.num_train, cfg.max_operand, seed)
         val = arithmetic_rows(cfg.num_val, cfg.max_operand, seed + 7919)
         return train, val
@@ -88,8 +116,56 @@ def load_prompts(cfg: DataConfig, seed: int) -> tuple[list[PromptRecord], list[P
     for part in cfg.source.split(","):
         rows.extend(_rows_from_file(Path(part.strip()), cfg))
     if len(rows) <= cfg.num_val:
-        raise RolloutError(f"data.source has {len(rows)} rows, need more than data.num_val={cfg.num_val}")
-    return rows[: -cfg.num_val], rows[-cfg.num_val :]
+        raise DataError(
+            f"data.source={cfg.source} has {len(rows)} rows, need more than data.num_val={cfg.num_val} "
+            "(the last num_val rows are the validation set)"
+        )
+    return rows[: -cfg.num_val] if cfg.num_val else rows, rows[-cfg.num_val :] if cfg.num_val else []
+
+
+def tokenizer_corpus(train: list[PromptRecord]) -> list[str]:
+    return [r.prompt + r.answer for r in train[:TOKENIZER_CORPUS_ROWS]]
+
+
+def fit_prompt(ids: list[int], limit: int, mode: str) -> list[int] | None:
+    """``data.overlong_prompt`` on one encoded prompt: the ids to use, or None (skipped).
+
+    Truncation keeps the first token (BOS) and the last ``limit - 1`` tokens, where the
+    question usually ends."""
+    if len(ids) <= limit:
+        return ids
+    if mode == "skip":
+        return None
+    return [ids[0], *ids[len(ids) - limit + 1 :]]
+
+
+def check_data(cfg: RunConfig) -> dict[str, int]:
+    """Launcher pre-check: read and validate every row, count them, and check that prompts fit
+    ``rollout.max_prompt_len`` under the run's tokenizer (trained here into
+    ``train.run_dir/tokenizer`` exactly as the trainer would, or the one already there).
+    Raises :class:`DataError`; returns row counts for the log."""
+    from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
+
+    train, val = load_prompts(cfg.data, cfg.data.seed)
+    tdir = Path(cfg.train.run_dir) / "tokenizer"
+    if (tdir / "tokenizer.model").exists():
+        tok = Tokenizer(tdir / "tokenizer.model")
+    else:
+        tok = train_tokenizer(tokenizer_corpus(train), tdir)
+    limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
+    counts = {"train_rows": len(train), "val_rows": len(val)}
+    for split, rows in (("train", train), ("validation", val)):
+        lengths = [len(tok.encode(r.prompt)) for r in rows]
+        overlong = sum(n > limit for n in lengths)
+        counts[f"{split}_overlong"] = overlong
+        if rows and overlong == len(rows) and mode == "skip":
+            i = min(range(len(rows)), key=lengths.__getitem__)
+            raise DataError(
+                f"data.source={cfg.data.source}: no {split} prompt fits rollout.max_prompt_len={limit} tokens "
+                f"(shortest: {lengths[i]} tokens, at {rows[i].where}); raise rollout.max_prompt_len "
+                "or set data.overlong_prompt=truncate"
+            )
+    return counts
 
 
 class PromptSampler:
@@ -97,7 +173,7 @@ class PromptSampler:
 
     def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
         if n <= 0:
-            raise RolloutError("no prompts to sample from")
+            raise DataError("no prompts to sample from")
         self.n, self.seed, self.shuffle = n, seed, shuffle
         self.epoch, self.pos = 0, 0
         self._order = self._perm()
@@ -124,6 +200,6 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["n"] != self.n:
-            raise RolloutError(f"sampler state is for {state['n']} prompts, data has {self.n}")
+            raise DataError(f"sampler state is for {state['n']} prompts, data has {self.n}")
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._perm()

@@ -44,14 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.errors import RolloutError, WeightSyncError
 from megarl.rollout import faults
-from megarl.rollout.data import RolloutError
 
 log = logging.getLogger("megarl.fleet")
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update was rejected; the fleet still serves the previous version."""
 
 
 class EngineDead(RolloutError):
@@ -96,11 +92,28 @@ class Engine:
         return self._request(path, data, "application/octet-stream", timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        return self.check_health(timeout)[0]
+
+    def check_health(self, timeout: float = 2.0) -> tuple[dict[str, Any] | None, str, bool]:
+        """(health, why not, answered): ``answered`` is True when something replied at the
+        address but not as a megarl engine (it will not become one by waiting)."""
         try:
             with urllib.request.urlopen(f"http://{self.address}/health", timeout=timeout) as r:
-                return dict(json.loads(r.read()))
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return None
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            return None, f"GET /health answered HTTP {e.code}", True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, socket.gaierror):
+                return None, f"host not found ({reason})", True
+            return None, str(reason), False
+        try:
+            health = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None, f"GET /health answered {body[:40]!r}, not JSON", True
+        if not isinstance(health, dict) or health.get("ok") is not True or "version" not in health:
+            return None, f"GET /health answered {str(health)[:80]}, not a megarl engine's", True
+        return health, "", True
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
@@ -217,20 +230,43 @@ class Fleet:
         fh.close()
 
     def wait_healthy(self, engines: list[Engine] | None = None) -> None:
+        """Wait for every engine's /health. A local engine that exits fails at once; an address
+        that answers but is not a megarl engine (or a host that does not resolve) fails at once;
+        one that refuses connections is waited for (a remote engine may still be loading), and
+        said so every 30 s."""
         pending = list(engines or self.engines)
-        deadline = time.monotonic() + self.start_timeout
+        t0 = time.monotonic()
+        deadline, next_note = t0 + self.start_timeout, t0 + 30.0
+        why: dict[str, str] = {}
         while pending:
             for e in list(pending):
                 if not e.alive():
+                    assert e.proc is not None
+                    last = next((ln for ln in reversed(e.log_tail(40).splitlines()) if ln.strip()), "")
                     raise RolloutError(
-                        f"engine {e.name} exited with code {e.proc.returncode if e.proc else '?'} "
-                        f"during start; last log lines ({e.log_path}):\n{e.log_tail()}"
+                        f"engine {e.name} exited with code {e.proc.returncode} during start; "
+                        f"log {e.log_path}, last line: {last.strip()}"
                     )
-                if e.health() is not None:
+                health, reason, answered = e.check_health()
+                if health is not None:
                     pending.remove(e)
+                elif answered and not e.launch:
+                    raise RolloutError(f"rollout.engine_addresses: {e.address} is not a megarl engine: {reason}")
+                else:
+                    why[e.name] = reason
             if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{e.name} ({e.address})" for e in pending)
-                raise RolloutError(f"engines not healthy after {self.start_timeout:.0f}s: {names}")
+                names = ", ".join(f"{e.name} ({e.address}: {why.get(e.name, '?')})" for e in pending)
+                raise RolloutError(
+                    f"engines not healthy after rollout.engine_start_timeout_s={self.start_timeout:.0f}s: {names}"
+                )
+            if pending and time.monotonic() > next_note and any(not e.launch for e in pending):
+                next_note += 30.0
+                log.info(
+                    "waiting for %s (%.0fs of rollout.engine_start_timeout_s=%.0f)",
+                    ", ".join(f"{e.name} at {e.address}: {why.get(e.name, '?')}" for e in pending),
+                    time.monotonic() - t0,
+                    self.start_timeout,
+                )
             if pending:
                 time.sleep(0.5)
 

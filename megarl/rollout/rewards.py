@@ -1,16 +1,15 @@
 """Reward functions: ``fn(prompt, response, answer) -> float``, selected by name.
 
-:func:`score_all` never lets one reward kill the run: a function that raises marks that
-sample as failed (reward = ``failed_reward``), and the reason is logged and counted.
+:func:`score_all` never lets one reward kill the run (training and validation samples alike):
+a function that raises marks that sample as failed (reward = ``failed_reward``); failures are
+counted and summarised in one log line per step (:func:`failure_summary`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str, str], float]
-log = logging.getLogger("megarl.rewards")
 
 
 def exact_match(prompt: str, response: str, answer: str) -> float:
@@ -43,9 +42,17 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def score_all(
-    fn: RewardFn, prompts: list[str], responses: list[str], answers: list[str], failed_reward: float = 0.0
+    fn: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    answers: list[str],
+    failed_reward: float = 0.0,
+    failures: list[str] | None = None,
+    where: str = "",
 ) -> tuple[list[float], int]:
-    """(rewards, number of failed samples)."""
+    """(rewards, number of failed samples). Each failure's reason is appended to ``failures``
+    (``where``: the prompt's file:line) for the caller's one summary line per step, not logged
+    one by one (a broken reward fails on most samples)."""
     rewards, failed = [], 0
     for i, (p, r, a) in enumerate(zip(prompts, responses, answers)):
         try:
@@ -54,7 +61,16 @@ def score_all(
                 raise ValueError("reward is NaN")
         except Exception as e:  # a broken reward must not kill the run; it is counted
             failed += 1
-            log.warning("reward failed on sample %d (prompt %r): %s: %s", i, p, type(e).__name__, e)
+            if failures is not None:
+                failures.append(f"{where or repr(p)} sample {i}: {type(e).__name__}: {e}")
             value = failed_reward
         rewards.append(value)
     return rewards, failed
+
+
+def failure_summary(failures: list[str], total: int, what: str = "samples") -> str:
+    """One log line for a step's failed rewards ('' if none): the count and two examples."""
+    if not failures:
+        return ""
+    more = f"; and {len(failures) - 2} more" if len(failures) > 2 else ""
+    return f"reward failed on {len(failures)} of {total} {what} (scored 0): {'; '.join(failures[:2])}{more}"

@@ -196,12 +196,13 @@ REFUSED = {
 _PROBE = """
 import json, sys
 from megarl.checkpoint.convert import main
+from megarl.errors import ConvertError
 out = {}
 for case, hf in json.loads(sys.argv[1]).items():
     try:
         main(["hf-to-megarl", "--hf", hf, "--out", hf + "_ckpt", "--tp", "2"])
         out[case] = "exit 0"
-    except SystemExit as e:
+    except ConvertError as e:
         out[case] = str(e)
 out["_megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
 print(json.dumps(out))
@@ -237,7 +238,7 @@ def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
             line,
         )
         assert not (tmp_path / f"{case}_ckpt").exists(), case
-    # the command line: exit status 1 and the same single line on stderr
+    # the command line: exit status 2 and the same single line on stderr
     cli = subprocess.run(
         [sys.executable, str(TOOL), "hf-to-megarl", "--hf", dirs["gelu"], "--out", str(tmp_path / "o"), "--tp", "2"],
         env=env,
@@ -245,4 +246,4 @@ def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert cli.returncode == 1 and cli.stderr.strip() == got["gelu"], cli.stderr
+    assert cli.returncode == 2 and cli.stderr.strip() == f"megarl: convert error: {got['gelu']}", cli.stderr

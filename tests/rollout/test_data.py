@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import DataConfig, RunConfig
-from megarl.rollout.collect import PromptStats, take_prompts
+from megarl.rollout.collect import PromptStats, overlong_summary, take_prompts
 from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
-from megarl.rollout.rewards import arithmetic, score_all
+from megarl.rollout.rewards import arithmetic, failure_summary, score_all
 from megarl.rollout.tokenizer import train_tokenizer
 
 
@@ -108,3 +108,36 @@ def test_answer_prefix_reward_ignores_the_tail() -> None:
     cases = [("12 junk 7", 1.0), (" 12+3", 1.0), ("123", 1.0), ("x12", 0.0), ("1 2", 0.0), ("", 0.0), ("-4", 0.0)]
     assert [answer_prefix("5+7=", r, "12") for r, _ in cases] == [v for _, v in cases]
     assert answer_prefix("3-7=", "-4abc", "-4") == 1.0
+
+
+def test_reward_failures_are_one_line_per_step(caplog: pytest.LogCaptureFixture) -> None:
+    """233 failing samples used to log 233 warnings; now they are collected for one summary."""
+
+    def broken(prompt: str, response: str, answer: str) -> float:
+        raise KeyError("verifier config")
+
+    failures: list[str] = []
+    with caplog.at_level("WARNING"):
+        rewards, failed = score_all(broken, ["1+1="] * 233, ["2"] * 233, ["2"] * 233, failures=failures, where="d.jsonl:7")
+    assert failed == 233 and rewards == [0.0] * 233 and caplog.records == []
+    line = failure_summary(failures, 256)
+    assert line == (
+        "reward failed on 233 of 256 samples (scored 0): d.jsonl:7 sample 0: KeyError: 'verifier config'; "
+        "d.jsonl:7 sample 1: KeyError: 'verifier config'; and 231 more"
+    )
+    assert failure_summary([], 256) == ""
+
+
+def test_overlong_prompts_summarised_not_logged_each(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    records = [PromptRecord(prompt="1+" * 10 + "1=", answer="11", where=f"f.jsonl:{i}") for i in range(1, 4)]
+    records += arithmetic_rows(20, 20, 0)
+    tok = train_tokenizer([r.prompt + r.answer for r in records], tmp_path / "tok")
+    cfg = RunConfig()
+    cfg.rollout.max_prompt_len = 8
+    stats = PromptStats()
+    with caplog.at_level("WARNING"):
+        take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, cfg, stats)
+    assert caplog.records == [] and stats.skipped_overlong == 3
+    line = overlong_summary(stats.drain(), cfg)
+    assert line.startswith("skipped 3 prompts longer than rollout.max_prompt_len=8: f.jsonl:1 (")
+    assert line.endswith("and 1 more") and stats.drain() == []
