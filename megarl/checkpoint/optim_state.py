@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 
+from megarl.checkpoint.integrity import CheckpointError
+
 DIST_OPT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or does not match the models it is loaded into."""
 
 
 # --------------------------------------------------------------------------- public API
