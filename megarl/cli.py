@@ -49,12 +49,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         counts = check_data(cfg)
         logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
-    if "RANK" not in os.environ and world > 1:
-        # SIGUSR1 (SLURM's warning signal, or a preemption) reaches the whole process group:
-        # torchrun forwards it to the ranks, which checkpoint and stop; this launcher waits.
-        import signal
+    if "RANK" not in os.environ:
+        # the launcher (or the whole run, world=1) picks the checkpoint: a bad explicit one
+        # fails here in one line; the ranks get the verified choice and do not read it again
+        from megarl.checkpoint.integrity import VERIFIED_ENV, CheckpointError, choose_resume
 
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        try:
+            found = choose_resume(cfg.train.run_dir, cfg.train.resume)
+        except CheckpointError as e:
+            sys.stderr.write(f"megarl: checkpoint error: {e}\n")
+            return 2
+        cfg.train.resume = "never" if found is None else str(found)
+        os.environ[VERIFIED_ENV] = cfg.train.resume
+    if "RANK" not in os.environ and world > 1:
+        # torchrun as a child; SIGTERM / SIGINT / SIGUSR1 sent to this process are forwarded to
+        # the ranks (finish the step, checkpoint, exit) and this process exits with their status
         from megarl.launcher import launch
 
         cmd = [
@@ -70,11 +79,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         ]
         if args.config:
             cmd += ["--config", args.config]
-        for s in args.set or []:
+        for s in [*(args.set or []), f"train.resume={cfg.train.resume}"]:
             cmd += ["--set", s]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        return launch(cmd, env)  # a rank's one-line error is printed once, exit 2
+        return launch(cmd, env)  # supervised; a rank's one-line error is printed once, exit 2
+    # this process trains. First thing: a stop signal during start-up must not kill it (rank 0
+    # owns the engines and would leave them running); the run stops after its first step
+    from megarl.checkpoint.state import install_preemption_handlers
+
+    install_preemption_handlers()
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
         from megarl.config import ConfigError
 

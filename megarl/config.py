@@ -336,7 +336,7 @@ class TrainConfig:
     """Periodic checkpoints are staged, then written in the background and committed at the
     next step boundary (preemption and final checkpoints are always synchronous)."""
     resume: str = "auto"
-    """'auto' (latest in run_dir/checkpoints if any), 'never', or a checkpoint path."""
+    """'auto' (the newest intact one in run_dir/checkpoints, if any), 'never', or a checkpoint path."""
     target_val_reward: float = 0.0
     """Stop once validation reward reaches this (0 = run all steps); time-to-target runs."""
 

@@ -66,9 +66,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
     state.install_preemption_handlers()
     rank0 = c.dims.is_rank0
     summary: dict[str, float] = {}
-    resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)
     metrics_log = None
     try:
+        resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)  # in the try: engines stop on error
         start = 0
         if resume is not None:
             add_reference_and_critic(c)

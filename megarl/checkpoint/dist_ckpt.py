@@ -4,6 +4,7 @@ state, plus the loop's own state and per-rank RNG states.
 Layout of one checkpoint ``<root>/<name>/`` (and of ``<root>/latest``)::
 
     COMPLETE          written last (rank 0) once every rank finished writing; JSON
+    MANIFEST.json     size and CRC-32 of every other file, written just before COMPLETE
     meta.json         format version, parallel layout, each model's ModelConfig fields
     state.json        the loop's ``extra`` dict (step, sampler, coordinator, ...)
     <model>/          one megatron dist_checkpointing dir per model: {"model", "optimizer"}
@@ -17,6 +18,8 @@ Invariants:
   rank 0 wrote ``COMPLETE``; ``latest`` is replaced atomically afterwards. ``latest`` therefore
   never names a partial checkpoint, and a ``*.tmp`` left by a crash is ignored (and removed
   by the next save).
+* ``MANIFEST.json`` records what was written, so a file truncated or emptied later (a full
+  disk, a copy cut short) is found before a resume trusts it (:mod:`.integrity`).
 * Weights and optimizer state are stored in model space (one global tensor per parameter and
   per Adam moment), so a checkpoint saved at one TP/PP/DP layout loads into another. The
   distributed optimizer uses megatron's ``fully_reshardable`` format for that reason. Each
@@ -42,9 +45,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.integrity import (  # noqa: F401 (re-exported)
+    LATEST,
+    MARKER,
+    TMP_SUFFIX,
+    CheckpointError,
+    complete_checkpoints,
+    digest_all,
+    latest_checkpoint,
+    read_marker,
+    recorded_files,
+    resolve_checkpoint,
+    write_manifest,
+)
 from megarl.checkpoint.optim_state import (  # noqa: F401 (re-exported)
     DIST_OPT_SHARDING,
-    CheckpointError,
     _ensure_adam_state,
     _load_optimizer_state,
 )
@@ -54,9 +69,6 @@ from megarl.model.builder import Model
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-MARKER = "COMPLETE"
-LATEST = "latest"
-TMP_SUFFIX = ".tmp"
 FAULT_ENV = "MEGARL_CKPT_FAULT"
 """Fault injection for tests: ``before_commit`` makes every rank ``os._exit(1)`` after all
 files of a checkpoint are written but before ``COMPLETE`` (a crash mid-save)."""
@@ -67,24 +79,6 @@ layer spec does not provide: it raises ``flattened_range is not supported``.)"""
 
 _DTYPE_FIELD = "dtype"
 """The one model-config field that may differ at load time (values are cast)."""
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None if there is none).
-
-    Follows ``<root>/latest``; if it is missing or stale (a crash between the rename and its
-    update) falls back to the complete checkpoint with the highest recorded save order.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if name and _is_complete(root / name):
-            return root / name
-    done = _complete_checkpoints(root)
-    return done[-1] if done else None
 
 
 def save_checkpoint(
@@ -206,15 +200,26 @@ def _async_group() -> Any:
 
 
 def _commit(root: Path, name: str, keep_last: int) -> None:
-    """Collective: rank 0 writes the marker, renames ``<name>.tmp`` and moves ``latest``."""
+    """Collective: the manifest, then rank 0 writes the marker, renames ``<name>.tmp`` and
+    moves ``latest``."""
     rank = dist.get_rank()
     final, tmp = root / name, root / (name + TMP_SUFFIX)
     dist.barrier()
     if os.environ.get(FAULT_ENV) == "before_commit":
         os._exit(1)
 
+    t0 = time.perf_counter()
+    files = _digest_shared(tmp)
     if rank == 0:
-        order = 1 + max((_marker(p).get("order", 0) for p in _complete_checkpoints(root)), default=0)
+        write_manifest(tmp, files)
+        logger.info(
+            "checkpoint %s: manifest of %d files, %.1f MB, in %.2fs",
+            final,
+            len(files),
+            sum(f["size"] for f in files.values()) / 1e6,
+            time.perf_counter() - t0,
+        )
+        order = 1 + max((read_marker(p).get("order", 0) for p in complete_checkpoints(root)), default=0)
         _write_text(tmp / MARKER, json.dumps({"name": name, "order": order, "time": time.time()}))
         old = root / (name + ".replaced" + TMP_SUFFIX)
         if final.exists():  # same name saved again: set the old copy aside, drop it once replaced
@@ -226,6 +231,17 @@ def _commit(root: Path, name: str, keep_last: int) -> None:
         _fsync_dir(root)
         _prune(root, keep_last)
     dist.barrier()
+
+
+def _digest_shared(tmp: Path) -> dict[str, dict[str, int]]:
+    """Collective: size and CRC-32 of every file of ``tmp``, each rank hashing a share (rank 0's
+    listing, so all ranks agree on it); the result is complete on rank 0 only."""
+    listing: list[Any] = [recorded_files(tmp) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    mine = digest_all(tmp, listing[0][dist.get_rank() :: dist.get_world_size()])
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
+    return {rel: d for part in parts for rel, d in part.items()}
 
 
 def load_checkpoint(
@@ -268,7 +284,13 @@ def load_checkpoint(
     for mname, model in models.items():
         with_opt = load_optimizer and model.optimizer is not None
         sharded = _sharded_state_dict(model, is_loading=True, with_optimizer=with_opt)
-        state = dist_checkpointing.load(sharded, str(path / mname))
+        try:
+            state = dist_checkpointing.load(sharded, str(path / mname))
+        except Exception as e:  # e.g. torch's CheckpointException on a torn file: name the checkpoint
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {path} model '{mname}' could not be read ({type(e).__name__}: {first})"
+            ) from e
         model.core.load_state_dict(state["model"], strict=True)
         if with_opt:
             _load_optimizer_state(model.optimizer, state["optimizer"])
@@ -281,25 +303,10 @@ def load_checkpoint(
         _set_rng_state(torch.load(path / "rng" / f"rank{dims.rank}.pt", weights_only=True))
     else:
         logger.info("checkpoint layout %s != current %s: RNG states not restored", meta["layout"], _layout(dims))
-    extra: dict[str, Any] = json.loads((path / "state.json").read_text())
+    extra: dict[str, Any] = _read_json(path, "state.json")
     dist.barrier()
     logger.info("loaded checkpoint %s in %.2fs (weights + optimizer %.2fs)", path, time.perf_counter() - t0, t2 - t1)
     return extra
-
-
-def resolve_checkpoint(ckpt_dir: str | Path) -> Path:
-    """One complete checkpoint dir: ``ckpt_dir`` itself, or the latest one under it."""
-    path = Path(ckpt_dir)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
-    if _is_complete(path):
-        return path
-    found = latest_checkpoint(path)
-    if found is None:
-        if path.name.endswith(TMP_SUFFIX) or (path / "meta.json").exists():
-            raise CheckpointError(f"checkpoint {path} is incomplete (no {MARKER} marker): a save did not finish")
-        raise CheckpointError(f"no complete checkpoint in {path} (no '{LATEST}' file and no dir with {MARKER})")
-    return found
 
 
 def model_config_dict(model: Model) -> dict[str, Any]:
@@ -461,12 +468,19 @@ def _has_value_head(model: Model) -> bool:
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
-    meta: dict[str, Any] = json.loads((path / "meta.json").read_text())
+    meta: dict[str, Any] = _read_json(path, "meta.json")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format_version={meta.get('format_version')}, this megarl reads {FORMAT_VERSION}"
         )
     return meta
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads((path / name).read_text()))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {name} is unreadable ({type(e).__name__}: {e})") from e
 
 
 def _layout(dims: Any) -> dict[str, int]:
@@ -531,24 +545,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _is_complete(path: Path) -> bool:
-    return not path.name.endswith(TMP_SUFFIX) and (path / MARKER).is_file()
-
-
-def _marker(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((path / MARKER).read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (by save order)."""
-    found = [p for p in root.iterdir() if p.is_dir() and _is_complete(p)]
-    return sorted(found, key=lambda p: (_marker(p).get("order", 0), p.name))
-
-
 def _prune(root: Path, keep_last: int) -> None:
-    done = _complete_checkpoints(root)
+    done = complete_checkpoints(root)
     for old in done[: max(0, len(done) - keep_last)]:
         shutil.rmtree(old, ignore_errors=True)

@@ -7,15 +7,22 @@ controller; publisher: the policy version) — whatever :meth:`Components.statef
 Resuming restores all of it, pushes the restored actor into the fleet under its old version,
 and trims ``metrics.jsonl`` to the checkpoint's step (no duplicated or missing records).
 
+Which checkpoint: ``train.resume=auto`` takes the newest *intact* one (its files match the
+manifest written at commit, :mod:`.integrity`), naming each corrupt newer one in a warning;
+an explicit path must be intact. Rank 0 decides and broadcasts, so all ranks load the same
+checkpoint. The ``megarl train`` launcher makes this choice before starting the ranks.
+
 Preemption: SIGUSR1 (SLURM's warning signal) or SIGTERM set a flag; at the end of the step
 the ranks agree (all-reduce MAX), save a checkpoint and stop with ``preempted``. Repeated
-signals are harmless.
+signals are harmless. The handlers are installed first thing in a rank (``megarl train``),
+so a signal during start-up is not fatal: the run stops after its first step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +31,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.dist_ckpt import latest_checkpoint, load_checkpoint, save_checkpoint
+from megarl.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
+from megarl.checkpoint.integrity import CHECKPOINTS, VERIFIED_ENV, CheckpointError, choose_resume
 
 log = logging.getLogger("megarl")
 _flag = {"preempt": False}
@@ -46,7 +54,7 @@ def preempt_requested() -> bool:
 
 
 def ckpt_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS
 
 
 class Stateful(Protocol):
@@ -75,11 +83,25 @@ def save(
 
 
 def find_resume(run_dir: str | Path, resume: str) -> Path | None:
+    """Collective: the checkpoint to resume from (:func:`.integrity.choose_resume`), the same
+    on every rank: rank 0 verifies and decides, the others receive its answer (its error too)."""
     if resume == "never":
         return None
-    if resume == "auto":
-        return latest_checkpoint(ckpt_root(run_dir))
-    return Path(resume)
+    if resume != "auto" and os.environ.get(VERIFIED_ENV) == resume:
+        return Path(resume)  # the launcher verified exactly this checkpoint
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return choose_resume(run_dir, resume)
+    answer: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            found = choose_resume(run_dir, resume)
+            answer = [None if found is None else str(found), None]
+        except CheckpointError as e:
+            answer = [None, str(e)]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return None if answer[0] is None else Path(answer[0])
 
 
 def restore(path: Path, models: Mapping[str, Any], parts: Mapping[str, Stateful]) -> int:
