@@ -36,6 +36,7 @@ from megarl.rollout.collect import (
     sample_groups,
     take_prompts,
 )
+from megarl.rollout.credentials import run_token
 from megarl.rollout.data import PromptSampler, load_prompts
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
@@ -138,7 +139,7 @@ class Trainer:
 
     def _start_fleet(self) -> Fleet:
         r = self.cfg.rollout
-        if r.engine_addresses:
+        if r.engine_addresses:  # the credential comes from MEGARL_ENGINE_TOKEN_FILE (slurm/common.sh)
             return Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
         return Fleet.start_local(
             self.model_dir,
@@ -151,6 +152,8 @@ class Trainer:
             r.engine_start_timeout_s,
             sleep_mode=r.colocate,
             wait=False,
+            token=run_token(self.run_dir),
+            lease_s=r.engine_lease_s,
         )
 
     def build_reference_and_critic(self) -> None:

@@ -14,6 +14,10 @@ transport (``megarl.weight_sync.transport``); ``update_weights`` is the whole se
 safetensors files. A restarted engine is brought to the current weights by the replay the
 last transport registered (``set_replay``).
 
+Every request carries the run's credential (``megarl.rollout.credentials``); engines started
+here get it through their environment, a private staging folder for shm weight files, the
+trainer's pid (they exit when it is gone) and a lease kept alive by a heartbeat thread.
+
 Colocated runs (``rollout.colocate``) put the engines to sleep while the trainer uses the
 GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 """
@@ -23,9 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, auth_header, env_token, make_staging_dir, new_token
 from megarl.rollout.data import RolloutError
 
 log = logging.getLogger("megarl.fleet")
@@ -62,9 +69,12 @@ class Engine:
     log_path: Path | None = None
     launch: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    token: str = field(default="", repr=False)
+    """The run's credential, sent with every request."""
 
-    def _request(self, path: str, data: bytes, content_type: str, timeout: float) -> dict[str, Any]:
-        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers={"Content-Type": content_type})
+    def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
+        headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
+        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return dict(json.loads(r.read()))
@@ -86,11 +96,15 @@ class Engine:
         return self._request(path, data, "application/octet-stream", timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """{"ok", "version"}, or None while the engine does not answer (a wrong credential raises)."""
         try:
-            with urllib.request.urlopen(f"http://{self.address}/health", timeout=timeout) as r:
-                return dict(json.loads(r.read()))
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return self._request("/health", None, "", timeout)
+        except EngineDead:
             return None
+
+    def info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """{"version", "pid", "tp", "asleep", "lease_s"} (authenticated)."""
+        return self._request("/info", None, "", timeout)
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
@@ -110,6 +124,10 @@ class Fleet:
         self.reissued_prompts = 0
         self._replay: Callable[[list[Engine]], None] | None = None
         self._starting = False  # spawned by start_local(wait=False), not yet known healthy
+        self.staging_dir: Path | None = None
+        """Private folder the engines read shm weight files from (None: http only)."""
+        self._own_staging = False  # made by start_local: removed at shutdown
+        self._beating = threading.Event()  # set: the heartbeat thread stops
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,11 +144,17 @@ class Fleet:
         start_timeout_s: float = 300.0,
         sleep_mode: bool = False,
         wait: bool = True,
+        token: str = "",
+        lease_s: float = 120.0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
-        spawn so the caller can build its models meanwhile; :meth:`ready` then waits."""
+        spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
+        ``token``: the run's credential (default: a fresh one); ``lease_s``: engines exit after
+        this long without a request or heartbeat from this process (0: off)."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
+        token = token or new_token()
+        staging = make_staging_dir()
         for i in range(num_engines):
             port = free_port()
             cmd = [
@@ -147,18 +171,26 @@ class Fleet:
                 str(kv_cache_gb),
                 "--seed",
                 str(seed + i),
+                "--staging-dir",
+                str(staging),
+                "--parent-pid",
+                str(os.getpid()),
+                "--lease-s",
+                str(lease_s),
             ] + (["--sleep-mode"] if sleep_mode else [])
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
-            env = {"TORCHDYNAMO_DISABLE": "1"}
+            # the credential travels in the environment: a command line is visible to every user
+            env = {"TORCHDYNAMO_DISABLE": "1", TOKEN_ENV: token}
+            log_path = Path(log_dir) / f"engine{i}.log"
             engines.append(
-                Engine(
-                    f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=Path(log_dir) / f"engine{i}.log"
-                )
+                Engine(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=log_path, token=token)
             )
         fleet = cls(engines, request_timeout_s, start_timeout_s)
+        fleet.staging_dir, fleet._own_staging = staging, True
         for e in engines:
             fleet._spawn(e)
         fleet._starting = True
+        fleet._start_heartbeat()
         if wait:
             fleet.ready()
         return fleet
@@ -189,10 +221,34 @@ class Fleet:
         return time.monotonic() - t0
 
     @classmethod
-    def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float) -> Fleet:
-        fleet = cls([Engine(f"engine{i}", a) for i, a in enumerate(addresses)], request_timeout_s, start_timeout_s)
+    def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float, token: str = "") -> Fleet:
+        """Engines started elsewhere (srun, by hand). ``token`` defaults to the environment's
+        (MEGARL_ENGINE_TOKEN_FILE); a shared staging folder comes from MEGARL_STAGING_DIR."""
+        token = token or env_token()
+        if not token:
+            raise RolloutError(
+                f"attaching to engines {addresses} needs the run's credential: set MEGARL_ENGINE_TOKEN_FILE"
+                " to the file the engines read (see README 'Security')"
+            )
+        engines = [Engine(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
+        fleet = cls(engines, request_timeout_s, start_timeout_s)
+        fleet.staging_dir = Path(os.environ[STAGING_ENV]) if os.environ.get(STAGING_ENV) else None
         fleet.wait_healthy()
+        fleet._start_heartbeat()
         return fleet
+
+    def _start_heartbeat(self, every_s: float = 5.0) -> None:
+        """Keep the engines' lease (``--lease-s``) while this process lives."""
+
+        def beat() -> None:
+            while not self._beating.wait(every_s):
+                for e in list(self.engines):
+                    try:
+                        e.post("/heartbeat", {}, timeout=every_s)
+                    except RolloutError:
+                        pass  # a dead engine is the fleet's business (restart / error), not the heartbeat's
+
+        threading.Thread(target=beat, name="fleet-heartbeat", daemon=True).start()
 
     def _spawn(self, e: Engine) -> None:
         env = dict(os.environ)
@@ -235,6 +291,7 @@ class Fleet:
         log.warning("restarted %s (restart #%d)", e.name, self.restarts)
 
     def shutdown(self) -> None:
+        self._beating.set()
         for e in self.engines:
             if e.proc is not None and e.proc.poll() is None:
                 try:
@@ -242,6 +299,8 @@ class Fleet:
                     e.proc.wait(timeout=10)
                 except (RolloutError, subprocess.TimeoutExpired):
                     e.proc.kill()
+        if self._own_staging and self.staging_dir is not None:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ generation
 
@@ -390,13 +449,10 @@ class Fleet:
 
     def engine_tps(self) -> list[int]:
         """Tensor-parallel size (= vLLM worker count) of each engine."""
-        tps = []
-        for e in self.engines:
-            health = e.health()
-            if health is None:
-                raise WeightSyncError(f"engine {e.name} ({e.address}) does not answer /health")
-            tps.append(int(health["tp"]))
-        return tps
+        try:
+            return [int(e.info()["tp"]) for e in self.engines]
+        except RolloutError as err:
+            raise WeightSyncError(f"engine /info failed: {err}") from err
 
     # ------------------------------------------------------------------ colocation
 
