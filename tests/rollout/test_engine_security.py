@@ -160,14 +160,14 @@ def test_oversized_bodies_get_413_unread(fleet: Fleet, model: Path) -> None:
         1 << 20
     ) + 512 * len(manifest)
     status, took = _raw_post(e.address, "/weights/load_bytes?version=9", e.token, limit + 1, b"x" * 1024)
-    assert status.endswith("413 Payload Too Large") and took < 10, (status, took)
+    assert status.split()[1] == "413" and took < 10, (status, took)
     status, took = _raw_post(e.address, "/generate", e.token, (64 << 20) + 1, b"{" * 1024)
-    assert status.endswith("413 Payload Too Large") and took < 10, (status, took)
+    assert status.split()[1] == "413" and took < 10, (status, took)
     status, _ = _raw_post(e.address, "/weights/load_bytes?version=9", "wrong", 10 << 30, b"x" * 1024)
-    assert status.endswith("401 Unauthorized")
+    assert status.split()[1] == "401"
     # exactly at the limit the body is read and judged on its content
     status, _ = _raw_post(e.address, "/weights/load_bytes?version=9", e.token, limit, b"\0" * limit)
-    assert status.endswith("409 Conflict")
+    assert status.split()[1] == "409"
     assert e.health() is not None
 
 
