@@ -171,6 +171,22 @@ def clean_stale_staging(base: Path | None = None) -> list[Path]:
     return removed
 
 
+def private_dir_problem(path: Path) -> str:
+    """Why ``path`` is not a safe staging folder (not a real folder, another owner, open to
+    others), or ''."""
+    try:
+        st = path.lstat()
+    except OSError as e:
+        return f"staging folder {path}: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"staging folder {path} is not a directory (a symlink or a file)"
+    if st.st_uid != os.getuid():
+        return f"staging folder {path} belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o077:
+        return f"staging folder {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 700"
+    return ""
+
+
 def inside(path: str, root: Path) -> Path:
     """``path`` resolved (symlinks followed); ValueError unless it is a regular file
     inside ``root``."""

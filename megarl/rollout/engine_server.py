@@ -51,7 +51,14 @@ from typing import Any
 
 import torch
 
-from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, CredentialError, env_token, inside
+from megarl.rollout.credentials import (
+    STAGING_ENV,
+    TOKEN_ENV,
+    CredentialError,
+    env_token,
+    inside,
+    private_dir_problem,
+)
 from megarl.rollout.engine_http import EngineError, Lifeline, Limits, make_handler
 from megarl.rollout.worker_ext import EXTENSION
 from megarl.weight_sync.wire import FLOAT_DTYPES
@@ -429,6 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     os.environ.pop(TOKEN_ENV, None)  # vLLM's worker processes need not inherit it
+    if args.staging_dir:
+        problem = private_dir_problem(Path(args.staging_dir))
+        if problem and not Path(args.staging_dir).exists():  # e.g. MEGARL_STAGING_DIR of another node
+            log.warning("%s: /weights/load is off (weights come over http)", problem)
+            args.staging_dir = ""
+        elif problem:
+            log.error("%s", problem)
+            return 2
     # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
     # the trainer can checkpoint; the engine must keep serving while it finishes the step.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

@@ -186,16 +186,27 @@ def test_credential_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert run_token(tmp_path / "other") == f.read_text().strip()  # SLURM: the batch script's file wins
 
 
-def test_engine_refuses_to_start_without_credential(model: Path) -> None:
+def test_engine_refuses_to_start_without_credential_or_with_an_open_staging_folder(model: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)} | {"PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "megarl.rollout.engine_server", "--model", str(model), "--port", "1"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no credential: set MEGARL_ENGINE_TOKEN_FILE" in out.stderr
+    loose = tmp_path / "token"
+    loose.write_text("a" * 64)
+    loose.chmod(0o644)
+    out = subprocess.run(cmd, env=env | {TOKEN_FILE_ENV: str(loose)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "has mode 644; it must be readable by its owner only" in out.stderr
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
     out = subprocess.run(
-        [sys.executable, "-m", "megarl.rollout.engine_server", "--model", str(model), "--port", "1"],
-        env=env,
+        [*cmd, "--staging-dir", str(shared)],
+        env=env | {TOKEN_ENV: "a" * 64},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2 and "no credential: set MEGARL_ENGINE_TOKEN_FILE" in out.stderr
+    assert out.returncode == 2 and f"staging folder {shared} has mode 755; it must be 700" in out.stderr
 
 
 def _gone(pid: int) -> bool:
