@@ -191,6 +191,12 @@ def make_handler(
             path = self._route("POST")
             if path is None:
                 return
+            try:
+                self._post(path)
+            finally:  # a long request counts until it ends (heartbeats also arrive meanwhile)
+                lifeline.touch()
+
+        def _post(self, path: str) -> None:
             body = self._body(path)
             if body is None:
                 return
