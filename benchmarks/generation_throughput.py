@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -54,7 +55,9 @@ def main() -> int:
     fleet = Fleet.start_local(model, 1, 1, 1.0, tmp / "logs", seed=0)
     rows = []
     try:
-        fleet.update_weights(1, [str(f) for f in sorted(model.glob("*.safetensors"))])
+        assert fleet.staging_dir is not None  # engines read weight files only from the run's staging folder
+        staged = [shutil.copy(f, fleet.staging_dir / f.name) for f in sorted(model.glob("*.safetensors"))]
+        fleet.update_weights(1, [str(f) for f in staged])
         prompt = list(range(3, 35))
         fleet.generate([prompt], n=1, max_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True)
         for b in [int(x) for x in args.batches.split(",")]:

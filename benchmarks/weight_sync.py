@@ -61,7 +61,7 @@ def main() -> int:
     from megarl.model.builder import build_gpt
     from megarl.rollout.engine_server import MANIFEST
     from megarl.rollout.fleet import Fleet
-    from megarl.weight_sync.sync import WeightSync, shm_root
+    from megarl.weight_sync.sync import WeightSync
 
     dims = init_distributed(1, 1, seed=0)
     rows = []
@@ -87,8 +87,8 @@ def main() -> int:
             timed: dict[str, tuple[float, dict[str, float]]] = {}
             version = 0
             for transport in args.transports.split(","):
-                sync = WeightSync(model, adapter, fleet, args.bucket_mb, root=shm_root() / f"bench_{name}",
-                                  transport=transport)
+                # shm writes into the fleet's private staging folder (the only one engines read)
+                sync = WeightSync(model, adapter, fleet, args.bucket_mb, transport=transport)
                 t = []
                 for _ in range(3):  # the first is a warm-up (first reload allocates)
                     version += 1
@@ -99,7 +99,8 @@ def main() -> int:
                 sync.cleanup()
             best, stats = timed["shm"]
             # naive: one file + one load request per tensor
-            ndir = shm_root() / f"bench_{name}_naive"
+            assert fleet.staging_dir is not None
+            ndir = fleet.staging_dir / f"bench_{name}_naive"
             ndir.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
             files = []

@@ -34,6 +34,7 @@ from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
 from megarl.rollout.collect import probe_sequence
 from megarl.rollout.collector import RolloutCollector
+from megarl.rollout.credentials import run_token
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
@@ -222,7 +223,7 @@ def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Token
 
 def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
     r = cfg.rollout
-    if r.engine_addresses:
+    if r.engine_addresses:  # the credential comes from MEGARL_ENGINE_TOKEN_FILE (slurm/common.sh)
         return Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
     return Fleet.start_local(
         run_dir / "hf_engine",
@@ -235,6 +236,8 @@ def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         r.engine_start_timeout_s,
         sleep_mode=r.colocate,
         wait=False,
+        token=run_token(run_dir),
+        lease_s=r.engine_lease_s,
     )
 
 

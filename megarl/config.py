@@ -171,6 +171,10 @@ class RolloutConfig:
     """Give up on an engine that is not healthy after this long, seconds."""
     request_timeout_s: float = 600.0
     """HTTP timeout for one engine request, seconds."""
+    engine_lease_s: float = 120.0
+    """Engines megarl starts exit after this long without a request or heartbeat (sent every
+    5 s) from the trainer, seconds; they also exit as soon as the trainer process is gone.
+    0 = no lease. Engines started by SLURM take MEGARL_ENGINE_LEASE_S instead."""
     colocate: bool = False
     """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
     works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""

@@ -100,6 +100,8 @@ def check(cfg: RunConfig, world_size: int) -> None:
     check_kv_cache(cfg, m)
     if r.engine_tp < 1:
         _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
+    if r.engine_lease_s and r.engine_lease_s < 15:
+        _fail("rollout.engine_lease_s", r.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
     if m.num_query_groups % r.engine_tp:
         _fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
     if cfg.algo.clip_low >= 1 or cfg.algo.clip_low < 0:

@@ -65,6 +65,7 @@ EOF
     megarl_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on ${#MEGARL_NODES[@]} node(s): ${MEGARL_NODES[*]}"
     megarl_log "config ${MEGARL_CONFIG:-<defaults>} sets [${MEGARL_SETS[*]}] → TP=$MEGARL_TP PP=$MEGARL_PP DP=$MEGARL_DP world=$MEGARL_WORLD run_dir=$MEGARL_RUN_DIR"
     megarl_export_env
+    megarl_make_token
     # From here on the batch shell survives USR1/TERM and hands them to the trainer step.
     MEGARL_GOT_SIGNAL=""
     trap 'megarl_forward USR1' USR1
@@ -80,6 +81,21 @@ megarl_export_env() {
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"          # Megatron TP/SP overlap relies on in-order kernel launch
     export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"               # no fork warnings / thread oversubscription
     # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / NCCL_IB_HCA: unset on purpose (site specific, see README).
+}
+
+# megarl_make_token: this run's engine credential, a fresh random token in a file only this
+# user can read (umask 077), on the shared filesystem so engines on every node read the
+# same one. Engines and trainer get its path (never the token: command lines are public).
+megarl_make_token() {
+    mkdir -p "$MEGARL_RUN_DIR"
+    export MEGARL_ENGINE_TOKEN_FILE="$MEGARL_RUN_DIR/engine_token"
+    unset MEGARL_ENGINE_TOKEN
+    (
+        umask 077
+        rm -f "$MEGARL_ENGINE_TOKEN_FILE"
+        "$MEGARL_PY" -c 'import secrets; print(secrets.token_hex(32))' >"$MEGARL_ENGINE_TOKEN_FILE"
+    ) || megarl_die "could not write the engine credential $MEGARL_ENGINE_TOKEN_FILE"
+    megarl_log "engine credential: $MEGARL_ENGINE_TOKEN_FILE (mode 0600)"
 }
 
 # megarl_set_omp NPROC: one rank's share of the node's CPUs, unless OMP_NUM_THREADS is set.
@@ -132,6 +148,7 @@ megarl_start_engines() {
     local nodes_csv=$1 nnodes=$2 per=$3
     export MEGARL_ENGINE_PORT="${MEGARL_ENGINE_PORT:-$((MASTER_PORT + 1))}"
     export MEGARL_ENGINE_WAIT_S="${MEGARL_ENGINE_WAIT_S:-1800}"
+    export MEGARL_ENGINE_LEASE_S="${MEGARL_ENGINE_LEASE_S:-600}"
     export MEGARL_RUN_DIR MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED
     # The trainer rewrites hf_engine/ at start; a stale manifest from an earlier run (or the
     # run before a requeue) must not let engines start before it does.

@@ -3,6 +3,9 @@
 # Port MEGARL_ENGINE_PORT + SLURM_PROCID (block distribution, so the batch script can list
 # every address up front). Waits for the trainer to write <run_dir>/hf_engine/ first: the
 # engine starts from config.json + weights_manifest.json and gets its weights by sync.
+# It binds 0.0.0.0 but answers only requests carrying the run's credential, read from
+# MEGARL_ENGINE_TOKEN_FILE (made by common.sh:megarl_make_token), and exits when the trainer
+# has sent nothing for MEGARL_ENGINE_LEASE_S seconds (its heartbeat comes every 5 s).
 set -euo pipefail
 port=$((MEGARL_ENGINE_PORT + SLURM_PROCID))
 model="$MEGARL_RUN_DIR/hf_engine"
@@ -32,4 +35,4 @@ echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_D
 # shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
 exec "$MEGARL_PY" -m megarl.rollout.engine_server --model "$model" --host 0.0.0.0 --port "$port" \
     --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \
-    ${MEGARL_ENGINE_ARGS:-}
+    --lease-s "$MEGARL_ENGINE_LEASE_S" ${MEGARL_ENGINE_ARGS:-}

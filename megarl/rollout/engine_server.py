@@ -3,13 +3,16 @@
 Run as ``python -m megarl.rollout.engine_server --model DIR --port P``. The engine works on
 token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
 
-Endpoints (JSON in, JSON out, except the one binary body):
-  GET  /health                       -> {"ok", "version", "tp", "asleep"}
+Endpoints (JSON in, JSON out, except the one binary body; every one needs the run's
+credential, see ``megarl.rollout.engine_http`` for the route table, limits and lifeline):
+  GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
+  GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
                     "stop_token_ids", "seeds", "min_tokens"}  -> {"version", "outputs"}
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
+  POST /heartbeat  {}                           (keeps the lease; the fleet sends it)
   POST /weights/begin  {"version"}
-  POST /weights/load   {"version", "files": [safetensors paths]}      shm transport
+  POST /weights/load   {"version", "files": [safetensors paths inside --staging-dir]}  shm
   POST /weights/load_bytes?version=V   body: safetensors bytes        http transport
                    (Content-Type: application/octet-stream)
   POST /weights/check  {"tensors": [{"name", "shape", "dtype"}]}     before NCCL / IPC data
@@ -42,13 +45,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from megarl.rollout.credentials import (
+    STAGING_ENV,
+    TOKEN_ENV,
+    CredentialError,
+    env_token,
+    inside,
+    private_dir_problem,
+)
+from megarl.rollout.engine_http import EngineError, Lifeline, Limits, make_handler
 from megarl.rollout.worker_ext import EXTENSION
 from megarl.weight_sync.wire import FLOAT_DTYPES
 
@@ -56,10 +67,6 @@ MANIFEST = "weights_manifest.json"
 """HF name -> shape of every weight the engine expects, written beside config.json."""
 
 log = logging.getLogger("megarl.engine")
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -122,11 +129,20 @@ def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, k
 
 class Engine:
     def __init__(
-        self, model_dir: str, tp: int, kv_cache_gb: float, seed: int, max_len: int, sleep_mode: bool = False
+        self,
+        model_dir: str,
+        tp: int,
+        kv_cache_gb: float,
+        seed: int,
+        max_len: int,
+        sleep_mode: bool = False,
+        staging_dir: str = "",
     ) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
+        self.staging_dir = Path(staging_dir) if staging_dir else None
+        """The only folder ``/weights/load`` reads from (the run's private staging folder)."""
         manifest = json.loads((self.model_dir / MANIFEST).read_text())
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
@@ -239,14 +255,20 @@ class Engine:
         """Stage safetensors files (shm transport): read once, validate, keep in memory."""
         from safetensors import safe_open
 
+        if self.staging_dir is None:
+            raise EngineError("/weights/load is off: the engine was started without --staging-dir (use http)")
+        try:
+            files = [str(inside(f, self.staging_dir)) for f in req["files"]]
+        except ValueError as e:
+            raise EngineError(f"/weights/load refused: {e}") from e
         named: list[tuple[str, torch.Tensor]] = []
-        for f in req["files"]:
+        for f in files:
             with safe_open(f, framework="pt") as fh:
                 for name in fh.keys():
                     t = fh.get_tensor(name)
                     check_tensor(self.manifest, name, t, f" in {f}")
                     named.append((name, t))
-        return self._stage(int(req["version"]), named, files=list(req["files"]))
+        return self._stage(int(req["version"]), named, files=files)
 
     def load_bytes(self, version: int, data: bytes) -> dict[str, Any]:
         """Stage one bucket sent as safetensors bytes in the request body (http transport)."""
@@ -378,82 +400,9 @@ class Engine:
             raise EngineError("engine was started without --sleep-mode (needed for rollout.colocate)")
 
 
-def make_handler(engine: Engine, stop: threading.Event) -> type[BaseHTTPRequestHandler]:
-    routes = {
-        "/generate": engine.generate,
-        "/logprobs": engine.logprobs,
-        "/weights/begin": engine.begin,
-        "/weights/load": engine.load,
-        "/weights/check": engine.check,
-        "/weights/nccl_init": engine.nccl_init,
-        "/weights/nccl_load": engine.nccl_load,
-        "/weights/ipc_load": engine.ipc_load,
-        "/weights/commit": engine.commit,
-        "/weights/abort": engine.abort,
-        "/sleep": engine.sleep,
-        "/wake_up": engine.wake_up,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
-            log.debug(fmt, *args)
-
-        def _send(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path == "/health":
-                body = {"ok": True, "version": engine.version, "pid": os.getpid(), "tp": engine.tp}
-                self._send(200, body | {"asleep": sorted(engine.asleep)})
-            else:
-                self._send(404, {"error": f"no route {self.path}"})
-
-        def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length", "0"))
-            url = urlsplit(self.path)
-            body = self.rfile.read(length)
-            if url.path == "/weights/load_bytes":
-                self._call(lambda: self._load_bytes(url.query, body))
-                return
-            try:
-                req = json.loads(body or b"{}")
-            except json.JSONDecodeError as e:
-                self._send(400, {"error": f"bad JSON: {e}"})
-                return
-            if url.path == "/shutdown":
-                self._send(200, {"ok": True})
-                stop.set()
-                return
-            fn = routes.get(url.path)
-            if fn is None:
-                self._send(404, {"error": f"no route {url.path}"})
-                return
-            self._call(lambda: fn(req))
-
-        def _load_bytes(self, query: str, body: bytes) -> dict[str, Any]:
-            ctype = self.headers.get("Content-Type", "")
-            if ctype != "application/octet-stream":
-                raise EngineError(f"/weights/load_bytes expects Content-Type application/octet-stream, got {ctype!r}")
-            version = parse_qs(query).get("version", [""])[0]
-            if not version.lstrip("-").isdigit():
-                raise EngineError(f"/weights/load_bytes needs ?version=<int>, got {query!r}")
-            return engine.load_bytes(int(version), body)
-
-        def _call(self, fn: Any) -> None:
-            try:
-                self._send(200, fn())
-            except EngineError as e:
-                self._send(409, {"error": str(e)})
-            except Exception as e:  # engine-side failure: report it, keep serving if alive
-                log.exception("request %s failed", self.path)
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
-
-    return Handler
+def _exit_after(seconds: float, code: int) -> None:
+    time.sleep(seconds)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,24 +415,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
+    ap.add_argument(
+        "--staging-dir",
+        default=os.environ.get(STAGING_ENV, ""),
+        help=f"the only folder /weights/load reads (default ${STAGING_ENV}; unset: /weights/load is off)",
+    )
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the trainer) is gone")
+    ap.add_argument("--lease-s", type=float, default=0.0, help="exit after this long without a request (0: off)")
+    ap.add_argument("--max-json-mb", type=float, default=64.0, help="largest JSON request body, MiB")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
+    try:
+        token = env_token()
+    except CredentialError as e:
+        log.error("%s", e)
+        return 2
+    if not token:
+        log.error(
+            "no credential: set MEGARL_ENGINE_TOKEN_FILE (a 0600 file) or MEGARL_ENGINE_TOKEN; see README 'Security'"
+        )
+        return 2
+    os.environ.pop(TOKEN_ENV, None)  # vLLM's worker processes need not inherit it
+    if args.staging_dir:
+        problem = private_dir_problem(Path(args.staging_dir))
+        if problem and not Path(args.staging_dir).exists():  # e.g. MEGARL_STAGING_DIR of another node
+            log.warning("%s: /weights/load is off (weights come over http)", problem)
+            args.staging_dir = ""
+        elif problem:
+            log.error("%s", problem)
+            return 2
     # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
     # the trainer can checkpoint; the engine must keep serving while it finishes the step.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if args.tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engine = Engine(args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode)
-    stop = threading.Event()
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop))
+    lifeline = Lifeline(args.parent_pid, args.lease_s)
+    stop, lost = threading.Event(), list[str]()
+    lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
+    engine = Engine(
+        args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
+    )
+    if stop.is_set():
+        return 3
+    limits = Limits.for_manifest(engine.manifest, int(args.max_json_mb * (1 << 20)))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     log.info("engine ready on %s:%d", args.host, args.port)
     sys.stdout.flush()
     stop.wait()
     server.shutdown()
-    return 0
+    if lost:  # the trainer is gone: if vLLM's teardown hangs, do not linger
+        threading.Thread(target=_exit_after, args=(30.0, 3), daemon=True).start()
+    return 3 if lost else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ transport (``megarl.weight_sync.transport``); ``update_weights`` is the whole se
 safetensors files. A restarted engine is brought to the current weights by the replay the
 last transport registered (``set_replay``).
 
+Every request carries the run's credential (``megarl.rollout.credentials``); engines started
+here get it through their environment, a private staging folder for shm weight files, the
+trainer's pid (they exit when it is gone) and a lease kept alive by a heartbeat thread.
+
 Colocated runs (``rollout.colocate``) put the engines to sleep while the trainer uses the
 GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 """
@@ -32,9 +36,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,6 +52,7 @@ from typing import Any
 
 from megarl.errors import RolloutError, WeightSyncError
 from megarl.rollout import faults
+from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, auth_header, env_token, make_staging_dir, new_token
 
 log = logging.getLogger("megarl.fleet")
 
@@ -68,9 +75,12 @@ class Engine:
     log_path: Path | None = None
     launch: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    token: str = field(default="", repr=False)
+    """The run's credential, sent with every request."""
 
-    def _request(self, path: str, data: bytes, content_type: str, timeout: float) -> dict[str, Any]:
-        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers={"Content-Type": content_type})
+    def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
+        headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
+        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return dict(json.loads(r.read()))
@@ -92,15 +102,23 @@ class Engine:
         return self._request(path, data, "application/octet-stream", timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """{"ok", "version"}, or None while the engine does not answer (a wrong credential raises)."""
         return self.check_health(timeout)[0]
 
     def check_health(self, timeout: float = 2.0) -> tuple[dict[str, Any] | None, str, bool]:
         """(health, why not, answered): ``answered`` is True when something replied at the
-        address but not as a megarl engine (it will not become one by waiting)."""
+        address but not as a megarl engine (it will not become one by waiting). A megarl engine
+        that refuses this run's credential (401) raises: it belongs to another run."""
+        req = urllib.request.Request(f"http://{self.address}/health", headers=auth_header(self.token))
         try:
-            with urllib.request.urlopen(f"http://{self.address}/health", timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 body = r.read()
         except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise RolloutError(
+                    f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
+                    f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
+                ) from e
             return None, f"GET /health answered HTTP {e.code}", True
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
@@ -114,6 +132,10 @@ class Engine:
         if not isinstance(health, dict) or health.get("ok") is not True or "version" not in health:
             return None, f"GET /health answered {str(health)[:80]}, not a megarl engine's", True
         return health, "", True
+
+    def info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """{"version", "pid", "tp", "asleep", "lease_s"} (authenticated)."""
+        return self._request("/info", None, "", timeout)
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
@@ -137,6 +159,10 @@ class Fleet:
         self.down: set[str] = set()
         """Engines that failed at the connection level during the current update."""
         self._starting = False  # spawned by start_local(wait=False), not yet known healthy
+        self.staging_dir: Path | None = None
+        """Private folder the engines read shm weight files from (None: http only)."""
+        self._own_staging = False  # made by start_local: removed at shutdown
+        self._beating = threading.Event()  # set: the heartbeat thread stops
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,11 +179,17 @@ class Fleet:
         start_timeout_s: float = 300.0,
         sleep_mode: bool = False,
         wait: bool = True,
+        token: str = "",
+        lease_s: float = 120.0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
-        spawn so the caller can build its models meanwhile; :meth:`ready` then waits."""
+        spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
+        ``token``: the run's credential (default: a fresh one); ``lease_s``: engines exit after
+        this long without a request or heartbeat from this process (0: off)."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
+        token = token or new_token()
+        staging = make_staging_dir()
         for i in range(num_engines):
             port = free_port()
             cmd = [
@@ -174,18 +206,26 @@ class Fleet:
                 str(kv_cache_gb),
                 "--seed",
                 str(seed + i),
+                "--staging-dir",
+                str(staging),
+                "--parent-pid",
+                str(os.getpid()),
+                "--lease-s",
+                str(lease_s),
             ] + (["--sleep-mode"] if sleep_mode else [])
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
-            env = {"TORCHDYNAMO_DISABLE": "1"}
+            # the credential travels in the environment: a command line is visible to every user
+            env = {"TORCHDYNAMO_DISABLE": "1", TOKEN_ENV: token}
+            log_path = Path(log_dir) / f"engine{i}.log"
             engines.append(
-                Engine(
-                    f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=Path(log_dir) / f"engine{i}.log"
-                )
+                Engine(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=log_path, token=token)
             )
         fleet = cls(engines, request_timeout_s, start_timeout_s)
+        fleet.staging_dir, fleet._own_staging = staging, True
         for e in engines:
             fleet._spawn(e)
         fleet._starting = True
+        fleet._start_heartbeat()
         if wait:
             fleet.ready()
         return fleet
@@ -216,10 +256,34 @@ class Fleet:
         return time.monotonic() - t0
 
     @classmethod
-    def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float) -> Fleet:
-        fleet = cls([Engine(f"engine{i}", a) for i, a in enumerate(addresses)], request_timeout_s, start_timeout_s)
+    def attach(cls, addresses: list[str], request_timeout_s: float, start_timeout_s: float, token: str = "") -> Fleet:
+        """Engines started elsewhere (srun, by hand). ``token`` defaults to the environment's
+        (MEGARL_ENGINE_TOKEN_FILE); a shared staging folder comes from MEGARL_STAGING_DIR."""
+        token = token or env_token()
+        if not token:
+            raise RolloutError(
+                f"attaching to engines {addresses} needs the run's credential: set MEGARL_ENGINE_TOKEN_FILE"
+                " to the file the engines read (see README 'Security')"
+            )
+        engines = [Engine(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
+        fleet = cls(engines, request_timeout_s, start_timeout_s)
+        fleet.staging_dir = Path(os.environ[STAGING_ENV]) if os.environ.get(STAGING_ENV) else None
         fleet.wait_healthy()
+        fleet._start_heartbeat()
         return fleet
+
+    def _start_heartbeat(self, every_s: float = 5.0) -> None:
+        """Keep the engines' lease (``--lease-s``) while this process lives."""
+
+        def beat() -> None:
+            while not self._beating.wait(every_s):
+                for e in list(self.engines):
+                    try:
+                        e.post("/heartbeat", {}, timeout=every_s)
+                    except RolloutError:
+                        pass  # a dead engine is the fleet's business (restart / error), not the heartbeat's
+
+        threading.Thread(target=beat, name="fleet-heartbeat", daemon=True).start()
 
     def _spawn(self, e: Engine) -> None:
         env = dict(os.environ)
@@ -326,6 +390,7 @@ class Fleet:
             raise RolloutError(f"engines disagree on the weight version after recovery: {have}")
 
     def shutdown(self) -> None:
+        self._beating.set()
         for e in self.engines:
             if e.proc is not None and e.proc.poll() is None:
                 try:
@@ -333,6 +398,8 @@ class Fleet:
                     e.proc.wait(timeout=10)
                 except (RolloutError, subprocess.TimeoutExpired):
                     e.proc.kill()
+        if self._own_staging and self.staging_dir is not None:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ generation
 
@@ -517,13 +584,10 @@ class Fleet:
 
     def engine_tps(self) -> list[int]:
         """Tensor-parallel size (= vLLM worker count) of each engine."""
-        tps = []
-        for e in self.engines:
-            health = e.health()
-            if health is None:
-                raise WeightSyncError(f"engine {e.name} ({e.address}) does not answer /health")
-            tps.append(int(health["tp"]))
-        return tps
+        try:
+            return [int(e.info()["tp"]) for e in self.engines]
+        except RolloutError as err:
+            raise WeightSyncError(f"engine /info failed: {err}") from err
 
     # ------------------------------------------------------------------ colocation
 

@@ -18,7 +18,6 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -36,11 +35,6 @@ from megarl.rollout.fleet import Fleet, WeightSyncError
 from megarl.weight_sync.transport import Transport, bucket_bytes, make_transport, resolve_transport
 
 log = logging.getLogger("megarl.sync")
-
-
-def shm_root() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    return base / f"megarl-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}-{os.getppid()}"
 
 
 def pack_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -64,7 +58,9 @@ class WeightSync:
     """Push the actor's weights to the fleet through one transport (chosen once, here).
 
     ``transport``: a name from ``weight_sync.transport`` ('auto' is resolved on rank 0 from
-    where the engines are) or a ready :class:`Transport`. The constructor is a collective.
+    where the engines are) or a ready :class:`Transport`. ``root``: where the shm transport
+    writes; default the fleet's private staging folder (the only one its engines read),
+    announced by rank 0. The constructor is a collective.
     """
 
     def __init__(
@@ -78,29 +74,36 @@ class WeightSync:
     ) -> None:
         self.model, self.adapter, self.fleet = model, adapter, fleet
         self.bucket_bytes = int(bucket_mb * (1 << 20))
-        self.root = root or shm_root()
+        name, staging = self._resolve(transport if isinstance(transport, str) else "")
+        if name == "shm" and root is None and not staging:
+            raise ConfigError("weight_sync.transport='shm' without a fleet staging folder needs an explicit root")
+        self.root = root or Path(staging)
         if isinstance(transport, str):
-            transport = make_transport(self._resolve(transport), fleet, model.dims, self.root)
+            transport = make_transport(name, fleet, model.dims, self.root)
         self.transport: Transport = transport
 
-    def _resolve(self, requested: str) -> str:
-        """Rank 0 knows the fleet: it decides, every rank gets the same answer (or error)."""
+    def _resolve(self, requested: str) -> tuple[str, str]:
+        """Rank 0 knows the fleet: it decides the transport and names the staging folder;
+        every rank gets the same answer (or error)."""
         answer: list[Any] = [None]
         if self.model.dims.is_rank0:
             try:
                 fleet = self.fleet
                 local = fleet is None or all(e.launch for e in fleet.engines)
                 addresses = [] if fleet is None else [e.address for e in fleet.engines]
-                answer = [("ok", resolve_transport(requested, addresses, local))]
+                staging = "" if fleet is None or fleet.staging_dir is None else str(fleet.staging_dir)
+                if requested:  # a name to resolve ('' for a ready transport)
+                    requested = resolve_transport(requested, addresses, local, has_staging=bool(staging))
+                answer = [("ok", requested, staging)]
             except ConfigError as err:
-                answer = [("error", str(err))]
+                answer = [("error", str(err), "")]
         dist.broadcast_object_list(answer, src=0)
-        kind, value = answer[0]
+        kind, value, staging = answer[0]
         if kind == "error":
             raise ConfigError(value)
         if self.model.dims.is_rank0:
-            log.info("weight sync transport: %s (requested %s)", value, requested)
-        return str(value)
+            log.info("weight sync transport: %s (staging folder %s)", value, staging or "none")
+        return str(value), str(staging)
 
     def push(self, version: int) -> dict[str, float]:
         """Collective over all trainer ranks. Returns timings (rank 0) in seconds."""
@@ -160,7 +163,10 @@ class WeightSync:
             raise WeightSyncError(flag[0])
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Remove this sync's shm files (the fleet removes the staging folder it made)."""
+        if self.transport.name == "shm":
+            for vdir in self.root.glob("v*"):
+                shutil.rmtree(vdir, ignore_errors=True)
 
 
 def probe(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> float:

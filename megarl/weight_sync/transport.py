@@ -14,7 +14,9 @@
 Transports: ``shm`` (safetensors files in /dev/shm; engines on this host), ``http`` (the
 bucket's safetensors bytes as a request body; engines anywhere), and the CUDA ones in
 :mod:`megarl.weight_sync.gpu` (``nccl`` broadcast, ``cuda_ipc`` for colocated engines).
-``auto`` picks shm when every engine is on this host, else http (:func:`resolve_transport`).
+``auto`` picks shm when every engine is on this host and reads the run's private staging
+folder (engines megarl started; attached ones only with MEGARL_STAGING_DIR), else http
+(:func:`resolve_transport`).
 """
 
 from __future__ import annotations
@@ -70,13 +72,19 @@ def is_local_address(address: str) -> bool:
     return str(ip) in own
 
 
-def resolve_transport(requested: str, addresses: list[str], started_locally: bool) -> str:
-    """The transport to use for this fleet; ConfigError if the requested one cannot reach it."""
+def resolve_transport(requested: str, addresses: list[str], started_locally: bool, has_staging: bool = True) -> str:
+    """The transport to use for this fleet; ConfigError if the requested one cannot reach it.
+    ``has_staging``: the engines read shm files from a staging folder this process knows."""
     if requested not in TRANSPORTS:
         raise ConfigError(f"weight_sync.transport={requested!r} must be one of {list(TRANSPORTS)}")
     remote = [] if started_locally else [a for a in addresses if not is_local_address(a)]
     if requested == "auto":
-        return "http" if remote else "shm"
+        return "http" if remote or not has_staging else "shm"
+    if requested == "shm" and not has_staging:
+        raise ConfigError(
+            "weight_sync.transport='shm' needs the engines' staging folder, but these engines were attached"
+            " without one (export MEGARL_STAGING_DIR to the engines and the trainer, or use 'http' / 'auto')"
+        )
     if remote and requested in ("shm", "cuda_ipc"):
         raise ConfigError(
             f"weight_sync.transport={requested!r} needs every engine on this host, but {remote} "
@@ -203,11 +211,13 @@ class HttpTransport(_FleetPhases):
         info: list[Any] = [None]
         if dims.is_rank0:
             assert fleet is not None
-            info = [([e.address for e in fleet.engines], fleet.timeout)]
+            # the credential travels inside the trainer's own process group, never on a command line
+            info = [([e.address for e in fleet.engines], fleet.timeout, fleet.engines[0].token)]
         dist.broadcast_object_list(info, src=0)
-        addresses, timeout = info[0]
+        addresses, timeout, token = info[0]
         if fleet is None and dims.is_stage_owner:  # a client of the same engines, no lifecycle
-            fleet = Fleet([Engine(f"engine{i}", a) for i, a in enumerate(addresses)], timeout, timeout)
+            engines = [Engine(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
+            fleet = Fleet(engines, timeout, timeout)
         self.poster = fleet
         self.fleet = fleet if dims.is_rank0 else None
         # A restarted local engine replays the last update from these bytes (rank 0's stage).

@@ -82,6 +82,7 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
         (_cfg(rollout={"min_response_len": 13}), 1, "rollout.min_response_len=13 must be in .0, max_response_len=12."),
         (_cfg(data={"reward": "bleu"}), 1, "data.reward='bleu' must be one of"),
+        (_cfg(rollout={"engine_lease_s": 5}), 1, "rollout.engine_lease_s=5.0 must be 0 .off. or >= 15 s"),
         (_cfg(parallel={"logprob_micro_batch_size": 48}), 1,
          "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128"),
     ],

@@ -10,6 +10,7 @@ two-step wake (weights, then KV cache) around a sync leaves it serving the new w
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,12 +83,21 @@ def remote_gpu(trainer):
     f.shutdown()
 
 
+def _staged(fleet: Fleet, path: str) -> str:
+    """A copy of ``path`` in the fleet's staging folder (engines read weight files only there)."""
+    assert fleet.staging_dir is not None
+    dst = fleet.staging_dir / "test" / f"{Path(path).parent.name}_{Path(path).name}"
+    dst.parent.mkdir(exist_ok=True)
+    shutil.copy(path, dst)
+    return str(dst)
+
+
 def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> None:
     from megarl.weight_sync.sync import WeightSync, probe
 
-    fleet.update_weights(version, [t["old"]])
+    fleet.update_weights(version, [_staged(fleet, t["old"])])
     before = fleet.logprobs([SEQ], 1.0)
-    sync = WeightSync(t["model"], t["adapter"], fleet, bucket_mb=0.05, root=t["base"] / "shm", transport=transport)
+    sync = WeightSync(t["model"], t["adapter"], fleet, bucket_mb=0.05, transport=transport)
     assert sync.transport.name == transport
     stats = sync.push(version + 1)
     assert stats["bytes"] == 4 * sum(p.numel() for p in load_file(t["new"]).values())
@@ -95,7 +105,7 @@ def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> No
     assert fleet.versions() == [version + 1]
     assert _max_diff(pushed, before) > 0.05
     assert probe(t["model"], fleet, SEQ, tol=1e-3) <= 1e-3
-    fleet.update_weights(version + 2, [t["new"]])  # the same weights from the file
+    fleet.update_weights(version + 2, [_staged(fleet, t["new"])])  # the same weights from the file
     assert _max_diff(fleet.logprobs([SEQ], 1.0), pushed) <= 1e-5
     # a NaN on the trainer: rejected by name, the engine keeps serving version + 2
     norm = dict(t["model"].core.named_parameters())["decoder.final_layernorm.weight"]
@@ -123,18 +133,17 @@ def test_cuda_ipc_transport(trainer, colocated) -> None:
 def test_sleep_frees_memory_and_two_step_wake_around_sync(trainer, colocated) -> None:
     from megarl.weight_sync.sync import WeightSync
 
-    colocated.update_weights(30, [trainer["old"]])
+    colocated.update_weights(30, [_staged(colocated, trainer["old"])])
     free_awake, _ = torch.cuda.mem_get_info(0)
     colocated.sleep(level=1)
-    assert colocated.engines[0].health()["asleep"] == ["kv_cache", "weights"]
+    assert colocated.engines[0].info()["asleep"] == ["kv_cache", "weights"]
     free_asleep, _ = torch.cuda.mem_get_info(0)
     assert free_asleep - free_awake >= 0.2 * (1 << 30)  # at least the 0.25 GiB KV cache came back
     colocated.wake_up(["weights"])
-    assert colocated.engines[0].health()["asleep"] == ["kv_cache"]
-    WeightSync(trainer["model"], trainer["adapter"], colocated, bucket_mb=0.05, root=trainer["base"] / "shm",
-               transport="cuda_ipc").push(31)
+    assert colocated.engines[0].info()["asleep"] == ["kv_cache"]
+    WeightSync(trainer["model"], trainer["adapter"], colocated, bucket_mb=0.05, transport="cuda_ipc").push(31)
     colocated.wake_up(["kv_cache"])
-    assert colocated.engines[0].health()["asleep"] == []
+    assert colocated.engines[0].info()["asleep"] == []
     pushed = colocated.logprobs([SEQ], 1.0)
-    colocated.update_weights(32, [trainer["new"]])
+    colocated.update_weights(32, [_staged(colocated, trainer["new"])])
     assert _max_diff(colocated.logprobs([SEQ], 1.0), pushed) <= 1e-5

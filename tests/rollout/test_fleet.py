@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
+from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, auth_header
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet, WeightSyncError
 from tests.helpers import ROOT, tiny_hf_model, torchrun
@@ -28,9 +29,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     (hf / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in weights.items()}))
     f = Fleet.start_local(hf, num_engines=2, engine_tp=1, kv_cache_gb=0.25, log_dir=base / "logs", seed=0,
                           request_timeout_s=120, start_timeout_s=300)
-    f.update_weights(1, [str(hf / "model.safetensors")])
-    yield f, hf, weights, base
+    f.update_weights(1, [_staged(f, hf / "model.safetensors")])
+    yield f, hf, weights, f.staging_dir  # engines read weight files only from their staging folder
     f.shutdown()
+
+
+def _staged(f: Fleet, path: Path) -> str:
+    """A copy of ``path`` inside the fleet's private staging folder (where the shm transport writes)."""
+    dst = f.staging_dir / "test" / f"{path.parent.name}_{path.name}"
+    dst.parent.mkdir(exist_ok=True)
+    shutil.copy(path, dst)
+    return str(dst)
 
 
 PROMPTS = [[1, 5 + i, 7, 9 + (i % 5)] for i in range(12)]
@@ -142,7 +151,7 @@ def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_pat
     small = Fleet.start_local(hf, num_engines=1, engine_tp=1, kv_cache_gb=0.002, log_dir=tmp_path, seed=0,
                               request_timeout_s=120, start_timeout_s=300)
     try:
-        small.update_weights(1, [str(hf / "model.safetensors")])
+        small.update_weights(1, [_staged(small, hf / "model.safetensors")])
         kw = dict(n=3, max_tokens=20, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True,
                   seeds=list(range(len(PROMPTS))))
         got, _ = small.generate(PROMPTS, **kw)
@@ -178,7 +187,7 @@ def test_http_bytes_rejected_by_name_and_old_version_serves(fleet) -> None:
         f.load_bytes(4, save({"model.norm.weight": weights["model.norm.weight"]}))
     # the body must be declared binary: a JSON client cannot smuggle a pickle or a path here
     req = urllib.request.Request(f"http://{f.engines[0].address}/weights/load_bytes?version=5", data=b"{}",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **auth_header(f.engines[0].token)})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 409 and b"expects Content-Type application/octet-stream" in info.value.read()
@@ -186,7 +195,7 @@ def test_http_bytes_rejected_by_name_and_old_version_serves(fleet) -> None:
     assert f.logprobs([SEQ], temperature=1.0) == before
 
 
-def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
+def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f, hf, weights, base = fleet
     before = f.logprobs([SEQ], temperature=1.0)
     # new weights (an independent HF folder): what the trainer holds and pushes
@@ -197,10 +206,13 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
     shutil.copy(hf / "config.json", folder / "config.json")
     save_file(new, str(folder / "model.safetensors"))
     out = tmp_path / "result.json"
+    # the trainer attaches like one started by SLURM: credential and staging folder from its environment
+    monkeypatch.setenv(TOKEN_ENV, f.engines[0].token)
+    monkeypatch.setenv(STAGING_ENV, str(f.staging_dir))
     try:
         torchrun(ROOT / "tests/rollout/worker_http_sync.py", 2,
                  ["--hf", str(folder), "--addresses", ",".join(e.address for e in f.engines), "--version", "10",
-                  "--shm-root", str(tmp_path / "shm"), "--out", str(out)], timeout=600)
+                  "--out", str(out)], timeout=600)
         res = json.loads(out.read_text())
         http, shm, nan = res["http"], res["shm"], res["nan"]
         assert (http["transport"], shm["transport"]) == ("http", "shm")
@@ -210,7 +222,7 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
         assert _max_diff(http["logprobs"], shm["logprobs"]) <= 1e-6  # ... exactly as shm's did
         assert http["probe"] <= 1e-3  # and the engines agree with the trainer's own forward
         # the same weights from the HF file directly (no Megatron, no http): the same engines
-        f.update_weights(12, [str(folder / "model.safetensors")])
+        f.update_weights(12, [_staged(f, folder / "model.safetensors")])
         assert _max_diff(f.logprobs([SEQ], temperature=1.0), http["logprobs"]) <= 1e-6
         # NaN on stage 1 over http: every rank raised the same error naming the tensor; version 11 serves
         assert nan["errors_per_rank"][0] == nan["errors_per_rank"][1] == nan["error"]
@@ -218,7 +230,7 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path) -> None:
         assert "tensor 'model.norm.weight' contains NaN/Inf" in nan["error"]
         assert nan["versions"] == [11, 11] and nan["logprobs"] == shm["logprobs"]
     finally:
-        f.update_weights(1, [str(hf / "model.safetensors")])  # later tests expect version 1
+        f.update_weights(1, [_staged(f, hf / "model.safetensors")])  # later tests expect version 1
     assert f.logprobs([SEQ], temperature=1.0) == before
 
 

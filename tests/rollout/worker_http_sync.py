@@ -28,7 +28,6 @@ def main() -> None:
     ap.add_argument("--hf", required=True)
     ap.add_argument("--addresses", required=True)
     ap.add_argument("--version", type=int, required=True)
-    ap.add_argument("--shm-root", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dims = init_distributed(1, 2, seed=0)
@@ -37,6 +36,7 @@ def main() -> None:
     model = build_gpt(mcfg, ParallelConfig(pipeline_parallel=2), dims, trainable=False)
     adapter = LlamaQwen2Adapter(mcfg)
     load_hf_tensors(model, adapter, tensors)
+    # credential (MEGARL_ENGINE_TOKEN) and staging folder (MEGARL_STAGING_DIR) from the environment
     fleet = Fleet.attach(args.addresses.split(","), 120, 60) if dims.is_rank0 else None
     out: dict = {}
 
@@ -44,11 +44,11 @@ def main() -> None:
         return {"logprobs": fleet.logprobs([SEQ], 1.0), "versions": fleet.versions()} if fleet else {}
 
     v = args.version
-    http = WeightSync(model, adapter, fleet, bucket_mb=0.05, root=Path(args.shm_root), transport="http")
+    http = WeightSync(model, adapter, fleet, bucket_mb=0.05, transport="http")
     stats = http.push(v)
     out["http"] = engines() | {"stats": stats, "transport": http.transport.name}
     out["http"]["probe"] = probe(model, fleet, SEQ, tol=1e-3)  # trainer vs engines (collective)
-    shm = WeightSync(model, adapter, fleet, bucket_mb=0.05, root=Path(args.shm_root), transport="shm")
+    shm = WeightSync(model, adapter, fleet, bucket_mb=0.05, transport="shm")  # MEGARL_STAGING_DIR
     shm.push(v + 1)
     out["shm"] = engines() | {"transport": shm.transport.name}
     # a NaN in the last stage's final norm: stage 1's owner sends it, every engine must refuse it

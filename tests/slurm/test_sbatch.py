@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sys
 import time
 from collections import Counter
@@ -125,6 +126,10 @@ def test_disaggregated_trainer_node_and_fleet_node(slurm_cluster: LocalSlurm, tm
     assert f"engine 0 starting on {m.group(1)}" in engine_log and "engine ready" in engine_log, engine_log[-3000:]
     assert rl_steps(run) == [1, 2, 3], diag
     assert "engine step stopped" in log
+    # the engine (bound to 0.0.0.0) served a trainer holding the job's credential: a 0600 file
+    token = run / "engine_token"
+    assert f"engine credential: {token} (mode 0600)" in log and stat.S_IMODE(token.stat().st_mode) == 0o600, diag
+    assert "refused" not in engine_log, engine_log[-3000:]
 
 
 MISFITS = {

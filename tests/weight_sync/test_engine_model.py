@@ -9,6 +9,7 @@ in the manifest the update would be refused.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -65,7 +66,10 @@ def test_engine_from_adapter_config_matches_transformers(tmp_path: Path) -> None
         start_timeout_s=300,
     )
     try:
-        fleet.update_weights(1, [str(hf / "model.safetensors")])
+        staged = fleet.staging_dir / "test" / "model.safetensors"  # engines read only their staging folder
+        staged.parent.mkdir(exist_ok=True)
+        shutil.copy(hf / "model.safetensors", staged)
+        fleet.update_weights(1, [str(staged)])
         got = torch.tensor(fleet.logprobs(SEQS, temperature=1.0)[0])
     finally:
         fleet.shutdown()

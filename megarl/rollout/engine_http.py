@@ -1,0 +1,251 @@
+"""The engine server's HTTP face: route table, credential check, body limits, lifeline.
+
+Every route, ``/health`` included, needs the run's credential (``Authorization: Bearer``,
+``megarl.rollout.credentials``); a request without it gets 401 before its body is read, so
+a stranger can neither reach the engine nor make it buffer anything. Bodies are bounded
+(``Limits``): a weight bucket cannot be larger than the whole model at fp32 plus its
+safetensors header, a JSON request than ``max_json_bytes``; a larger ``Content-Length`` gets
+413 and the connection is closed unread. ``/health`` says only that the engine lives and
+which weight version it serves; ``/info`` (tp, pid, sleep state) is for the trainer.
+
+Lifeline (an engine must not outlive its trainer): ``Lifeline.parent_pid`` — a local engine
+exits when the process that spawned it is gone (polled ``getppid``: a PR_SET_PDEATHSIG
+signal would fire when the spawning *thread* ends, and the fleet may spawn from worker
+threads); ``Lifeline.lease_s`` — an engine, local or remote, exits when no authenticated
+request (the fleet sends ``/heartbeat`` every few seconds) came for that long. The lease
+starts with the first authenticated request, so an engine waiting for a slow trainer to
+attach is not killed; 0 turns it off (engines started by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from megarl.rollout.credentials import token_matches
+
+if TYPE_CHECKING:
+    from megarl.rollout.engine_server import Engine
+
+log = logging.getLogger("megarl.engine")
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses (409); the engine keeps serving its current version."""
+
+
+ROUTES: dict[str, str] = {
+    "/health": "GET",
+    "/info": "GET",
+    "/generate": "POST",
+    "/logprobs": "POST",
+    "/heartbeat": "POST",
+    "/weights/begin": "POST",
+    "/weights/load": "POST",
+    "/weights/load_bytes": "POST",
+    "/weights/check": "POST",
+    "/weights/nccl_init": "POST",
+    "/weights/nccl_load": "POST",
+    "/weights/ipc_load": "POST",
+    "/weights/commit": "POST",
+    "/weights/abort": "POST",
+    "/sleep": "POST",
+    "/wake_up": "POST",
+    "/shutdown": "POST",
+}
+"""Every route the engine serves, with its method (clients and tests iterate this)."""
+
+
+@dataclass
+class Limits:
+    max_weights_bytes: int
+    """Largest ``/weights/load_bytes`` body: the whole model at fp32 + header margin."""
+    max_json_bytes: int
+    """Largest JSON request body."""
+
+    @classmethod
+    def for_manifest(cls, manifest: dict[str, list[int]], max_json_bytes: int) -> Limits:
+        numel = 0
+        for shape in manifest.values():
+            n = 1
+            for d in shape:
+                n *= int(d)
+            numel += n
+        # safetensors header: a JSON entry per tensor (name, dtype, shape, offsets) + padding
+        margin = (1 << 20) + 512 * len(manifest)
+        return cls(4 * numel + margin, max_json_bytes)
+
+
+class Lifeline:
+    """Decides when the engine has lost its trainer (see the module docstring)."""
+
+    def __init__(self, parent_pid: int, lease_s: float) -> None:
+        self.parent_pid, self.lease_s = parent_pid, lease_s
+        self.last: float | None = None
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def lost(self) -> str:
+        """Why the trainer is considered gone, or ''."""
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            return f"parent process {self.parent_pid} is gone"
+        if self.lease_s > 0 and self.last is not None and time.monotonic() - self.last > self.lease_s:
+            return f"no authenticated request for {self.lease_s:.0f}s (lease)"
+        return ""
+
+    def watch(self, stop: threading.Event, reason: list[str], every_s: float = 1.0) -> None:
+        """Background thread: set ``stop`` (and ``reason``) once the trainer is gone."""
+
+        def run() -> None:
+            while not stop.wait(every_s):
+                why = self.lost()
+                if why:
+                    log.warning("exiting: %s", why)
+                    reason.append(why)
+                    stop.set()
+
+        threading.Thread(target=run, name="lifeline", daemon=True).start()
+
+
+def make_handler(
+    engine: Engine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
+) -> type[BaseHTTPRequestHandler]:
+    post: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "/generate": engine.generate,
+        "/logprobs": engine.logprobs,
+        "/heartbeat": lambda req: {"ok": True},
+        "/weights/begin": engine.begin,
+        "/weights/load": engine.load,
+        "/weights/check": engine.check,
+        "/weights/nccl_init": engine.nccl_init,
+        "/weights/nccl_load": engine.nccl_load,
+        "/weights/ipc_load": engine.ipc_load,
+        "/weights/commit": engine.commit,
+        "/weights/abort": engine.abort,
+        "/sleep": engine.sleep,
+        "/wake_up": engine.wake_up,
+    }
+    get: dict[str, Callable[[], dict[str, Any]]] = {
+        "/health": lambda: {"ok": True, "version": engine.version},
+        "/info": lambda: {
+            "ok": True,
+            "version": engine.version,
+            "pid": os.getpid(),
+            "tp": engine.tp,
+            "asleep": sorted(engine.asleep),
+            "lease_s": lifeline.lease_s,
+        },
+    }
+    special = {"/weights/load_bytes", "/shutdown"}
+    served = {p: "GET" for p in get} | {p: "POST" for p in [*post, *special]}
+    assert served == ROUTES, f"route table and handlers disagree: {set(served) ^ set(ROUTES)}"
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
+            log.debug(fmt, *args)
+
+        def _send(
+            self, code: int, body: dict[str, Any], close: bool = False, extra: dict[str, str] | None = None
+        ) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (extra or {}).items():
+                self.send_header(k, v)
+            if close:  # the request body (if any) was not read: this connection cannot be reused
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self, method: str) -> str | None:
+            """Check the credential, then the route; the path, or None once refused."""
+            path = urlsplit(self.path).path
+            if not token_matches(self.headers.get("Authorization"), token):
+                log.warning("refused %s %s from %s: missing or wrong credential", method, path, self.client_address[0])
+                self._send(401, {"error": "missing or wrong credential"}, close=True,
+                           extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return None
+            lifeline.touch()
+            if ROUTES.get(path) != method:
+                self._send(404, {"error": f"no route {method} {path}"}, close=True)
+                return None
+            return path
+
+        def do_GET(self) -> None:  # noqa: N802
+            path = self._route("GET")
+            if path is not None:
+                self._send(200, get[path]())
+
+        def do_POST(self) -> None:  # noqa: N802
+            path = self._route("POST")
+            if path is None:
+                return
+            try:
+                self._post(path)
+            finally:  # a long request counts until it ends (heartbeats also arrive meanwhile)
+                lifeline.touch()
+
+        def _post(self, path: str) -> None:
+            body = self._body(path)
+            if body is None:
+                return
+            if path == "/weights/load_bytes":
+                self._call(lambda: self._load_bytes(body))
+                return
+            try:
+                req = json.loads(body or b"{}")
+            except json.JSONDecodeError as e:
+                self._send(400, {"error": f"bad JSON: {e}"})
+                return
+            if path == "/shutdown":
+                self._send(200, {"ok": True})
+                stop.set()
+                return
+            self._call(lambda: post[path](req))
+
+        def _body(self, path: str) -> bytes | None:
+            """The request body, read only if its declared length is within the route's limit."""
+            if self.headers.get("Transfer-Encoding"):
+                self._send(411, {"error": "send a Content-Length, not Transfer-Encoding"}, close=True)
+                return None
+            raw = self.headers.get("Content-Length", "0")
+            if not raw.isdigit():
+                self._send(400, {"error": f"bad Content-Length {raw!r}"}, close=True)
+                return None
+            limit = limits.max_weights_bytes if path == "/weights/load_bytes" else limits.max_json_bytes
+            if int(raw) > limit:
+                self._send(413, {"error": f"{path}: body of {raw} bytes exceeds the limit of {limit}"}, close=True)
+                return None
+            return self.rfile.read(int(raw))
+
+        def _load_bytes(self, body: bytes) -> dict[str, Any]:
+            ctype = self.headers.get("Content-Type", "")
+            if ctype != "application/octet-stream":
+                raise EngineError(f"/weights/load_bytes expects Content-Type application/octet-stream, got {ctype!r}")
+            query = urlsplit(self.path).query
+            version = parse_qs(query).get("version", [""])[0]
+            if not version.lstrip("-").isdigit():
+                raise EngineError(f"/weights/load_bytes needs ?version=<int>, got {query!r}")
+            return engine.load_bytes(int(version), body)
+
+        def _call(self, fn: Callable[[], dict[str, Any]]) -> None:
+            try:
+                self._send(200, fn())
+            except EngineError as e:
+                self._send(409, {"error": str(e)})
+            except Exception as e:  # engine-side failure: report it, keep serving if alive
+                log.exception("request %s failed", self.path)
+                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+    return Handler
