@@ -27,7 +27,7 @@ def make_model(path: Path, layers: int, hidden: int, vocab: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megarl.rollout.engine_server import MANIFEST
+    from megarl.engine.staging import MANIFEST
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,

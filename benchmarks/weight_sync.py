@@ -58,8 +58,8 @@ def main() -> int:
     from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
     from megarl.config import ModelConfig, ParallelConfig
     from megarl.distributed import init_distributed
+    from megarl.engine.staging import MANIFEST
     from megarl.model.builder import build_gpt
-    from megarl.rollout.engine_server import MANIFEST
     from megarl.rollout.fleet import Fleet
     from megarl.weight_sync.sync import WeightSync
 

@@ -30,13 +30,13 @@ from megarl.checkpoint.hf_config import check_hf_tensors
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import ConfigError, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
+from megarl.engine.credentials import run_token
+from megarl.engine.staging import MANIFEST
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
 from megarl.rollout.collect import probe_sequence
 from megarl.rollout.collector import RolloutCollector
-from megarl.rollout.credentials import run_token
 from megarl.rollout.data import load_prompts, tokenizer_corpus
-from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import get_reward_fn
 from megarl.rollout.tokenizer import Tokenizer, train_tokenizer

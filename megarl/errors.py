@@ -33,6 +33,10 @@ class RolloutError(MegarlError, RuntimeError):
     kind = "rollout"
 
 
+class EngineDead(RolloutError):
+    """An engine did not answer at all (connection refused or reset, timeout): it is down."""
+
+
 class DataError(RolloutError):
     """Bad prompt data: the message names the file and line (or row) and the field."""
 
@@ -51,6 +55,16 @@ class CheckpointError(MegarlError, RuntimeError):
     kind = "checkpoint"
 
 
+class AdapterError(CheckpointError, KeyError):
+    """A Megatron or HF parameter name/shape the one Megatron⇄HF adapter does not know."""
+
+
+class UnsupportedHFModel(MegarlError, ValueError):
+    """An HF checkpoint megarl would not reproduce exactly; the message names key and value."""
+
+    kind = "config"
+
+
 class ConvertError(MegarlError, RuntimeError):
     """``megarl convert`` cannot convert this folder or checkpoint (names the file)."""
 
@@ -61,3 +75,12 @@ class ReportError(MegarlError, RuntimeError):
     """``megarl report`` has no metrics to draw (names the run folder or file)."""
 
     kind = "report"
+
+
+class EngineError(RuntimeError):
+    """Engine side: a request the engine refuses (HTTP 409); it keeps serving its current
+    version. The trainer sees it as a :class:`RolloutError` / :class:`WeightSyncError`."""
+
+
+class CredentialError(RuntimeError):
+    """Engine side: the run's credential is missing or unsafe to use (the engine will not start)."""

@@ -33,6 +33,6 @@ until "$MEGARL_PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$model/w
 done
 echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}"
 # shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
-exec "$MEGARL_PY" -m megarl.rollout.engine_server --model "$model" --host 0.0.0.0 --port "$port" \
+exec "$MEGARL_PY" -m megarl.engine.server --model "$model" --host 0.0.0.0 --port "$port" \
     --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \
     --lease-s "$MEGARL_ENGINE_LEASE_S" ${MEGARL_ENGINE_ARGS:-}

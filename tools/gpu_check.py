@@ -361,7 +361,7 @@ def check_cuda_ipc(device_run: bool) -> tuple[str, str, dict[str, Any]]:
         return "NOT RUNNABLE", "not runnable on this device: CUDA IPC needs a CUDA device (dry run)", {}
     import torch
 
-    from megarl.weight_sync import wire
+    from megarl.engine import wire
 
     actor = _ACTOR.get("actor")
     if actor is None:
@@ -371,7 +371,7 @@ def check_cuda_ipc(device_run: bool) -> tuple[str, str, dict[str, Any]]:
     handle = wire.share_cuda(buf)
     want = {n: float(t.double().sum()) for n, t in named}
     code = (
-        "import json,sys;from megarl.weight_sync import wire;m=json.load(sys.stdin);"
+        "import json,sys;from megarl.engine import wire;m=json.load(sys.stdin);"
         "b=wire.open_cuda(m['handle']);"
         "print(json.dumps({n:float(t.double().sum()) for n,t in wire.unflatten(b,m['records'])}))"
     )

@@ -28,7 +28,7 @@ import torch
 
 from megarl.checkpoint.hf_config import model_config_from_hf
 from megarl.config import ModelConfig
-from megarl.errors import CheckpointError
+from megarl.errors import AdapterError
 
 __all__ = ["AdapterError", "LlamaQwen2Adapter", "iter_layer_groups", "model_config_from_hf"]
 
@@ -54,10 +54,6 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
     "output_layer.weight": ("lm_head.weight", 0),
 }
-
-
-class AdapterError(CheckpointError, KeyError):
-    """A Megatron or HF parameter name/shape the adapter does not know."""
 
 
 class LlamaQwen2Adapter:

@@ -24,13 +24,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megarl.config import ModelConfig
+from megarl.errors import UnsupportedHFModel
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_TYPE_KEYS = ("rope_type", "type")
-
-
-class UnsupportedHFModel(ValueError):
-    """An HF checkpoint megarl would not reproduce exactly; the message names key and value."""
 
 
 def _refuse(key: str, value: Any, why: str) -> UnsupportedHFModel:

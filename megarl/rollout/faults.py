@@ -1,6 +1,6 @@
 """Test-only fault injection: SIGKILL a real engine process at a named phase of a real run.
 
-Engine recovery (``Fleet.recover`` / ``Fleet.restart``) is proved by killing engines in
+EngineClient recovery (``Fleet.recover`` / ``Fleet.restart``) is proved by killing engines in
 ``megarl train`` runs; the moment of death must be exact for the run to be compared with an
 uninterrupted one, so the trainer and the fleet call :func:`inject` at each phase boundary.
 Without ``MEGARL_FAULT`` in the environment :func:`inject` does nothing.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.rollout.fleet import Engine
+    from megarl.engine.client import EngineClient as EngineClient
 
 log = logging.getLogger("megarl.fleet")
 
@@ -66,7 +66,7 @@ _fired: set[tuple[str, int, int]] = set()
 """Entries already injected in this process (each kills once, not again after the restart)."""
 
 
-def inject(phase: str, version: int, engines: Sequence[Engine]) -> None:
+def inject(phase: str, version: int, engines: Sequence[EngineClient]) -> None:
     """SIGKILL the engine among ``engines`` that ``MEGARL_FAULT`` names for (phase, version)."""
     spec = os.environ.get(ENV, "")
     if not spec:

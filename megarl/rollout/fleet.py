@@ -23,7 +23,7 @@ transport (``megarl.weight_sync.transport``); ``update_weights`` is the whole se
 safetensors files. A restarted engine is brought to the current weights by the replay the
 last transport registered (``set_replay``).
 
-Every request carries the run's credential (``megarl.rollout.credentials``); engines started
+Every request carries the run's credential (``megarl.engine.credentials``); engines started
 here get it through their environment, a private staging folder for shm weight files, the
 trainer's pid (they exit when it is gone) and a lease kept alive by a heartbeat thread.
 
@@ -33,127 +33,35 @@ GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.errors import RolloutError, WeightSyncError
+from megarl.engine import routes
+from megarl.engine.client import EngineClient, free_port
+from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, make_staging_dir, new_token
+from megarl.errors import EngineDead, RolloutError, WeightSyncError
 from megarl.rollout import faults
-from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, auth_header, env_token, make_staging_dir, new_token
 
 log = logging.getLogger("megarl.fleet")
 
 
-class EngineDead(RolloutError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Engine:
-    name: str
-    address: str
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
-    launch: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    token: str = field(default="", repr=False)
-    """The run's credential, sent with every request."""
-
-    def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
-        headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
-        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return dict(json.loads(r.read()))
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("error", detail)
-            except json.JSONDecodeError:
-                pass
-            raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
-
-    def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return self._request(path, json.dumps(body).encode(), "application/json", timeout)
-
-    def post_bytes(self, path: str, data: bytes, timeout: float) -> dict[str, Any]:
-        """POST a binary body (safetensors bytes); the reply is JSON."""
-        return self._request(path, data, "application/octet-stream", timeout)
-
-    def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        """{"ok", "version"}, or None while the engine does not answer (a wrong credential raises)."""
-        return self.check_health(timeout)[0]
-
-    def check_health(self, timeout: float = 2.0) -> tuple[dict[str, Any] | None, str, bool]:
-        """(health, why not, answered): ``answered`` is True when something replied at the
-        address but not as a megarl engine (it will not become one by waiting). A megarl engine
-        that refuses this run's credential (401) raises: it belongs to another run."""
-        req = urllib.request.Request(f"http://{self.address}/health", headers=auth_header(self.token))
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                body = r.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 401:
-                raise RolloutError(
-                    f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
-                    f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
-                ) from e
-            return None, f"GET /health answered HTTP {e.code}", True
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, socket.gaierror):
-                return None, f"host not found ({reason})", True
-            return None, str(reason), False
-        try:
-            health = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None, f"GET /health answered {body[:40]!r}, not JSON", True
-        if not isinstance(health, dict) or health.get("ok") is not True or "version" not in health:
-            return None, f"GET /health answered {str(health)[:80]}, not a megarl engine's", True
-        return health, "", True
-
-    def info(self, timeout: float = 10.0) -> dict[str, Any]:
-        """{"version", "pid", "tp", "asleep", "lease_s"} (authenticated)."""
-        return self._request("/info", None, "", timeout)
-
-    def alive(self) -> bool:
-        return self.proc is None or self.proc.poll() is None
-
-    def log_tail(self, n: int = 15) -> str:
-        if self.log_path and self.log_path.exists():
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        return ""
-
-
 class Fleet:
-    def __init__(self, engines: list[Engine], request_timeout_s: float, start_timeout_s: float) -> None:
+    def __init__(self, engines: list[EngineClient], request_timeout_s: float, start_timeout_s: float) -> None:
         self.engines = engines
         self.timeout = request_timeout_s
         self.start_timeout = start_timeout_s
         self.restarts = 0
         self.reissued_prompts = 0
-        self._replay: Callable[[list[Engine]], None] | None = None
+        self._replay: Callable[[list[EngineClient]], None] | None = None
         self.version = -1
         """The last weight version committed by any engine (-1: none yet)."""
         self.down: set[str] = set()
@@ -195,7 +103,7 @@ class Fleet:
             cmd = [
                 sys.executable,
                 "-m",
-                "megarl.rollout.engine_server",
+                "megarl.engine.server",
                 "--model",
                 str(model_dir),
                 "--port",
@@ -218,7 +126,7 @@ class Fleet:
             env = {"TORCHDYNAMO_DISABLE": "1", TOKEN_ENV: token}
             log_path = Path(log_dir) / f"engine{i}.log"
             engines.append(
-                Engine(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=log_path, token=token)
+                EngineClient(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=log_path, token=token)
             )
         fleet = cls(engines, request_timeout_s, start_timeout_s)
         fleet.staging_dir, fleet._own_staging = staging, True
@@ -265,7 +173,7 @@ class Fleet:
                 f"attaching to engines {addresses} needs the run's credential: set MEGARL_ENGINE_TOKEN_FILE"
                 " to the file the engines read (see README 'Security')"
             )
-        engines = [Engine(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
+        engines = [EngineClient(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
         fleet = cls(engines, request_timeout_s, start_timeout_s)
         fleet.staging_dir = Path(os.environ[STAGING_ENV]) if os.environ.get(STAGING_ENV) else None
         fleet.wait_healthy()
@@ -279,13 +187,13 @@ class Fleet:
             while not self._beating.wait(every_s):
                 for e in list(self.engines):
                     try:
-                        e.post("/heartbeat", {}, timeout=every_s)
+                        e.post(routes.HEARTBEAT, {}, timeout=every_s)
                     except RolloutError:
                         pass  # a dead engine is the fleet's business (restart / error), not the heartbeat's
 
         threading.Thread(target=beat, name="fleet-heartbeat", daemon=True).start()
 
-    def _spawn(self, e: Engine) -> None:
+    def _spawn(self, e: EngineClient) -> None:
         env = dict(os.environ)
         env.update(e.env)
         assert e.log_path is not None
@@ -293,7 +201,7 @@ class Fleet:
         e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         fh.close()
 
-    def wait_healthy(self, engines: list[Engine] | None = None) -> None:
+    def wait_healthy(self, engines: list[EngineClient] | None = None) -> None:
         """Wait for every engine's /health. A local engine that exits fails at once; an address
         that answers but is not a megarl engine (or a host that does not resolve) fails at once;
         one that refuses connections is waited for (a remote engine may still be loading), and
@@ -334,7 +242,7 @@ class Fleet:
             if pending:
                 time.sleep(0.5)
 
-    def restart(self, e: Engine, attempts: int = 3) -> None:
+    def restart(self, e: EngineClient, attempts: int = 3) -> None:
         """Restart a local engine and bring it to the fleet's current weights (the replay).
 
         An engine that dies again while it starts or replays is restarted again, up to
@@ -394,7 +302,7 @@ class Fleet:
         for e in self.engines:
             if e.proc is not None and e.proc.poll() is None:
                 try:
-                    e.post("/shutdown", {}, timeout=5)
+                    e.post(routes.SHUTDOWN, {}, timeout=5)
                     e.proc.wait(timeout=10)
                 except (RolloutError, subprocess.TimeoutExpired):
                     e.proc.kill()
@@ -429,7 +337,7 @@ class Fleet:
             shares = self._balance(todo, prompts, n, max_tokens, live)
             failed: list[int] = []
 
-            def run(engine: Engine, idx: list[int]) -> tuple[Engine, list[int], Any]:
+            def run(engine: EngineClient, idx: list[int]) -> tuple[EngineClient, list[int], Any]:
                 body = {
                     "prompts": [prompts[i] for i in idx],
                     "n": n,
@@ -442,7 +350,7 @@ class Fleet:
                     "min_tokens": min_tokens,
                 }
                 try:
-                    return engine, idx, engine.post("/generate", body, self.timeout)
+                    return engine, idx, engine.post(routes.GENERATE, body, self.timeout)
                 except EngineDead as err:
                     return engine, idx, err
 
@@ -463,8 +371,8 @@ class Fleet:
 
     @staticmethod
     def _balance(
-        todo: list[int], prompts: list[list[int]], n: int, max_tokens: int, engines: list[Engine]
-    ) -> list[tuple[Engine, list[int]]]:
+        todo: list[int], prompts: list[list[int]], n: int, max_tokens: int, engines: list[EngineClient]
+    ) -> list[tuple[EngineClient, list[int]]]:
         """Greedy longest-first assignment by outstanding tokens (prompt + n × max response)."""
         load = {e.name: 0 for e in engines}
         shares: dict[str, list[int]] = {e.name: [] for e in engines}
@@ -483,7 +391,7 @@ class Fleet:
         for e in self.engines:
             for attempt in range(3):
                 try:
-                    out.append(e.post("/logprobs", body, self.timeout)["logprobs"])
+                    out.append(e.post(routes.LOGPROBS, body, self.timeout)["logprobs"])
                     break
                 except EngineDead as err:
                     if attempt == 2:
@@ -507,7 +415,7 @@ class Fleet:
         self.recover()  # engines that died during the update come back at this version
         return {"fleet_update_s": time.perf_counter() - t0}
 
-    def update_engines(self, engines: list[Engine], version: int, files: list[str]) -> None:
+    def update_engines(self, engines: list[EngineClient], version: int, files: list[str]) -> None:
         try:
             self.begin_update(version, engines)
             self.load_files(version, files, engines)
@@ -516,12 +424,12 @@ class Fleet:
             raise
         self.commit_update(version, engines)
 
-    def set_replay(self, replay: Callable[[list[Engine]], None] | None) -> None:
+    def set_replay(self, replay: Callable[[list[EngineClient]], None] | None) -> None:
         """How to bring a restarted engine to the current weights (registered by the transport)."""
         self._replay = replay
 
     def post_all(
-        self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[Engine] | None = None
+        self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[EngineClient] | None = None
     ) -> list[dict[str, Any] | None]:
         """One request to every engine, concurrently; a rejection becomes WeightSyncError.
 
@@ -529,7 +437,7 @@ class Fleet:
         and answers None: the update goes on without it, :meth:`recover` restarts it."""
         engines = engines or self.engines
 
-        def one(e: Engine) -> dict[str, Any] | None:
+        def one(e: EngineClient) -> dict[str, Any] | None:
             try:
                 if isinstance(body, bytes):
                     return e.post_bytes(path, body, self.timeout)
@@ -545,26 +453,26 @@ class Fleet:
         except RolloutError as err:
             raise WeightSyncError(f"weight update to version {version} rejected: {err}") from err
 
-    def begin_update(self, version: int, engines: list[Engine] | None = None) -> None:
-        self.post_all("/weights/begin", {"version": version}, version, engines)
+    def begin_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
+        self.post_all(routes.BEGIN, {"version": version}, version, engines)
         faults.inject("sync_begin", version, engines or self.engines)
 
-    def load_files(self, version: int, files: list[str], engines: list[Engine] | None = None) -> None:
+    def load_files(self, version: int, files: list[str], engines: list[EngineClient] | None = None) -> None:
         faults.inject("sync_load", version, engines or self.engines)
-        self.post_all("/weights/load", {"version": version, "files": files}, version, engines)
+        self.post_all(routes.LOAD, {"version": version, "files": files}, version, engines)
 
-    def load_bytes(self, version: int, data: bytes, engines: list[Engine] | None = None) -> None:
+    def load_bytes(self, version: int, data: bytes, engines: list[EngineClient] | None = None) -> None:
         """One bucket as safetensors bytes (http transport)."""
         faults.inject("sync_load", version, engines or self.engines)
-        self.post_all(f"/weights/load_bytes?version={version}", data, version, engines)
+        self.post_all(f"{routes.LOAD_BYTES}?version={version}", data, version, engines)
 
-    def commit_update(self, version: int, engines: list[Engine] | None = None) -> None:
+    def commit_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
         """Commit engine by engine; one that died is left to :meth:`recover` (it replays this
         version), one that refuses aborts the engines not reached yet."""
         for e in engines or self.engines:
             faults.inject("sync_commit", version, [e])
             try:
-                e.post("/weights/commit", {"version": version}, self.timeout)
+                e.post(routes.COMMIT, {"version": version}, self.timeout)
             except EngineDead as err:
                 log.warning("%s died before committing version %d (%s); it will be restarted", e.name, version, err)
                 self.down.add(e.name)
@@ -574,11 +482,11 @@ class Fleet:
                 raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
             self.version = version
 
-    def abort_update(self, engines: list[Engine] | None = None) -> None:
+    def abort_update(self, engines: list[EngineClient] | None = None) -> None:
         """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""
         for e in engines or self.engines:
             try:
-                e.post("/weights/abort", {}, self.timeout)
+                e.post(routes.ABORT, {}, self.timeout)
             except RolloutError:
                 pass
 
@@ -593,11 +501,11 @@ class Fleet:
 
     def sleep(self, level: int = 1) -> None:
         """Free the engines' GPU memory for the trainer (vLLM sleep mode, level 1)."""
-        self._post_each("/sleep", {"level": level})
+        self._post_each(routes.SLEEP, {"level": level})
 
     def wake_up(self, tags: list[str]) -> None:
         """Re-allocate ``weights`` (before a sync) or ``kv_cache`` (after it)."""
-        self._post_each("/wake_up", {"tags": tags})
+        self._post_each(routes.WAKE_UP, {"tags": tags})
 
     def _post_each(self, path: str, body: dict[str, Any]) -> None:
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:

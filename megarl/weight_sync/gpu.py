@@ -4,14 +4,14 @@ Both send each bucket as one flat uint8 buffer on the GPU (``wire.flatten``) and
 its tensors (name, shape, dtype, byte offset) as JSON first: every engine checks the whole
 update's names/shapes/dtypes (``/weights/check``) before any data moves, so a mismatch is
 rejected by name while nothing is in flight. Workers stage what they receive and check it
-is finite; commit applies it in one ``reload_weights`` (``megarl.rollout.worker_ext``).
+is finite; commit applies it in one ``reload_weights`` (``megarl.engine.worker_ext``).
 
 * ``nccl`` follows vLLM's RLHF recipe (examples/offline_inference/rlhf_utils.py, as verl and
   OpenRLHF do): a ``StatelessProcessGroup`` + ``PyNcclCommunicator`` made of the trainer's
   rank 0 (rank 0 of the group, hosting the rendezvous store) and every engine worker
   (``/weights/nccl_init`` with its ``rank_offset``). Per bucket, rank 0 POSTs
   ``/weights/nccl_load`` and broadcasts concurrently. Other PP stage owners hand their
-  buckets to rank 0 point-to-point over the trainer's own group first. Engine workers hold
+  buckets to rank 0 point-to-point over the trainer's own group first. EngineClient workers hold
   the received buffers until commit (one extra copy of the weights on the engine GPUs).
 * ``cuda_ipc`` (colocated engines): every stage owner shares its buffers
   (``reduce_tensor`` → JSON, ``wire.share_cuda``); rank 0 POSTs the handles; workers open
@@ -32,9 +32,11 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError
 from megarl.distributed import ParallelDims
+from megarl.engine import routes, wire
+from megarl.engine.client import EngineClient, free_port
+from megarl.errors import WeightSyncError
 from megarl.rollout.data import RolloutError
-from megarl.rollout.fleet import Engine, Fleet, WeightSyncError, free_port
-from megarl.weight_sync import wire
+from megarl.rollout.fleet import Fleet
 from megarl.weight_sync.transport import Bucket, _FleetPhases, cannot_replay, is_local_address
 
 
@@ -45,7 +47,7 @@ def _need_cuda(name: str) -> None:
 
 def _check_all(fleet: Fleet, version: int, records: list[dict[str, Any]]) -> None:
     body = {"tensors": [{k: r[k] for k in ("name", "shape", "dtype")} for r in records]}
-    fleet.post_all("/weights/check", body, version)
+    fleet.post_all(routes.CHECK, body, version)
 
 
 class NcclTransport(_FleetPhases):
@@ -65,7 +67,7 @@ class NcclTransport(_FleetPhases):
 
     def _join(self, fleet: Fleet) -> None:
         """Form the broadcast group: rank 0 = this trainer rank, then each engine's workers."""
-        from megarl.rollout.worker_ext import nccl_group
+        from megarl.engine.worker_ext import nccl_group
 
         tps = fleet.engine_tps()
         world = 1 + sum(tps)
@@ -77,9 +79,9 @@ class NcclTransport(_FleetPhases):
         port = free_port()
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
 
-        def init(e: Engine, offset: int) -> dict[str, Any]:
+        def init(e: EngineClient, offset: int) -> dict[str, Any]:
             body = {"master_address": address, "master_port": port, "rank_offset": offset, "world_size": world}
-            return e.post("/weights/nccl_init", body, fleet.timeout)
+            return e.post(routes.NCCL_INIT, body, fleet.timeout)
 
         # The engines block in their rendezvous until rank 0 (this process) joins too.
         with ThreadPoolExecutor(max_workers=len(fleet.engines)) as pool:
@@ -126,7 +128,7 @@ class NcclTransport(_FleetPhases):
         body = {"version": version, "tensors": records, "nbytes": int(buf.numel())}
         with ThreadPoolExecutor(max_workers=1) as pool:
             # the engines' workers wait in the matching broadcast while this request runs
-            pending = pool.submit(fleet.post_all, "/weights/nccl_load", body, version)
+            pending = pool.submit(fleet.post_all, routes.NCCL_LOAD, body, version)
             self.group.broadcast(buf, src=0, stream=torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()
             pending.result()
@@ -165,7 +167,7 @@ class CudaIpcTransport(_FleetPhases):
         shared = [item for per_rank in receipts for item in per_rank or []]
         _check_all(self.fleet, version, [r for item in shared for r in item["tensors"]])
         for item in shared:
-            self.fleet.post_all("/weights/ipc_load", {"version": version, **item}, version)
+            self.fleet.post_all(routes.IPC_LOAD, {"version": version, **item}, version)
 
     def replay(self, version: int) -> Any:
         return cannot_replay("the cuda_ipc transport shares buffers only until commit (use shm)")

@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from megarl.config import ConfigError
 from megarl.distributed import ParallelDims
+from megarl.engine.client import EngineClient
 from megarl.rollout.data import RolloutError
-from megarl.rollout.fleet import Engine, Fleet
+from megarl.rollout.fleet import Fleet
 
 Bucket = list[tuple[str, torch.Tensor]]
 """HF-named tensors sent together; a layer group (q/k/v, gate/up) never spans two buckets."""
@@ -114,8 +115,8 @@ def bucket_bytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def cannot_replay(reason: str) -> Callable[[list[Engine]], None]:
-    def replay(engines: list[Engine]) -> None:
+def cannot_replay(reason: str) -> Callable[[list[EngineClient]], None]:
+    def replay(engines: list[EngineClient]) -> None:
         names = ", ".join(e.name for e in engines)
         raise RolloutError(f"restarted {names} cannot be given the current weights: {reason}")
 
@@ -125,7 +126,7 @@ def cannot_replay(reason: str) -> Callable[[list[Engine]], None]:
 class _FleetPhases:
     """begin / commit / abort shared by every transport (rank 0 holds the fleet).
 
-    Engine deaths: one found dead before the update is restarted at the previous version
+    EngineClient deaths: one found dead before the update is restarted at the previous version
     (``Fleet.recover`` in begin); one that dies during it is left out of the rest of it and
     restarted after commit, replaying this version (or after abort, the previous one)."""
 
@@ -147,7 +148,7 @@ class _FleetPhases:
             self.fleet.abort_update()
             self.fleet.recover()
 
-    def replay(self, version: int) -> Callable[[list[Engine]], None] | None:
+    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
         return None
 
 
@@ -182,7 +183,7 @@ class ShmTransport(_FleetPhases):
         if self.fleet is not None:
             self.fleet.load_files(version, self._files)
 
-    def replay(self, version: int) -> Callable[[list[Engine]], None] | None:
+    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
         fleet, files = self.fleet, list(self._files)
         assert fleet is not None
         return lambda engines: fleet.update_engines(engines, version, files)
@@ -216,7 +217,7 @@ class HttpTransport(_FleetPhases):
         dist.broadcast_object_list(info, src=0)
         addresses, timeout, token = info[0]
         if fleet is None and dims.is_stage_owner:  # a client of the same engines, no lifecycle
-            engines = [Engine(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
+            engines = [EngineClient(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
             fleet = Fleet(engines, timeout, timeout)
         self.poster = fleet
         self.fleet = fleet if dims.is_rank0 else None
@@ -239,13 +240,13 @@ class HttpTransport(_FleetPhases):
     def load(self, version: int, receipts: list[Any]) -> None:
         """Nothing left to move: every stage owner already sent its buckets."""
 
-    def replay(self, version: int) -> Callable[[list[Engine]], None] | None:
+    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
         if self.dims.pp > 1:
             return cannot_replay("with pipeline_parallel > 1 the http transport keeps only stage 0's bytes")
         fleet, blobs = self.fleet, self._kept
         assert fleet is not None
 
-        def replay(engines: list[Engine]) -> None:
+        def replay(engines: list[EngineClient]) -> None:
             try:
                 fleet.begin_update(version, engines)
                 for data in blobs:

@@ -127,7 +127,7 @@ def _assert_stopped_with_checkpoint(res: dict) -> int:
     assert res["survivors"] == [], (res["survivors"], out[-3000:])
     names = " | ".join(res["tree"])
     assert "torch.distributed.run" in names and names.count("megarl.cli train") >= 3, names  # +2 ranks
-    assert "megarl.rollout.engine_server" in names, names
+    assert "megarl.engine.server" in names, names
     assert res["rc"] == 0, out[-5000:]  # the ranks' status: they checkpointed and exited cleanly
     assert "preempted after step" in out, out[-3000:]
     stopped = int(out.split("preempted after step ")[1].split(":")[0])

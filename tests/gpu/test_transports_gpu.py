@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.rollout.engine_server import MANIFEST
-from megarl.rollout.fleet import Fleet, WeightSyncError
+from megarl.engine.staging import MANIFEST
+from megarl.errors import WeightSyncError
+from megarl.rollout.fleet import Fleet
 from tests.helpers import tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from megarl.engine.client import free_port
 from megarl.errors import RolloutError
-from megarl.rollout.fleet import Fleet, free_port
+from megarl.rollout.fleet import Fleet
 
 
 class _NotAnEngine(BaseHTTPRequestHandler):
@@ -45,14 +46,14 @@ def test_address_that_is_not_an_engine_fails_fast(server: ThreadingHTTPServer) -
         RolloutError,
         match=rf"rollout.engine_addresses: {address} is not a megarl engine: GET /health answered \{{'status': 'green'\}}",
     ):
-        Fleet.attach([address], request_timeout_s=5, start_timeout_s=300)
+        Fleet.attach([address], request_timeout_s=5, start_timeout_s=300, token="t0ken")
     assert time.monotonic() - t0 < 5  # not the 300 s start timeout
 
 
 def test_unknown_host_fails_fast() -> None:
     t0 = time.monotonic()
     with pytest.raises(RolloutError, match=r"no-such-host.invalid:8000 is not a megarl engine: host not found"):
-        Fleet.attach(["no-such-host.invalid:8000"], request_timeout_s=5, start_timeout_s=300)
+        Fleet.attach(["no-such-host.invalid:8000"], request_timeout_s=5, start_timeout_s=300, token="t0ken")
     assert time.monotonic() - t0 < 15
 
 
@@ -61,5 +62,14 @@ def test_refused_address_is_waited_for_then_named() -> None:
     address = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(RolloutError, match=rf"rollout.engine_start_timeout_s=2s: engine0 \({address}: .*refused"):
-        Fleet.attach([address], request_timeout_s=5, start_timeout_s=2)
+        Fleet.attach([address], request_timeout_s=5, start_timeout_s=2, token="t0ken")
     assert 2 <= time.monotonic() - t0 < 10
+
+
+def test_attach_without_a_credential_is_refused_before_any_request(server: ThreadingHTTPServer) -> None:
+    import os
+
+    if os.environ.get("MEGARL_ENGINE_TOKEN") or os.environ.get("MEGARL_ENGINE_TOKEN_FILE"):
+        pytest.skip("this environment provides a credential")
+    with pytest.raises(RolloutError, match=r"needs the run's credential: set MEGARL_ENGINE_TOKEN_FILE"):
+        Fleet.attach([f"127.0.0.1:{server.server_port}"], request_timeout_s=5, start_timeout_s=300)

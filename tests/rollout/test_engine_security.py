@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megarl.rollout import credentials
-from megarl.rollout.credentials import (
+from megarl.engine.credentials import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     CredentialError,
@@ -35,15 +34,18 @@ from megarl.rollout.credentials import (
     read_token_file,
     run_token,
 )
-from megarl.rollout.engine_http import ROUTES, Limits
-from megarl.rollout.engine_server import MANIFEST
-from megarl.rollout.fleet import Fleet, WeightSyncError
+from megarl.engine.http import Limits
+from megarl.engine.routes import ROUTES
+from megarl.engine.staging import MANIFEST
+from megarl.errors import WeightSyncError
+from megarl.rollout import credentials
+from megarl.rollout.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model
 
 # Runs in a separate process: a stranger on the node, knowing only the address (and maybe a token).
 PROBE = r"""
 import json, os, sys, urllib.error, urllib.request
-from megarl.rollout.engine_http import ROUTES
+from megarl.engine.routes import ROUTES
 addr, skip = os.environ["ADDR"], set(sys.argv[1:])
 codes = {}
 for path, method in ROUTES.items():
@@ -188,7 +190,7 @@ def test_credential_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_engine_refuses_to_start_without_credential_or_with_an_open_staging_folder(model: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)} | {"PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "megarl.rollout.engine_server", "--model", str(model), "--port", "1"]
+    cmd = [sys.executable, "-m", "megarl.engine.server", "--model", str(model), "--port", "1"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no credential: set MEGARL_ENGINE_TOKEN_FILE" in out.stderr
     loose = tmp_path / "token"

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from megarl.rollout.credentials import STAGING_ENV, TOKEN_ENV, auth_header
-from megarl.rollout.engine_server import MANIFEST
-from megarl.rollout.fleet import Fleet, WeightSyncError
+from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, auth_header
+from megarl.engine.staging import MANIFEST
+from megarl.errors import WeightSyncError
+from megarl.rollout.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model, torchrun
 
 
@@ -77,7 +78,7 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
 
 
 def test_balance_by_outstanding_tokens() -> None:
-    from megarl.rollout.fleet import Engine
+    from megarl.engine.client import EngineClient as Engine
 
     engines = [Engine("e0", "a:1"), Engine("e1", "b:1")]
     prompts = [[0] * 100, [0] * 10, [0] * 10, [0] * 10, [0] * 10]
@@ -135,7 +136,8 @@ def test_engine_killed_mid_generation_is_restarted(fleet) -> None:
 
 
 def test_kv_waves_fit_the_cache() -> None:
-    from megarl.rollout.engine_server import EngineError, kv_waves
+    from megarl.engine.vllm_engine import kv_waves
+    from megarl.errors import EngineError
 
     # 3 samples × ceil((4 + 20) / 16) blocks = 96 tokens per prompt; 256 tokens hold 2 prompts
     assert kv_waves([4] * 5, 3, 20, 16, 256) == [(0, 2), (2, 4), (4, 5)]
@@ -275,8 +277,9 @@ def test_rejected_update_with_a_dead_engine_restarts_it_at_the_old_version(fleet
 
 def test_dead_remote_engine_is_a_clear_error(tmp_path) -> None:
     """An engine megarl did not start (an address only) cannot be restarted: the error names it."""
+    from megarl.engine.client import EngineClient as Engine
+    from megarl.engine.client import free_port
     from megarl.rollout.data import RolloutError
-    from megarl.rollout.fleet import Engine, free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there: a real refused connection
     f = Fleet([Engine("engine0", address)], request_timeout_s=5, start_timeout_s=5)

@@ -16,7 +16,7 @@ import torch
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.config import ModelConfig
-from megarl.rollout.engine_server import MANIFEST
+from megarl.engine.staging import MANIFEST
 from megarl.rollout.fleet import Fleet
 from tests.helpers import tiny_hf_model
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megarl.weight_sync import wire
+from megarl.engine import wire
 
 
 def test_flatten_roundtrip_is_exact_and_aligned() -> None:

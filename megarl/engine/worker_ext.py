@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from megarl.weight_sync import wire
+from megarl.engine import wire
 
-EXTENSION = "megarl.rollout.worker_ext.MegarlWorkerExtension"
+EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
 
 def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

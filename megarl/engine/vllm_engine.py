@@ -1,104 +1,33 @@
-"""One vLLM engine behind a small HTTP/JSON control protocol (stdlib only, no pickle).
-
-Run as ``python -m megarl.rollout.engine_server --model DIR --port P``. The engine works on
-token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
-
-Endpoints (JSON in, JSON out, except the one binary body; every one needs the run's
-credential, see ``megarl.rollout.engine_http`` for the route table, limits and lifeline):
-  GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
-  GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
-  POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
-                    "stop_token_ids", "seeds", "min_tokens"}  -> {"version", "outputs"}
-  POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
-  POST /heartbeat  {}                           (keeps the lease; the fleet sends it)
-  POST /weights/begin  {"version"}
-  POST /weights/load   {"version", "files": [safetensors paths inside --staging-dir]}  shm
-  POST /weights/load_bytes?version=V   body: safetensors bytes        http transport
-                   (Content-Type: application/octet-stream)
-  POST /weights/check  {"tensors": [{"name", "shape", "dtype"}]}     before NCCL / IPC data
-  POST /weights/nccl_init {"master_address", "master_port", "rank_offset", "world_size"}
-  POST /weights/nccl_load {"version", "tensors": [records], "nbytes"} nccl transport
-  POST /weights/ipc_load  {"version", "tensors": [records], "handle"} cuda_ipc transport
-  POST /weights/commit {"version"}   (applies all staged tensors at once, resets prefix cache)
-  POST /weights/abort  {}
-  POST /sleep      {"level"}         (``--sleep-mode`` only: vLLM sleep mode, CUDA)
-  POST /wake_up    {"tags": ["weights"] | ["kv_cache"]}
-  POST /shutdown   {}
-(records: ``megarl.weight_sync.wire``; workers: ``megarl.rollout.worker_ext``.)
+"""The vLLM side of an engine server: one ``LLM`` on token ids (``skip_tokenizer_init``; the
+trainer owns the tokenizer), its generation in KV-cache-sized waves, prompt log-probs for the
+integrity check, the staged weight updates of every transport, and sleep/wake for colocation.
 
 Invariant: the engine never serves a half-updated model. Every transport stages and checks
-tensors (name known, shape and dtype as the manifest says, all finite) before anything
-touches the model; commit applies the whole update in one ``reload_weights`` call while the
-request lock is held, so no generation interleaves. A rejected update leaves the old version.
-Staged CPU tensors are kept in memory, so commit does not read the sources a second time
-(with TP>1 the worker processes re-read files/bytes: tensors cannot be handed to them).
+tensors (``megarl.engine.staging``) before anything touches the model; commit applies the
+whole update in one ``reload_weights`` call while the request lock is held, so no generation
+interleaves. A rejected update leaves the old version. Staged CPU tensors are kept in memory,
+so commit does not read the sources a second time (with TP>1 the worker processes re-read
+files/bytes: tensors cannot be handed to them).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megarl.rollout.credentials import (
-    STAGING_ENV,
-    TOKEN_ENV,
-    CredentialError,
-    env_token,
-    inside,
-    private_dir_problem,
-)
-from megarl.rollout.engine_http import EngineError, Lifeline, Limits, make_handler
-from megarl.rollout.worker_ext import EXTENSION
-from megarl.weight_sync.wire import FLOAT_DTYPES
-
-MANIFEST = "weights_manifest.json"
-"""HF name -> shape of every weight the engine expects, written beside config.json."""
+from megarl.engine.credentials import inside
+from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
+from megarl.engine.worker_ext import EXTENSION
+from megarl.errors import EngineError
 
 log = logging.getLogger("megarl.engine")
-
-
-@dataclass
-class Staged:
-    """One update being assembled (between begin and commit); nothing here touches the model."""
-
-    version: int
-    names: set[str] = field(default_factory=set)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Validated tensors, applied as they are when the workers share this process (TP=1)."""
-    files: list[str] = field(default_factory=list)
-    blobs: list[bytes] = field(default_factory=list)
-    """Sources re-read by multiprocess workers (TP>1): tensors given to collective_rpc arrive
-    corrupted there, files and safetensors bytes do not."""
-    in_workers: bool = False
-    """Staged inside the vLLM workers (NCCL / CUDA IPC) rather than in this process."""
-
-
-def check_meta(manifest: dict[str, list[int]], name: str, shape: list[int], dtype: str, where: str = "") -> None:
-    """Name, shape and dtype of one incoming tensor against the engine's manifest."""
-    if name not in manifest:
-        raise EngineError(f"tensor '{name}'{where} is not a weight of this model")
-    if list(shape) != manifest[name]:
-        raise EngineError(f"tensor '{name}' has shape {list(shape)}, engine expects {manifest[name]}")
-    if dtype not in FLOAT_DTYPES:
-        raise EngineError(f"tensor '{name}' has dtype {dtype}, expected float")
-
-
-def check_tensor(manifest: dict[str, list[int]], name: str, t: torch.Tensor, where: str = "") -> None:
-    check_meta(manifest, name, list(t.shape), str(t.dtype).removeprefix("torch."), where)
-    if not bool(t.isfinite().all()):
-        raise EngineError(f"tensor '{name}' contains NaN/Inf")
 
 
 def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, kv_tokens: int) -> list[tuple[int, int]]:
@@ -127,7 +56,9 @@ def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, k
     return waves
 
 
-class Engine:
+class VllmEngine:
+    """One vLLM ``LLM`` on token ids: generation, prompt log-probs, staged weight updates, sleep."""
+
     def __init__(
         self,
         model_dir: str,
@@ -398,78 +329,3 @@ class Engine:
     def _need_sleep_mode(self) -> None:
         if not self.sleep_mode:
             raise EngineError("engine was started without --sleep-mode (needed for rollout.colocate)")
-
-
-def _exit_after(seconds: float, code: int) -> None:
-    time.sleep(seconds)
-    os._exit(code)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="megarl vLLM engine server")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--kv-cache-gb", type=float, default=0.25)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=0)
-    ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
-    ap.add_argument(
-        "--staging-dir",
-        default=os.environ.get(STAGING_ENV, ""),
-        help=f"the only folder /weights/load reads (default ${STAGING_ENV}; unset: /weights/load is off)",
-    )
-    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the trainer) is gone")
-    ap.add_argument("--lease-s", type=float, default=0.0, help="exit after this long without a request (0: off)")
-    ap.add_argument("--max-json-mb", type=float, default=64.0, help="largest JSON request body, MiB")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
-    try:
-        token = env_token()
-    except CredentialError as e:
-        log.error("%s", e)
-        return 2
-    if not token:
-        log.error(
-            "no credential: set MEGARL_ENGINE_TOKEN_FILE (a 0600 file) or MEGARL_ENGINE_TOKEN; see README 'Security'"
-        )
-        return 2
-    os.environ.pop(TOKEN_ENV, None)  # vLLM's worker processes need not inherit it
-    if args.staging_dir:
-        problem = private_dir_problem(Path(args.staging_dir))
-        if problem and not Path(args.staging_dir).exists():  # e.g. MEGARL_STAGING_DIR of another node
-            log.warning("%s: /weights/load is off (weights come over http)", problem)
-            args.staging_dir = ""
-        elif problem:
-            log.error("%s", problem)
-            return 2
-    # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
-    # the trainer can checkpoint; the engine must keep serving while it finishes the step.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    if args.tp == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    lifeline = Lifeline(args.parent_pid, args.lease_s)
-    stop, lost = threading.Event(), list[str]()
-    lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
-    engine = Engine(
-        args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
-    )
-    if stop.is_set():
-        return 3
-    limits = Limits.for_manifest(engine.manifest, int(args.max_json_mb * (1 << 20)))
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    log.info("engine ready on %s:%d", args.host, args.port)
-    sys.stdout.flush()
-    stop.wait()
-    server.shutdown()
-    if lost:  # the trainer is gone: if vLLM's teardown hangs, do not linger
-        threading.Thread(target=_exit_after, args=(30.0, 3), daemon=True).start()
-    return 3 if lost else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

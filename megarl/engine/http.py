@@ -1,7 +1,7 @@
 """The engine server's HTTP face: route table, credential check, body limits, lifeline.
 
 Every route, ``/health`` included, needs the run's credential (``Authorization: Bearer``,
-``megarl.rollout.credentials``); a request without it gets 401 before its body is read, so
+``megarl.engine.credentials``); a request without it gets 401 before its body is read, so
 a stranger can neither reach the engine nor make it buffer anything. Bodies are bounded
 (``Limits``): a weight bucket cannot be larger than the whole model at fp32 plus its
 safetensors header, a JSON request than ``max_json_bytes``; a larger ``Content-Length`` gets
@@ -30,38 +30,14 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from megarl.rollout.credentials import token_matches
+from megarl.engine import routes
+from megarl.engine.credentials import token_matches
+from megarl.errors import EngineError
 
 if TYPE_CHECKING:
-    from megarl.rollout.engine_server import Engine
+    from megarl.engine.vllm_engine import VllmEngine
 
 log = logging.getLogger("megarl.engine")
-
-
-class EngineError(RuntimeError):
-    """A request the engine refuses (409); the engine keeps serving its current version."""
-
-
-ROUTES: dict[str, str] = {
-    "/health": "GET",
-    "/info": "GET",
-    "/generate": "POST",
-    "/logprobs": "POST",
-    "/heartbeat": "POST",
-    "/weights/begin": "POST",
-    "/weights/load": "POST",
-    "/weights/load_bytes": "POST",
-    "/weights/check": "POST",
-    "/weights/nccl_init": "POST",
-    "/weights/nccl_load": "POST",
-    "/weights/ipc_load": "POST",
-    "/weights/commit": "POST",
-    "/weights/abort": "POST",
-    "/sleep": "POST",
-    "/wake_up": "POST",
-    "/shutdown": "POST",
-}
-"""Every route the engine serves, with its method (clients and tests iterate this)."""
 
 
 @dataclass
@@ -117,26 +93,26 @@ class Lifeline:
 
 
 def make_handler(
-    engine: Engine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
+    engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
 ) -> type[BaseHTTPRequestHandler]:
     post: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-        "/generate": engine.generate,
-        "/logprobs": engine.logprobs,
-        "/heartbeat": lambda req: {"ok": True},
-        "/weights/begin": engine.begin,
-        "/weights/load": engine.load,
-        "/weights/check": engine.check,
-        "/weights/nccl_init": engine.nccl_init,
-        "/weights/nccl_load": engine.nccl_load,
-        "/weights/ipc_load": engine.ipc_load,
-        "/weights/commit": engine.commit,
-        "/weights/abort": engine.abort,
-        "/sleep": engine.sleep,
-        "/wake_up": engine.wake_up,
+        routes.GENERATE: engine.generate,
+        routes.LOGPROBS: engine.logprobs,
+        routes.HEARTBEAT: lambda req: {"ok": True},
+        routes.BEGIN: engine.begin,
+        routes.LOAD: engine.load,
+        routes.CHECK: engine.check,
+        routes.NCCL_INIT: engine.nccl_init,
+        routes.NCCL_LOAD: engine.nccl_load,
+        routes.IPC_LOAD: engine.ipc_load,
+        routes.COMMIT: engine.commit,
+        routes.ABORT: engine.abort,
+        routes.SLEEP: engine.sleep,
+        routes.WAKE_UP: engine.wake_up,
     }
     get: dict[str, Callable[[], dict[str, Any]]] = {
-        "/health": lambda: {"ok": True, "version": engine.version},
-        "/info": lambda: {
+        routes.HEALTH: lambda: {"ok": True, "version": engine.version},
+        routes.INFO: lambda: {
             "ok": True,
             "version": engine.version,
             "pid": os.getpid(),
@@ -145,9 +121,9 @@ def make_handler(
             "lease_s": lifeline.lease_s,
         },
     }
-    special = {"/weights/load_bytes", "/shutdown"}
+    special = {routes.LOAD_BYTES, routes.SHUTDOWN}
     served = {p: "GET" for p in get} | {p: "POST" for p in [*post, *special]}
-    assert served == ROUTES, f"route table and handlers disagree: {set(served) ^ set(ROUTES)}"
+    assert served == routes.ROUTES, f"route table and handlers disagree: {set(served) ^ set(routes.ROUTES)}"
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
@@ -177,7 +153,7 @@ def make_handler(
                            extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return None
             lifeline.touch()
-            if ROUTES.get(path) != method:
+            if routes.ROUTES.get(path) != method:
                 self._send(404, {"error": f"no route {method} {path}"}, close=True)
                 return None
             return path
@@ -200,7 +176,7 @@ def make_handler(
             body = self._body(path)
             if body is None:
                 return
-            if path == "/weights/load_bytes":
+            if path == routes.LOAD_BYTES:
                 self._call(lambda: self._load_bytes(body))
                 return
             try:
@@ -208,7 +184,7 @@ def make_handler(
             except json.JSONDecodeError as e:
                 self._send(400, {"error": f"bad JSON: {e}"})
                 return
-            if path == "/shutdown":
+            if path == routes.SHUTDOWN:
                 self._send(200, {"ok": True})
                 stop.set()
                 return
@@ -223,7 +199,7 @@ def make_handler(
             if not raw.isdigit():
                 self._send(400, {"error": f"bad Content-Length {raw!r}"}, close=True)
                 return None
-            limit = limits.max_weights_bytes if path == "/weights/load_bytes" else limits.max_json_bytes
+            limit = limits.max_weights_bytes if path == routes.LOAD_BYTES else limits.max_json_bytes
             if int(raw) > limit:
                 self._send(413, {"error": f"{path}: body of {raw} bytes exceeds the limit of {limit}"}, close=True)
                 return None
@@ -232,11 +208,11 @@ def make_handler(
         def _load_bytes(self, body: bytes) -> dict[str, Any]:
             ctype = self.headers.get("Content-Type", "")
             if ctype != "application/octet-stream":
-                raise EngineError(f"/weights/load_bytes expects Content-Type application/octet-stream, got {ctype!r}")
+                raise EngineError(f"{routes.LOAD_BYTES} expects Content-Type application/octet-stream, got {ctype!r}")
             query = urlsplit(self.path).query
             version = parse_qs(query).get("version", [""])[0]
             if not version.lstrip("-").isdigit():
-                raise EngineError(f"/weights/load_bytes needs ?version=<int>, got {query!r}")
+                raise EngineError(f"{routes.LOAD_BYTES} needs ?version=<int>, got {query!r}")
             return engine.load_bytes(int(version), body)
 
         def _call(self, fn: Callable[[], dict[str, Any]]) -> None:

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megarl.errors import CredentialError
+
 log = logging.getLogger("megarl.credentials")
 
 TOKEN_ENV = "MEGARL_ENGINE_TOKEN"
@@ -43,10 +45,6 @@ OWNER_FILE = "owner.json"
 UNMARKED_GRACE_S = 600.0
 """A folder without an owner marker (a run from before markers, or one being made this
 very moment) is removed only once it is this old, seconds."""
-
-
-class CredentialError(RuntimeError):
-    """The run's credential is missing or unsafe to use."""
 
 
 def new_token() -> str:

@@ -1,0 +1,111 @@
+"""The trainer's side of the engine protocol: one :class:`EngineClient` per engine server.
+
+Requests use the route table of ``megarl.engine.routes`` and carry the run's credential
+(``Authorization: Bearer``); an engine that answers with an error raises
+:class:`RolloutError` naming engine, address and route, one that does not answer at all
+:class:`EngineDead` (the fleet restarts local engines that are down).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.engine import routes
+from megarl.engine.credentials import TOKEN_ENV, auth_header
+from megarl.errors import EngineDead, RolloutError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EngineClient:
+    """The trainer's handle on one engine server: its address, process (when megarl started
+    it), launch command and credential; every request carries the credential and maps
+    failures to RolloutError (the engine answered no) or EngineDead (it did not answer)."""
+
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    launch: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    token: str = field(default="", repr=False)
+    """The run's credential, sent with every request."""
+
+    def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
+        headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
+        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("error", detail)
+            except json.JSONDecodeError:
+                pass
+            raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+
+    def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self._request(path, json.dumps(body).encode(), "application/json", timeout)
+
+    def post_bytes(self, path: str, data: bytes, timeout: float) -> dict[str, Any]:
+        """POST a binary body (safetensors bytes); the reply is JSON."""
+        return self._request(path, data, "application/octet-stream", timeout)
+
+    def health(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """{"ok", "version"}, or None while the engine does not answer (a wrong credential raises)."""
+        return self.check_health(timeout)[0]
+
+    def check_health(self, timeout: float = 2.0) -> tuple[dict[str, Any] | None, str, bool]:
+        """(health, why not, answered): ``answered`` is True when something replied at the
+        address but not as a megarl engine (it will not become one by waiting). A megarl engine
+        that refuses this run's credential (401) raises: it belongs to another run."""
+        req = urllib.request.Request(f"http://{self.address}{routes.HEALTH}", headers=auth_header(self.token))
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise RolloutError(
+                    f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
+                    f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
+                ) from e
+            return None, f"GET /health answered HTTP {e.code}", True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, socket.gaierror):
+                return None, f"host not found ({reason})", True
+            return None, str(reason), False
+        try:
+            health = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None, f"GET /health answered {body[:40]!r}, not JSON", True
+        if not isinstance(health, dict) or health.get("ok") is not True or "version" not in health:
+            return None, f"GET /health answered {str(health)[:80]}, not a megarl engine's", True
+        return health, "", True
+
+    def info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """{"version", "pid", "tp", "asleep", "lease_s"} (authenticated)."""
+        return self._request(routes.INFO, None, "", timeout)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def log_tail(self, n: int = 15) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
