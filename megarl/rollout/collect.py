@@ -17,7 +17,7 @@ from megarl.config import RunConfig
 from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import RewardFn, score_all
-from megarl.rollout.tokenizer import Tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
@@ -32,7 +32,7 @@ class PromptStats:
 def take_prompts(
     sampler: PromptSampler,
     records: list[PromptRecord],
-    tok: Tokenizer,
+    tok: PromptTokenizer,
     k: int,
     cfg: RunConfig,
     stats: PromptStats,
@@ -44,7 +44,7 @@ def take_prompts(
     while len(out) < k:
         for i in sampler.next(k - len(out)):
             scanned += 1
-            ids = tok.encode(records[i].prompt)
+            ids = tok.encode_prompt(records[i])
             if len(ids) > limit:
                 if cfg.data.overlong_prompt == "skip":
                     stats.skipped_overlong += 1
@@ -73,7 +73,7 @@ class Group:
 
 def sample_groups(
     fleet: Fleet,
-    tok: Tokenizer,
+    tok: PromptTokenizer,
     prompts: list[tuple[PromptRecord, list[int]]],
     cfg: RunConfig,
     reward_fn: RewardFn,
@@ -88,7 +88,7 @@ def sample_groups(
         max_tokens=r.max_response_len,
         temperature=r.temperature,
         top_p=r.top_p,
-        stop_token_ids=[tok.eos_id],
+        stop_token_ids=tok.eos_ids,
         min_tokens=r.min_response_len,
         seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
     )

@@ -1,6 +1,8 @@
-"""Prompt data: the built-in arithmetic task, JSONL / Parquet files, and a resumable sampler.
+"""Prompt data: the built-in arithmetic task, JSONL / Parquet files / HF ``save_to_disk``
+folders, and a resumable sampler.
 
-Every row becomes a :class:`PromptRecord` (prompt text, reference answer, source location).
+Every row becomes a :class:`PromptRecord` (prompt text or chat ``messages``, reference answer,
+the row's other fields, source location); the tokenizer turns it into prompt ids.
 A malformed row raises :class:`RolloutError` naming the file and line; a prompt longer than
 ``rollout.max_prompt_len`` tokens is skipped or truncated by config and always counted.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,10 @@ class PromptRecord:
     answer: str
     where: str
     """'file:line' (or 'builtin:i') — used in error messages."""
+    messages: list[dict[str, Any]] | None = None
+    """OpenAI-style chat turns ({'role', 'content'}); the tokenizer's chat template makes the prompt."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other fields (answer, test cases, metadata), passed along to the reward."""
 
 
 def arithmetic_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
@@ -55,6 +61,10 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
                     raw.append((f"{path}:{lineno}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise RolloutError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+    elif path.is_dir():  # a folder written by HF datasets' save_to_disk
+        from megarl.rollout.saved_dataset import read_saved_dataset
+
+        raw.extend(read_saved_dataset(path))
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -66,13 +76,29 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
     for where, row in raw:
         if not isinstance(row, dict):
             raise RolloutError(f"{where}: row must be an object, got {type(row).__name__}")
-        for key in (cfg.prompt_key, cfg.answer_key):
+        messages = chat_messages(row, cfg.messages_key, where)
+        for key in (cfg.answer_key,) if messages is not None else (cfg.prompt_key, cfg.answer_key):
             if key not in row:
                 raise RolloutError(f"{where}: missing field '{key}'")
             if not isinstance(row[key], (str, int, float)):
                 raise RolloutError(f"{where}: field '{key}' must be a string")
-        out.append(PromptRecord(str(row[cfg.prompt_key]), str(row[cfg.answer_key]), where))
+        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.messages_key)}
+        prompt = str(row.get(cfg.prompt_key, ""))
+        out.append(PromptRecord(prompt, str(row[cfg.answer_key]), where, messages=messages, extra=extra))
     return out
+
+
+def chat_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]] | None:
+    """The row's chat turns under ``key`` (None if it has none), checked for role/content."""
+    msgs = row.get(key)
+    if msgs is None:
+        return None
+    if not isinstance(msgs, list) or not msgs:
+        raise RolloutError(f"{where}: field '{key}' must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RolloutError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content', got {m!r}")
+    return [dict(m) for m in msgs]
 
 
 def load_prompts(cfg: DataConfig, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
