@@ -132,7 +132,7 @@ class RolloutCollector:
         with (Path(self.cfg.train.run_dir) / "rollouts.jsonl").open("a") as fh:
             for g in groups:
                 row = {
-                    "step": step,
+                    "step": step + 1,  # numbered as in metrics.jsonl
                     "where": g.record.where,
                     "prompt_ids": g.prompt_ids,
                     "response_ids": [ids for ids, _, _ in g.samples],
