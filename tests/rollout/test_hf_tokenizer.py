@@ -156,3 +156,57 @@ def test_rows_from_datasets_save_to_disk_folder(tmp_path: Path) -> None:
     datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "only_test"))
     with pytest.raises(RolloutError, match="DatasetDict has splits \\['test'\\], no 'train' split"):
         load_prompts(DataConfig(source=str(tmp_path / "only_test"), num_val=2), 0)
+
+
+def test_sentencepiece_tokenizer_model_folder(tmp_path: Path) -> None:
+    """A Llama-2-style folder (``tokenizer.model`` only, no ``tokenizer.json``): ids equal
+    SentencePiece's own; no pad token (pads with EOS); the template applies."""
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    words = ["what", "is", "the", "sum", "of", "and", "please", "add"]
+    texts = [
+        " ".join(rng.choice(words) for _ in range(8)) + f" {rng.randrange(100)}+{rng.randrange(100)}="
+        for _ in range(400)
+    ]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=buf,
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    (tmp_path / "tokenizer.model").write_bytes(buf.getvalue())
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "chat_template": template,
+            }
+        )
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    plain = HFTokenizer(tmp_path, "none")
+    for text in ("what is 3+4=", "please add the sum of 12+7=", "ünïcode ok"):
+        assert plain.encode_prompt(PromptRecord(text, "", "x")) == [1, *sp.encode(text)]
+    tok = HFTokenizer(tmp_path)
+    assert (tok.eos_ids, tok.bos_id, tok.pad_id, tok.vocab_size) == ([2], 1, 2, 300)
+    assert tok.encode_prompt(ROWS[0]) == _template_ids(tmp_path, ROWS[0].messages or [])
+    assert tok.hf.decode(tok.encode_prompt(ROWS[0])) == "<s>[INST] what is 2+3= [/INST]"
+    assert [f.name for f in tok.files()] == ["tokenizer.model", "tokenizer_config.json"]
