@@ -83,9 +83,14 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
             if not isinstance(row[key], (str, int, float)):
                 raise RolloutError(f"{where}: field '{key}' must be a string")
         extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.messages_key)}
-        prompt = str(row.get(cfg.prompt_key, ""))
+        prompt = str(row[cfg.prompt_key]) if cfg.prompt_key in row else _last_user_turn(messages)
         out.append(PromptRecord(prompt, str(row[cfg.answer_key]), where, messages=messages, extra=extra))
     return out
+
+
+def _last_user_turn(messages: list[dict[str, Any]] | None) -> str:
+    """A chat row's question as plain text (what a reward sees as the prompt)."""
+    return next((m["content"] for m in reversed(messages or []) if m["role"] == "user"), "")
 
 
 def chat_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]] | None:

@@ -127,7 +127,7 @@ def _chat_rows() -> list[dict[str, object]]:
 def _check_rows(train: list[PromptRecord]) -> None:
     assert len(train) == 4
     assert train[1].messages == [{"role": "user", "content": "what is 1+1="}]
-    assert train[1].answer == "2"
+    assert train[1].answer == "2" and train[1].prompt == "what is 1+1="  # the question, for rewards
     assert train[1].extra == {"answer": "2", "tests": [{"in": 1, "out": 2}], "meta": {"id": "q1"}}
 
 
