@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
-from megarl.config import RunConfig
+from megarl.config import ConfigError, RunConfig
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
@@ -200,7 +200,7 @@ def _tokenizer(cfg: RunConfig, run_dir: Path, dims: ParallelDims, texts: list[st
     if choice != "builtin":
         folder = m.init_from if choice == "hf" else choice
         if not folder:
-            raise ValueError("model.tokenizer=hf needs model.init_from (the HF folder holding the tokenizer)")
+            raise ConfigError("model.tokenizer=hf needs model.init_from (the HF folder holding the tokenizer)")
         return HFTokenizer(folder, d.chat_template, d.system_prompt)
     tdir = run_dir / "tokenizer"
     if dims.is_rank0 and not (tdir / "tokenizer.model").exists():
