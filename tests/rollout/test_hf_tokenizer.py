@@ -210,3 +210,18 @@ def test_sentencepiece_tokenizer_model_folder(tmp_path: Path) -> None:
     assert tok.encode_prompt(ROWS[0]) == _template_ids(tmp_path, ROWS[0].messages or [])
     assert tok.hf.decode(tok.encode_prompt(ROWS[0])) == "<s>[INST] what is 2+3= [/INST]"
     assert [f.name for f in tok.files()] == ["tokenizer.model", "tokenizer_config.json"]
+
+
+def test_tokenizer_setting_picks_the_model_folders_own(folder: Path, tmp_path: Path) -> None:
+    from megarl.components import _tokenizer
+    from megarl.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cfg.model.init_from = str(folder)  # model.tokenizer=auto: the folder has tokenizer files
+    tok = _tokenizer(cfg, tmp_path, None, [])  # type: ignore[arg-type]  # (no dims needed for hf)
+    assert isinstance(tok, HFTokenizer) and tok.folder == folder
+    cfg.model.init_from, cfg.model.tokenizer = "", "hf"
+    with pytest.raises(ConfigError, match="model.tokenizer=hf needs model.init_from"):
+        _tokenizer(cfg, tmp_path, None, [])  # type: ignore[arg-type]
+    cfg.model.tokenizer = str(folder)  # an explicit tokenizer folder
+    assert _tokenizer(cfg, tmp_path, None, []).eos_ids == HFTokenizer(folder).eos_ids  # type: ignore[arg-type]
