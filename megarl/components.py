@@ -20,7 +20,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from megarl.rollout.collect import probe_sequence
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.fleet import Fleet
+from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.rewards import get_reward_fn
-from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
@@ -61,7 +62,7 @@ class Components:
     critic_dims: ParallelDims
     """The critic's own layout (``critic.parallel``); ``dims`` when it shares the actor's."""
     run_dir: Path
-    tok: Tokenizer
+    tok: PromptTokenizer
     adapter: LlamaQwen2Adapter
     fleet: Fleet | None
     """Rank 0 only."""
@@ -94,12 +95,14 @@ class Components:
         }
 
     def export_hf(self, path: Path) -> None:
-        """The actor as an HF folder (collective; rank 0 writes) with the run's tokenizer."""
+        """The actor as an HF folder (collective; rank 0 writes) with the run's tokenizer files
+        (an HF tokenizer's files and generation config copied unchanged from its folder)."""
         sd = hf_state_dict(self.actor, self.adapter)
         if self.dims.is_rank0:
-            hf_cfg = self.adapter.hf_config(self.tok.eos_id, self.tok.bos_id, self.tok.pad_id)
+            hf_cfg = self.adapter.hf_config(*self.tok.config_ids)
             save_hf_folder(path, sd, hf_cfg)
-            shutil.copy(self.tok.path, path / "tokenizer.model")
+            for f in self.tok.files():
+                shutil.copyfile(f, path / f.name)
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -120,7 +123,7 @@ def build(cfg: RunConfig) -> Components:
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
-    tok = _tokenizer(run_dir, dims, tokenizer_corpus(train_rows))
+    tok = _tokenizer(cfg, run_dir, dims, tokenizer_corpus(train_rows))
     cfg.model = _model_config(cfg, tok)
     adapter = LlamaQwen2Adapter(cfg.model)
     fleet = None
@@ -192,16 +195,16 @@ def add_reference_and_critic(c: Components) -> None:
 # ---------------------------------------------------------------------- helpers
 
 
-def _tokenizer(run_dir: Path, dims: ParallelDims, texts: list[str]) -> Tokenizer:
-    """The built-in SentencePiece tokenizer, trained on the task's texts by rank 0 once."""
-    tdir = run_dir / "tokenizer"
-    if dims.is_rank0 and not (tdir / "tokenizer.model").exists():
-        train_tokenizer(texts, tdir)
+def _tokenizer(cfg: RunConfig, run_dir: Path, dims: ParallelDims, texts: list[str]) -> PromptTokenizer:
+    """``model.tokenizer``: the model folder's HF tokenizer, or the built-in SentencePiece one
+    trained on the task's texts by rank 0 once (``open_tokenizer``)."""
+    if dims.is_rank0:
+        open_tokenizer(cfg, texts, train=True)
     dist.barrier()
-    return Tokenizer(tdir / "tokenizer.model")
+    return cast(PromptTokenizer, open_tokenizer(cfg, texts, train=False))
 
 
-def _model_config(cfg: RunConfig, tok: Tokenizer) -> Any:
+def _model_config(cfg: RunConfig, tok: PromptTokenizer) -> Any:
     """``model`` with the HF folder's architecture (``init_from``) or the tokenizer's vocabulary."""
     m = cfg.model
     if m.init_from:
@@ -209,13 +212,17 @@ def _model_config(cfg: RunConfig, tok: Tokenizer) -> Any:
     elif m.vocab_size == 0:
         m = dataclasses.replace(m, vocab_size=tok.vocab_size)
     if m.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} < tokenizer vocabulary {tok.vocab_size}")
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} < tokenizer vocabulary {tok.vocab_size} "
+            "(the tokenizer could produce ids the model has no embedding for)"
+        )
     return m
 
 
-def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Tokenizer) -> None:
-    """config.json + weight manifest: engines start with dummy weights and get synced."""
-    hf_cfg = adapter.hf_config(tok.eos_id, tok.bos_id, tok.pad_id)
+def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: PromptTokenizer) -> None:
+    """config.json + weight manifest: engines start with dummy weights and get synced. No
+    tokenizer: engines take and return token ids and stop on ``tok.eos_ids`` per request."""
+    hf_cfg = adapter.hf_config(*tok.config_ids)
     model_dir.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(str(model_dir))
     (model_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))

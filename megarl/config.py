@@ -63,6 +63,10 @@ class ModelConfig:
     """Std of the normal weight init (random init only)."""
     init_from: str = ""
     """HF model folder to start from ('' = random init + optional warm start)."""
+    tokenizer: str = "auto"
+    """'builtin' (SentencePiece trained on the task: the demo), 'hf' (the tokenizer, chat template
+    and generation config of init_from's folder), a folder path, or 'auto' = 'hf' when
+    init_from holds tokenizer files, else 'builtin'."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer spec: megatron 'local' (CPU and GPU) or Transformer Engine (GPU only)."""
     attention: Literal["sdpa", "unfused"] = "sdpa"
@@ -118,9 +122,17 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "builtin:arithmetic"
-    """'builtin:arithmetic' or a .jsonl/.parquet file (or comma-separated files)."""
+    """'builtin:arithmetic', a .jsonl/.parquet file or an HF datasets save_to_disk folder
+    (or several, comma-separated)."""
     prompt_key: str = "prompt"
     """Field holding the prompt text in file rows."""
+    messages_key: str = "messages"
+    """Field holding OpenAI-style chat turns ([{role, content}]); used instead of the prompt."""
+    chat_template: str = "auto"
+    """'auto' (the HF tokenizer's own template: applied to chat rows and to plain prompts as one
+    user turn), 'none' (plain prompts as raw text), or a Jinja template file."""
+    system_prompt: str = ""
+    """System turn put first in every templated prompt that has none ('' = none)."""
     answer_key: str = "answer"
     """Field holding the reference answer in file rows."""
     num_train: int = 20000
@@ -175,6 +187,8 @@ class RolloutConfig:
     """Engines megarl starts exit after this long without a request or heartbeat (sent every
     5 s) from the trainer, seconds; they also exit as soon as the trainer process is gone.
     0 = no lease. Engines started by SLURM take MEGARL_ENGINE_LEASE_S instead."""
+    dump_rollouts: bool = False
+    """Rank 0 appends every step's prompt ids, response ids and texts to run_dir/rollouts.jsonl."""
     colocate: bool = False
     """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
     works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""

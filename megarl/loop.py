@@ -53,7 +53,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
 
 
 def _save(c: Components, step: int, asynchronous: bool = False) -> Any:
-    files = {"tokenizer.model": c.tok.path}
+    files = {p.name: p for p in c.tok.files()}
     return state.save(
         c.run_dir, step, c.models(), c.stateful(), files, c.cfg.train.keep_last, asynchronous=asynchronous
     )

@@ -17,14 +17,14 @@ from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
 from megarl.planning import lr_at
 from megarl.rollout.collect import pack_sequences
 from megarl.rollout.data import PromptRecord
-from megarl.rollout.tokenizer import Tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.update.rows import dp_rows
 
 log = logging.getLogger("megarl")
 
 
 def warm_start(
-    cfg: RunConfig, dims: ParallelDims, actor: Model, tok: Tokenizer, rows: list[PromptRecord]
+    cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[PromptRecord]
 ) -> list[float]:
     """``warm_start.steps`` supervised steps; returns the NLL per token of each step."""
     ws = cfg.warm_start
@@ -32,7 +32,7 @@ def warm_start(
     losses = []
     for step in range(ws.steps):
         picked = [rows[rng.randrange(len(rows))] for _ in range(ws.batch_size)]
-        seqs = [(tok.encode(r.prompt), tok.encode(r.answer, bos=False) + [tok.eos_id]) for r in picked]
+        seqs = [(tok.encode_prompt(r), tok.encode_answer(r)) for r in picked]
         tokens, mask = pack_sequences(seqs, tok.pad_id)
         denom = float(mask.sum())
         mine, _ = dp_rows(tokens.shape[0], cfg.parallel.micro_batch_size, dims)

@@ -92,3 +92,69 @@ def tiny_hf_model(
 
 def read_json(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
+
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2-Instruct's template, shortened (default system turn, ChatML markers)."""
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+"""Llama-3-Instruct's template, shortened (BOS first, header markers, <|eot_id|> ends a turn)."""
+
+
+def tiny_hf_tokenizer(path: Path, style: str = "chatml", vocab: int = 300) -> Path:
+    """A byte-level BPE trained with ``tokenizers`` on a synthetic corpus, saved with
+    ``save_pretrained`` with a chat template and a ``generation_config.json`` as hub models
+    ship them. ``chatml``: Qwen2-style, pad = <|endoftext|>, stop on [<|im_end|>, <|endoftext|>].
+    ``llama3``: BOS <|begin_of_text|>, no pad token, stop on [<|end_of_text|>, <|eot_id|>]."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if style == "chatml":
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    else:
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+    rng = random.Random(0)
+    words = ["what", "is", "the", "sum", "of", "and", "answer", "user", "assistant", "system", "please", "add"]
+    corpus = [" ".join(rng.choice(words) for _ in range(8)) + f" {rng.randrange(100)}+{rng.randrange(100)}="
+              for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    if style == "chatml":
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       chat_template=CHATML_TEMPLATE)
+        gen = {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+               "pad_token_id": tok.token_to_id("<|endoftext|>")}
+    else:
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]),
+        ])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                       eos_token="<|end_of_text|>", chat_template=LLAMA3_TEMPLATE)
+        gen = {"bos_token_id": bos,
+               "eos_token_id": [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]}
+    fast.save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return path

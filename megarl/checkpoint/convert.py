@@ -39,7 +39,18 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 logger = logging.getLogger("megarl.convert")
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+"""Tokenizer files (SentencePiece or HF, as megarl.rollout.hf_tokenizer lists them) copied unchanged."""
 HF_CONFIG_IN_CKPT = "hf_config.json"
 """The source HF ``config.json`` as stored inside a converted checkpoint."""
 GENERATION_CONFIG = "generation_config.json"
@@ -289,7 +300,7 @@ def _token_ids(args: argparse.Namespace, ckpt: Path) -> dict[str, int | None]:
         if (ckpt / name).is_file():
             cfg = json.loads((ckpt / name).read_text())
             for k in ids:
-                if ids[k] is None and isinstance(cfg.get(f"{k}_token_id"), int):
+                if ids[k] is None and isinstance(cfg.get(f"{k}_token_id"), (int, list)):  # eos may be a list
                     ids[k] = cfg[f"{k}_token_id"]
     spm = args.tokenizer if args.tokenizer and args.tokenizer.is_file() else ckpt / "tokenizer.model"
     if any(v is None for v in ids.values()) and spm.is_file():

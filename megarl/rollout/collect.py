@@ -17,7 +17,7 @@ from megarl.config import RunConfig
 from megarl.rollout.data import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import RewardFn, score_all
-from megarl.rollout.tokenizer import Tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
@@ -38,7 +38,7 @@ class PromptStats:
 def take_prompts(
     sampler: PromptSampler,
     records: list[PromptRecord],
-    tok: Tokenizer,
+    tok: PromptTokenizer,
     k: int,
     cfg: RunConfig,
     stats: PromptStats,
@@ -51,7 +51,7 @@ def take_prompts(
     while len(out) < k:
         for i in sampler.next(k - len(out)):
             scanned += 1
-            ids = tok.encode(records[i].prompt)
+            ids = tok.encode_prompt(records[i])
             fitted = fit_prompt(ids, limit, cfg.data.overlong_prompt)
             if len(ids) > limit:
                 stats.recent.append(f"{records[i].where} ({len(ids)} tokens)")
@@ -79,12 +79,12 @@ def overlong_summary(recent: list[str], cfg: RunConfig) -> str:
 
 
 def validation_prompts(
-    records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig
+    records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Validation prompts under the same ``data.overlong_prompt`` rule as training (one log line
     for those skipped): a prompt past the model's context would fail the engine."""
     limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
-    fitted = [(r, fit_prompt(tok.encode(r.prompt), limit, mode)) for r in records]
+    fitted = [(r, fit_prompt(tok.encode_prompt(r), limit, mode)) for r in records]
     rows = [(r, ids) for r, ids in fitted if ids is not None]
     if len(rows) < len(fitted):
         log.warning(
@@ -96,11 +96,11 @@ def validation_prompts(
     return rows
 
 
-def probe_sequence(records: list[PromptRecord], tok: Tokenizer, cfg: RunConfig) -> list[int]:
+def probe_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig) -> list[int]:
     """The weight-sync probe's fixed sequence: the first validation prompt + answer that fits
     rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
     limit = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
-    seqs = [tok.encode(r.prompt + r.answer) for r in records[:64]]
+    seqs = [tok.encode_prompt(r) + tok.encode_answer(r) for r in records[:64]]
     return next((ids for ids in seqs if len(ids) <= limit), seqs[0][:limit])
 
 
@@ -117,7 +117,7 @@ class Group:
 
 def sample_groups(
     fleet: Fleet,
-    tok: Tokenizer,
+    tok: PromptTokenizer,
     prompts: list[tuple[PromptRecord, list[int]]],
     cfg: RunConfig,
     reward_fn: RewardFn,
@@ -134,7 +134,7 @@ def sample_groups(
         max_tokens=r.max_response_len,
         temperature=r.temperature,
         top_p=r.top_p,
-        stop_token_ids=[tok.eos_id],
+        stop_token_ids=tok.eos_ids,
         min_tokens=r.min_response_len,
         seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
     )

@@ -11,8 +11,10 @@ and skips none; only rank 0 talks to the fleet, and the packed batch is broadcas
 
 from __future__ import annotations
 
+import json
 import logging
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from megarl.rollout.collect import (
 from megarl.rollout.data import PromptRecord, PromptSampler
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.rewards import RewardFn, failure_summary, score_all
-from megarl.rollout.tokenizer import Tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl")
@@ -46,7 +48,7 @@ class RolloutCollector:
         self,
         cfg: RunConfig,
         dims: ParallelDims,
-        tok: Tokenizer,
+        tok: PromptTokenizer,
         fleet: Fleet | None,
         train_rows: list[PromptRecord],
         val_rows: list[PromptRecord],
@@ -94,6 +96,8 @@ class RolloutCollector:
             if short > 0:  # out of rounds: fill with signal-less groups (zero advantage), counted
                 rnd.kept.extend(rnd.reserve[:short])
             kept = rnd.kept[:num_prompts]
+            if self.cfg.rollout.dump_rollouts:
+                self._dump(step, kept)
             stats["rollout/filled_without_signal"] = float(max(short, 0))
             batch = pack_groups(kept, self.tok.pad_id, rnd.version)
             stats.update(batch_stats(batch, rnd.failed))
@@ -133,6 +137,21 @@ class RolloutCollector:
         rnd.kept.extend(groups)
         return len(rnd.kept)
 
+    def _dump(self, step: int, groups: list[Group]) -> None:
+        """Rank 0: the exact ids sent to and returned by the engines (``rollout.dump_rollouts``)."""
+        with (Path(self.cfg.train.run_dir) / "rollouts.jsonl").open("a") as fh:
+            for g in groups:
+                row = {
+                    "step": step + 1,  # numbered as in metrics.jsonl
+                    "where": g.record.where,
+                    "prompt_ids": g.prompt_ids,
+                    "response_ids": [ids for ids, _, _ in g.samples],
+                    "truncated": [tr for _, _, tr in g.samples],
+                    "texts": g.texts,
+                    "rewards": g.rewards,
+                }
+                fh.write(json.dumps(row) + "\n")
+
     # ------------------------------------------------------------------ validation
 
     def validate(self) -> float:
@@ -150,7 +169,7 @@ class RolloutCollector:
                 max_tokens=self.cfg.rollout.max_response_len,
                 temperature=0.0,
                 top_p=1.0,
-                stop_token_ids=[self.tok.eos_id],
+                stop_token_ids=self.tok.eos_ids,
             )
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
             failures: list[str] = []

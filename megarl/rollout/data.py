@@ -1,17 +1,18 @@
-"""Prompt data: the built-in arithmetic task, JSONL / Parquet files, and a resumable sampler.
+"""Prompt data: the built-in arithmetic task, JSONL / Parquet files / HF ``save_to_disk``
+folders, and a resumable sampler.
 
-Every row becomes a :class:`PromptRecord` (prompt text, reference answer, source location).
-A malformed row raises :class:`~megarl.errors.DataError` naming the file and line (the launcher
-reads every row before any process starts: :func:`check_data`); a
-prompt longer than ``rollout.max_prompt_len`` tokens is skipped or truncated by config and
-always counted.
+Every row becomes a :class:`PromptRecord` (prompt text or chat ``messages``, reference answer,
+the row's other fields, source location); the tokenizer turns it into prompt ids. A
+malformed row raises :class:`~megarl.errors.DataError` naming the file and line (the launcher
+reads every row before any process starts: :func:`check_data`); a prompt longer than
+``rollout.max_prompt_len`` tokens is skipped or truncated by config and always counted.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ class PromptRecord:
     answer: str
     where: str
     """'file:line' (or 'builtin:i') — used in error messages."""
+    messages: list[dict[str, Any]] | None = None
+    """OpenAI-style chat turns ({'role', 'content'}); the tokenizer's chat template makes the prompt."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other fields (answer, test cases, metadata), passed along to the reward."""
 
 
 def arithmetic_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
@@ -66,10 +71,13 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
 
 
 def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
-    if not path.is_file():
-        what = "is a directory, not a prompt file" if path.is_dir() else "does not exist"
-        raise DataError(f"data.source: prompt file {path} {what}")
-    if path.suffix == ".jsonl":
+    if path.is_dir():  # a folder written by HF datasets' save_to_disk
+        from megarl.rollout.saved_dataset import read_saved_dataset
+
+        raw = read_saved_dataset(path)
+    elif not path.is_file():
+        raise DataError(f"data.source: prompt file {path} does not exist")
+    elif path.suffix == ".jsonl":
         raw = _read_jsonl(path)
     elif path.suffix == ".parquet":
         import pyarrow as pa
@@ -81,21 +89,49 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
         raw = [(f"{path}:row {i}", row) for i, row in enumerate(table.to_pylist())]
     else:
-        raise DataError(f"data.source: {path}: unsupported prompt file type '{path.suffix}' (use .jsonl or .parquet)")
+        raise DataError(
+            f"data.source: {path}: unsupported prompt file type '{path.suffix}' (use .jsonl, .parquet or a datasets save_to_disk folder)"
+        )
     out: list[PromptRecord] = []
     for where, row in raw:
         if not isinstance(row, dict):
             raise DataError(f"{where}: row must be an object, got {type(row).__name__}")
-        for key, setting in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
+        messages = chat_messages(row, cfg.messages_key, where)
+        keys = (
+            ((cfg.answer_key, "data.answer_key"),)
+            if messages is not None
+            else ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key"))
+        )
+        for key, setting in keys:
             if key not in row:
                 raise DataError(f"{where}: missing field '{key}' ({setting}; the row has {sorted(row)})")
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise DataError(f"{where}: field '{key}' must be a string, got {type(value).__name__}")
-        if not str(row[cfg.prompt_key]).strip():
+        if messages is None and not str(row[cfg.prompt_key]).strip():
             raise DataError(f"{where}: field '{cfg.prompt_key}' is empty")
-        out.append(PromptRecord(str(row[cfg.prompt_key]), str(row[cfg.answer_key]), where))
+        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.messages_key)}
+        prompt = str(row[cfg.prompt_key]) if cfg.prompt_key in row else _last_user_turn(messages)
+        out.append(PromptRecord(prompt, str(row[cfg.answer_key]), where, messages=messages, extra=extra))
     return out
+
+
+def _last_user_turn(messages: list[dict[str, Any]] | None) -> str:
+    """A chat row's question as plain text (what a reward sees as the prompt)."""
+    return next((m["content"] for m in reversed(messages or []) if m["role"] == "user"), "")
+
+
+def chat_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]] | None:
+    """The row's chat turns under ``key`` (None if it has none), checked for role/content."""
+    msgs = row.get(key)
+    if msgs is None:
+        return None
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: field '{key}' must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content', got {m!r}")
+    return [dict(m) for m in msgs]
 
 
 BUILTIN_TASKS = ("arithmetic",)
@@ -144,18 +180,14 @@ def check_data(cfg: RunConfig) -> dict[str, int]:
     ``rollout.max_prompt_len`` under the run's tokenizer (trained here into
     ``train.run_dir/tokenizer`` exactly as the trainer would, or the one already there).
     Raises :class:`DataError`; returns row counts for the log."""
-    from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
+    from megarl.rollout.hf_tokenizer import open_tokenizer
 
     train, val = load_prompts(cfg.data, cfg.data.seed)
-    tdir = Path(cfg.train.run_dir) / "tokenizer"
-    if (tdir / "tokenizer.model").exists():
-        tok = Tokenizer(tdir / "tokenizer.model")
-    else:
-        tok = train_tokenizer(tokenizer_corpus(train), tdir)
+    tok = open_tokenizer(cfg, tokenizer_corpus(train), train=True)
     limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
     counts = {"train_rows": len(train), "val_rows": len(val)}
     for split, rows in (("train", train), ("validation", val)):
-        lengths = [len(tok.encode(r.prompt)) for r in rows]
+        lengths = [len(tok.encode_prompt(r)) for r in rows]
         overlong = sum(n > limit for n in lengths)
         counts[f"{split}_overlong"] = overlong
         if rows and overlong == len(rows) and mode == "skip":

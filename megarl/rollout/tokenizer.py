@@ -1,15 +1,54 @@
-"""SentencePiece tokenizer: trained locally on the task corpus (there is no model hub here).
+"""Tokenizers: the interface the trainer uses, and the built-in SentencePiece one (the demo).
 
-Ids 0..3 are fixed: pad=0, bos=1, eos=2, unk=3. Digits are split into single pieces, so
-arithmetic answers tokenize one digit per token.
+:class:`PromptTokenizer` is what rollouts, the warm start and exports need; it has two
+implementations: :class:`Tokenizer` here (``model.tokenizer: builtin``, trained locally on
+the task corpus) and ``megarl.rollout.hf_tokenizer.HFTokenizer`` (the model folder's own).
+
+Built-in ids 0..3 are fixed: pad=0, bos=1, eos=2, unk=3. Digits are split into single
+pieces, so arithmetic answers tokenize one digit per token.
 """
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from megarl.rollout.data import PromptRecord
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
+
+
+class PromptTokenizer(Protocol):
+    eos_id: int
+    """Appended after a supervised answer; the first of ``eos_ids``."""
+    eos_ids: list[int]
+    """Every id generation stops on (engines and trainer use the same list)."""
+    pad_id: int
+    """Right padding (always under loss mask 0)."""
+    bos_id: int | None
+    config_ids: tuple[Any, Any, Any]
+    """(eos, bos, pad) for an exported ``config.json``."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode_prompt(self, rec: PromptRecord) -> list[int]:
+        """The ids of a row's prompt, as sent to the engines."""
+        ...
+
+    def encode_answer(self, rec: PromptRecord) -> list[int]:
+        """The row's reference answer as a continuation of its prompt, ending with EOS."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of response ids, special tokens stripped."""
+        ...
+
+    def files(self) -> list[Path]:
+        """Tokenizer files to copy into checkpoints and HF exports, unchanged."""
+        ...
 
 
 class Tokenizer:
@@ -27,11 +66,27 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.sp.get_piece_size())
 
-    pad_id, bos_id, eos_id = PAD, BOS, EOS
+    pad_id, eos_id = PAD, EOS
+    bos_id: int | None = BOS
+    eos_ids = [EOS]
+    config_ids = (EOS, BOS, PAD)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         ids = list(self.sp.encode(text))
         return [BOS, *ids] if bos else ids
+
+    def encode_prompt(self, rec: PromptRecord) -> list[int]:
+        if rec.messages is not None:
+            from megarl.rollout.data import RolloutError
+
+            raise RolloutError(f"{rec.where}: chat rows (messages) need model.tokenizer=hf and a chat template")
+        return self.encode(rec.prompt)
+
+    def encode_answer(self, rec: PromptRecord) -> list[int]:
+        return [*self.encode(rec.answer, bos=False), EOS]
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def decode(self, ids: list[int]) -> str:
         return str(self.sp.decode([i for i in ids if i > UNK]))
