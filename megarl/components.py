@@ -35,7 +35,7 @@ from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.data import load_prompts
 from megarl.rollout.engine_server import MANIFEST
 from megarl.rollout.fleet import Fleet
-from megarl.rollout.rewards import get_reward_fn
+from megarl.rollout.reward_runner import RewardRunner
 from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
@@ -101,6 +101,8 @@ class Components:
     def close(self) -> None:
         if self.fleet is not None:
             self.fleet.shutdown()
+        if self.rollouts.rewards is not None:
+            self.rollouts.rewards.close()
         if self.dims.is_rank0:
             self.publisher.sync.cleanup()
 
@@ -120,28 +122,29 @@ def build(cfg: RunConfig) -> Components:
     tok = _tokenizer(run_dir, dims, [r.prompt + r.answer for r in train_rows[:5000]])
     cfg.model = _model_config(cfg, tok)
     adapter = LlamaQwen2Adapter(cfg.model)
-    fleet = None
+    fleet, rewards = None, None
     if dims.is_rank0:  # engines start first and load while the trainer builds its models
         _write_engine_folder(run_dir / "hf_engine", adapter, tok)
         fleet = _start_fleet(cfg, run_dir)
     try:
+        if dims.is_rank0:  # reward workers start (and import the rewards) meanwhile too
+            rewards = RewardRunner(cfg)
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
             load_hf_tensors(actor, adapter, hf)
-        reward_fn = get_reward_fn(
-            cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
-        )
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, reward_fn)
+        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         probe_tokens = tok.encode(val_rows[0].prompt + val_rows[0].answer)
         publisher = PolicyPublisher(cfg, actor, sync, fleet, probe_tokens, ready=rollouts.fleet_ready)
     except BaseException:
         if fleet is not None:
             fleet.shutdown()
+        if rewards is not None:
+            rewards.close()
         raise
     return Components(
         cfg=cfg,

@@ -413,6 +413,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
+        if isinstance(value, (int, float)):  # '--set reward.weights=1': a list of one
+            value = [value]
         if not isinstance(value, list):
             _fail(path, value, "must be a list")
         return [_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value)]

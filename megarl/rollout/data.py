@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,10 @@ class PromptRecord:
     answer: str
     where: str
     """'file:line' (or 'builtin:i') — used in error messages."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other fields, passed to rewards."""
+    messages: list[dict] | None = None
+    """The row's chat messages (None for a plain prompt), passed to rewards."""
 
 
 def arithmetic_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
