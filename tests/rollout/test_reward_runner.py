@@ -96,7 +96,9 @@ def test_reward_from_a_file_sees_the_text_messages_and_extra_fields(tmp_path: Pa
     finally:
         runner.close()
     assert scores == [1.0, 0.0] and report.failures == 0
-    seen = sorted((json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()), key=lambda r: r["response"])
+    seen = sorted(
+        (json.loads(x) for x in (tmp_path / "seen.jsonl").read_text().splitlines()), key=lambda r: r["response"]
+    )
     assert [r["response"] for r in seen] == ["7", "8"]
     for r in seen:
         assert (r["prompt"], r["answer"], r["messages"], r["extra"]) == ("3+4=", "7", msgs, {"level": 2, "tags": ["a"]})
@@ -168,7 +170,9 @@ def test_reward_that_kills_its_interpreter_is_counted(tmp_path: Path) -> None:
         assert "data.jsonl:2 #0" in report.examples[0] and "worker died (exit code 1)" in report.examples[0]
         assert "RuntimeError: verifier crashed" in report.examples[1]
         line = report.summary(0.0)
-        assert line.startswith("4 of 6 samples got reward.failed_reward=0 (0 timed out, 1 crashed their worker, 3 raised)")
+        assert line.startswith(
+            "4 of 6 samples got reward.failed_reward=0 (0 timed out, 1 crashed their worker, 3 raised)"
+        )
         assert runner.score(_samples(["7", "7"]))[0] == [1.0, 1.0]
     finally:
         runner.close()
@@ -176,8 +180,9 @@ def test_reward_that_kills_its_interpreter_is_counted(tmp_path: Path) -> None:
 
 def test_workers_are_recycled_and_memory_capped(tmp_path: Path) -> None:
     path = _module(tmp_path)
-    runner = _runner([f"{path}:pid", f"{path}:hog"], weights=[1.0, 0.0], workers=1, max_tasks_per_worker=2,
-                     worker_memory_mb=768)
+    runner = _runner(
+        [f"{path}:pid", f"{path}:hog"], weights=[1.0, 0.0], workers=1, max_tasks_per_worker=2, worker_memory_mb=768
+    )
     try:
         pids = []
         for _ in range(3):
@@ -191,13 +196,17 @@ def test_workers_are_recycled_and_memory_capped(tmp_path: Path) -> None:
 
 
 def test_workers_that_cannot_start_stop_the_run_with_the_reason(tmp_path: Path) -> None:
-    path = _module(tmp_path, "only_in_parent", '''
+    path = _module(
+        tmp_path,
+        "only_in_parent",
+        """
         import multiprocessing
         if multiprocessing.current_process().name == "megarl-reward":
             raise ImportError("needs a GPU driver")
         def f(response):
             return 1.0
-    ''')
+    """,
+    )
     runner = _runner([f"{path}:f"], workers=1)
     try:
         with pytest.raises(RolloutError, match="reward workers fail to start .3 in a row.*needs a GPU driver"):
