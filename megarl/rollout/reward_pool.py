@@ -179,12 +179,13 @@ class RewardPool:
         pending = deque(range(len(calls)))
         try:
             while pending or any(w.task is not None for w in self._workers):
-                for w in self._workers:
+                for k, w in enumerate(self._workers):
                     if w.ready and w.task is None and pending:
-                        i = pending.popleft()
-                        self._next_task += 1
-                        w.task = (self._next_task, i, time.monotonic() + self.timeout_s)
-                        w.conn.send((self._next_task, *calls[i]))
+                        if self.max_tasks and w.served >= self.max_tasks:
+                            # retire: a fresh interpreter bounds what the rewards leaked
+                            self._workers[k] = self._replace(w, failure=False)
+                            continue
+                        self._send(w, pending.popleft(), calls, out)
                 self._wait_and_collect(out)
         finally:  # interrupted mid-run: busy workers hold stale calls, replace them
             for k, w in enumerate(self._workers):
@@ -209,9 +210,17 @@ class RewardPool:
                 self._workers[k] = self._replace(w)
             elif not w.ready and time.monotonic() > w.started + START_TIMEOUT_S:
                 self._workers[k] = self._failed_start(w, f"not ready after {START_TIMEOUT_S:g}s")
-            elif self.max_tasks and w.task is None and w.served >= self.max_tasks:
-                # retire: a fresh interpreter bounds what the rewards leaked
-                self._workers[k] = self._replace(w, failure=False)
+
+    def _send(self, w: _Worker, i: int, calls: list[tuple[int, Any]], out: list[Outcome | None]) -> None:
+        self._next_task += 1
+        try:
+            w.conn.send((self._next_task, *calls[i]))  # pickled whole before anything is written
+        except OSError:  # the worker just died: the next wait sees it and reports a crash
+            pass
+        except Exception as e:  # the payload does not pickle: this call fails, the worker is fine
+            out[i] = Outcome("error", error=f"sample not picklable: {type(e).__name__}: {e}")
+            return
+        w.task = (self._next_task, i, time.monotonic() + self.timeout_s)
 
     def _drain(self, w: _Worker, out: list[Outcome | None]) -> bool:
         """Read what ``w`` sent; False if it died (pipe closed or process gone)."""

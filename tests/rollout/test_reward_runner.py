@@ -277,3 +277,14 @@ def test_two_files_with_the_same_name_are_two_rewards(tmp_path: Path) -> None:
     finally:
         runner.close()
     assert scores == [3.0] and sorted(report.sums) == ["f", "f_2"]
+
+
+def test_a_sample_that_does_not_pickle_fails_alone(tmp_path: Path) -> None:
+    path = _module(tmp_path)
+    runner = _runner([f"{path}:bonus"], workers=1)
+    try:
+        samples = _samples(["7"], extra={"bonus": 1.0}) + _samples(["7"], extra={"bonus": lambda: 1.0})
+        scores, report = runner.score(samples)
+    finally:
+        runner.close()
+    assert scores == [1.5, 0.0] and report.errors == 1 and "sample not picklable" in report.examples[0]
