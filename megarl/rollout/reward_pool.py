@@ -186,7 +186,8 @@ class RewardPool:
                             self._workers[k] = self._replace(w, failure=False)
                             continue
                         self._send(w, pending.popleft(), calls, out)
-                self._wait_and_collect(out)
+                if any(w.task is not None or not w.ready for w in self._workers):  # else: nothing to wait for
+                    self._wait_and_collect(out)
         finally:  # interrupted mid-run: busy workers hold stale calls, replace them
             for k, w in enumerate(self._workers):
                 if w.task is not None:
@@ -195,11 +196,12 @@ class RewardPool:
         return [o for o in out if o is not None]
 
     def _wait_and_collect(self, out: list[Outcome | None]) -> None:
+        """Wait for a message, a death or the nearest deadline (some worker is busy or starting)."""
         now = time.monotonic()
         deadlines = [
             w.task[2] if w.task else w.started + START_TIMEOUT_S for w in self._workers if w.task or not w.ready
         ]
-        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        timeout = max(0.0, min(deadlines) - now)
         waitables: list[Any] = [w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers]
         wait(waitables, timeout=timeout)
         for k, w in enumerate(self._workers):
