@@ -71,6 +71,10 @@ class RewardSample:
     where: str = ""
 
 
+class RewardSpecError(ValueError):
+    """A spec names no usable reward (unknown name, missing file or attribute, wrong signature)."""
+
+
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``fn(samples: list[RewardSample]) -> list[float]`` as a batched reward."""
     fn.batched = True  # type: ignore[attr-defined]
@@ -94,18 +98,18 @@ def import_reward(spec: str) -> Callable[..., Any]:
     """The callable named by ``spec`` (a built-in name, 'module:function' or 'file.py:function')."""
     if ":" not in spec:
         if spec not in REWARDS:
-            raise ValueError(
+            raise RewardSpecError(
                 f"is not a built-in reward ({', '.join(sorted(REWARDS))}) "
                 "nor 'package.module:function' / 'path/to/file.py:function'"
             )
         return REWARDS[spec]
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise ValueError("must be 'package.module:function' or 'path/to/file.py:function'")
+        raise RewardSpecError("must be 'package.module:function' or 'path/to/file.py:function'")
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = Path(target).resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"reward file {path} does not exist")
+            raise RewardSpecError(f"reward file {path} does not exist")
         # one module name per file, so two reward files with the same stem do not collide
         name = f"megarl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
         module = sys.modules.get(name)
@@ -125,10 +129,10 @@ def import_reward(spec: str) -> Callable[..., Any]:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise AttributeError(f"{getattr(module, '__file__', target)} has no attribute '{attr}'")
+            raise RewardSpecError(f"{getattr(module, '__file__', target)} has no attribute '{attr}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TypeError(f"'{attr}' is a {type(obj).__name__}, not a function")
+        raise RewardSpecError(f"'{attr}' is a {type(obj).__name__}, not a function")
     return obj  # type: ignore[no-any-return]
 
 
@@ -172,7 +176,7 @@ def load_entry(spec: str) -> Entry:
     try:
         return inspect_reward(fn)
     except TypeError as e:
-        raise TypeError(f"wrong signature: {e}") from e
+        raise RewardSpecError(f"wrong signature: {e}") from e
 
 
 def configured_specs(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -209,9 +213,9 @@ def check_reward_config(cfg: RunConfig) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    if isinstance(e, (ValueError, TypeError, FileNotFoundError, AttributeError)) and str(e):
+    if isinstance(e, RewardSpecError):
         return str(e)
-    return f"cannot be imported: {type(e).__name__}: {e}"
+    return f"cannot be imported: {type(e).__name__}: {e}"  # raised by the user's module
 
 
 # ---------------------------------------------------------------------- calling

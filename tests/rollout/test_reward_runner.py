@@ -64,6 +64,17 @@ def hog(response):
 
 def two_args(prompt, completion):
     return 0.0
+
+
+def no_response(prompt, answer):
+    return 0.0
+
+
+def batched_two(samples, other):
+    return []
+batched_two.batched = True
+
+NOT_A_FUNCTION = 3
 '''
 
 
@@ -125,6 +136,9 @@ def test_module_name_batched_and_weights(tmp_path: Path, monkeypatch: pytest.Mon
     ("fn", "message"),
     [
         ("{path}:two_args", r"reward.fn\[1\]='.*:two_args' wrong signature: .*parameter 'completion' is not one of"),
+        ("{path}:no_response", r"reward.fn\[1\]='.*:no_response' wrong signature: .*does not take 'response'"),
+        ("{path}:batched_two", r"wrong signature: is marked batched but cannot be called as fn\(samples\)"),
+        ("{path}:NOT_A_FUNCTION", r"reward.fn\[1\]='.*:NOT_A_FUNCTION' 'NOT_A_FUNCTION' is a int, not a function"),
         ("{path}:nope", r"reward.fn\[1\]='.*:nope' .*user_rewards.py has no attribute 'nope'"),
         ("{tmp}/missing.py:f", r"reward.fn\[1\]='.*missing.py:f' reward file .*missing.py does not exist"),
         ("no_such_module_xyz:f", r"reward.fn\[1\]='no_such_module_xyz:f' cannot be imported: ModuleNotFoundError"),
@@ -288,3 +302,17 @@ def test_a_sample_that_does_not_pickle_fails_alone(tmp_path: Path) -> None:
     finally:
         runner.close()
     assert scores == [1.5, 0.0] and report.errors == 1 and "sample not picklable" in report.examples[0]
+
+
+def test_megarl_train_stops_on_a_bad_reward_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megarl.cli import main
+
+    path = _module(tmp_path)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    rc = main(["train", "--set", f"reward.fn={path}:two_args", "--set", f"train.run_dir={run}"])
+    assert rc == 2 and time.monotonic() - t0 < 10
+    assert f"megarl: config error: reward.fn[0]='{path}:two_args' wrong signature" in capsys.readouterr().err
+    assert not run.exists()  # no process group, engine or run folder was started
