@@ -274,7 +274,7 @@ class RewardReport:
     errors: int = 0
     """Calls that raised or returned a non-number."""
     examples: list[str] = field(default_factory=list)
-    """The first failures, named ('file:line #j: spec: what happened')."""
+    """The first failures, named ('file:line #j: reward name: what happened')."""
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     """Per reward name: sum and number of its successful values (for its mean)."""
@@ -374,12 +374,12 @@ class RewardRunner:
                 report.crashes += o.kind == "crash"
                 report.errors += o.kind == "error"
                 for i in idx:
-                    failed.setdefault(i, f"{samples[i].where}: {self.specs[k]} {o.error}")
+                    failed.setdefault(i, f"{samples[i].where}: {self.names[k]}: {o.error}")
                 continue
             for i, v in zip(idx, o.value if is_batched else [o.value]):
                 if isinstance(v, str):  # one bad value of a batched reward
                     report.errors += 1
-                    failed.setdefault(i, f"{samples[i].where}: {self.specs[k]} {v}")
+                    failed.setdefault(i, f"{samples[i].where}: {self.names[k]}: {v}")
                 else:
                     values[k][i] = v
         totals: list[float] = []

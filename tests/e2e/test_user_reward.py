@@ -56,6 +56,7 @@ def test_user_reward_that_hangs_and_crashes_does_not_stop_the_run(tmp_path: Path
             f"reward.fn={rdir}/score.py:reward", "reward.timeout_s=3", "reward.workers=2"]
     proc = megarl_train("grpo_cpu.yaml", sets, timeout=900)
     out = proc.stdout + proc.stderr
+    (run / "stdout.log").write_text(out)
     steps = [r for r in read_metrics(run) if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     got = [(r["rollout/reward_failures"], r["rollout/reward_timeouts"], r["rollout/reward_crashes"]) for r in steps]

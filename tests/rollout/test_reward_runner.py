@@ -165,7 +165,7 @@ def test_hanging_reward_times_out_and_the_pool_recovers(tmp_path: Path) -> None:
         wall = time.monotonic() - t0
         assert scores == [1.0, -1.0, 1.0, 1.0, -1.0, 1.0]
         assert (report.failures, report.timeouts, report.crashes, report.errors) == (2, 2, 0, 0)
-        assert "data.jsonl:2 #0" in report.examples[0] and "timed out after 1s" in report.examples[0]
+        assert report.examples[0] == "data.jsonl:2 #0: flaky: timed out after 1s (worker killed)"
         assert wall < 1.0 * 2 + 10  # two timeouts (in parallel or not) plus a replacement start; never 60 s
         again, rep2 = runner.score(_samples(["7"] * 4))
         assert again == [1.0] * 4 and rep2.failures == 0
@@ -181,8 +181,8 @@ def test_reward_that_kills_its_interpreter_is_counted(tmp_path: Path) -> None:
         scores, report = runner.score(_samples(["7", "die", "7", "raise", "nan", "text"]))
         assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
         assert (report.failures, report.timeouts, report.crashes, report.errors) == (4, 0, 1, 3)
-        assert "data.jsonl:2 #0" in report.examples[0] and "worker died (exit code 1)" in report.examples[0]
-        assert "RuntimeError: verifier crashed" in report.examples[1]
+        assert report.examples[0] == "data.jsonl:2 #0: flaky: reward worker died (exit code 1)"
+        assert report.examples[1] == "data.jsonl:4 #0: flaky: RuntimeError: verifier crashed"
         line = report.summary(0.0)
         assert line.startswith(
             "4 of 6 samples got reward.failed_reward=0 (0 timed out, 1 crashed their worker, 3 raised)"
@@ -235,7 +235,7 @@ def test_builtins_run_in_process_and_a_failing_one_is_counted() -> None:
     samples = [RewardSample("\\boxed{7}", "3+4=", "7", where="a:1 #0"), RewardSample("7", "3+4=", "", where="a:2 #0")]
     scores, report = runner.score(samples)
     assert scores == [1.0, 0.0]  # sample 2: the empty reference answer makes both rewards raise
-    assert report.failures == 1 and report.errors == 2 and "a:2 #0: math ValueError" in report.examples[0]
+    assert report.failures == 1 and report.errors == 2 and "a:2 #0: math: ValueError" in report.examples[0]
 
 
 def test_deprecated_data_reward_alias(caplog: pytest.LogCaptureFixture) -> None:
