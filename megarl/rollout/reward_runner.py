@@ -24,8 +24,8 @@ take one ``list[RewardSample]`` and return one number per sample, in order.
 
 **Isolation.** User rewards run in a pool of worker processes (:mod:`reward_pool`) with a
 per-call timeout (``reward.timeout_s``): a reward that raises, returns a non-number, hangs or
-kills its interpreter fails only its own sample(s), which get ``reward.failed_reward``
-(counted: ``rollout/reward_failures``, ``_timeouts``, ``_crashes``, ``_errors``; one log line
+kills its interpreter fails only its own sample(s), which get ``reward.failed_reward`` as
+their whole reward, not a partial weighted sum that would look like a real score (counted: ``rollout/reward_failures``, ``_timeouts``, ``_crashes``, ``_errors``; one log line
 per step names a sample or two). Built-ins run in-process unless ``reward.isolate_builtins``.
 
 **Before launch** :func:`check_reward_config` imports every spec and checks its signature,
