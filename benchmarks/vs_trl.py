@@ -193,7 +193,7 @@ def _scale_sets(scale: str) -> list[str]:
         *s["model"],
         *r,
         f"parallel.micro_batch_size={s['micro_batch']}",
-        f"data.reward={s['reward']}",
+        f"reward.fn={s['reward']}",
         *s["extra"],
     ]
 
@@ -309,7 +309,7 @@ def trl_worker(scale: str, hf: Path, steps: int, res_file: Path) -> None:
 
     from megarl.config import DataConfig
     from megarl.rollout.data import load_prompts
-    from megarl.rollout.rewards import get_reward_fn
+    from megarl.rollout.rewards import REWARDS
     from megarl.rollout.tokenizer import Tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -324,7 +324,7 @@ def trl_worker(scale: str, hf: Path, steps: int, res_file: Path) -> None:
         if got != ours.encode(row.prompt):
             raise RuntimeError(f"HF tokenizer gives {got} for {row.prompt!r}, megarl {ours.encode(row.prompt)}")
     ds = Dataset.from_dict({"prompt": ["<s>" + x.prompt for x in train_rows], "answer": [x.answer for x in train_rows]})
-    fn = get_reward_fn(s["reward"])
+    fn = REWARDS[s["reward"]]
 
     def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [fn(p, c, a) for p, c, a in zip(prompts, completions, answer)]

@@ -39,7 +39,7 @@ from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.hf_tokenizer import open_tokenizer
-from megarl.rollout.rewards import get_reward_fn
+from megarl.rollout.reward_runner import RewardRunner
 from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
@@ -107,6 +107,8 @@ class Components:
     def close(self) -> None:
         if self.fleet is not None:
             self.fleet.shutdown()
+        if self.rollouts.rewards is not None:
+            self.rollouts.rewards.close()
         if self.dims.is_rank0:
             self.publisher.sync.cleanup()
 
@@ -126,30 +128,31 @@ def build(cfg: RunConfig) -> Components:
     tok = _tokenizer(cfg, run_dir, dims, tokenizer_corpus(train_rows))
     cfg.model = _model_config(cfg, tok)
     adapter = LlamaQwen2Adapter(cfg.model)
-    fleet = None
+    fleet, rewards = None, None
     if dims.is_rank0:  # engines start first and load while the trainer builds its models
         _write_engine_folder(run_dir / "hf_engine", adapter, tok)
         fleet = _start_fleet(cfg, run_dir)
     try:
+        if dims.is_rank0:  # reward workers start (and import the rewards) meanwhile too
+            rewards = RewardRunner(cfg)
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
             shapes = {k: list(v.shape) for k, v in hf.items()}  # no source tensor may be left out
             check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
             load_hf_tensors(actor, adapter, hf)
-        reward_fn = get_reward_fn(
-            cfg.data.reward or ("arithmetic" if cfg.data.source.startswith("builtin:") else "exact_match")
-        )
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, reward_fn)
+        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         probe_tokens = probe_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
         publisher = PolicyPublisher(cfg, actor, sync, fleet, probe_tokens, ready=rollouts.fleet_ready)
     except BaseException:
         if fleet is not None:
             fleet.shutdown()
+        if rewards is not None:
+            rewards.close()
         raise
     return Components(
         cfg=cfg,

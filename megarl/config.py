@@ -148,7 +148,29 @@ class DataConfig:
     seed: int = 1234
     """Seed of the built-in task's data (and so of its tokenizer); separate from train.seed."""
     reward: str = ""
-    """Reward function (megarl.rollout.rewards): '' = 'arithmetic' for built-in data, else 'exact_match'."""
+    """Deprecated alias of ``reward.fn`` (one built-in name); use the ``reward`` section."""
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    fn: list[str] = field(default_factory=list)
+    """Reward functions: built-in names (arithmetic, exact_match, answer_prefix, math),
+    'package.module:function' or 'path/to/file.py:function' (megarl/rollout/reward_runner.py
+    documents the signature). Empty = 'arithmetic' for built-in data, else 'exact_match'."""
+    weights: list[float] = field(default_factory=list)
+    """Weight of each reward in ``fn``; a sample's reward is the weighted sum. Empty = all 1."""
+    timeout_s: float = 10.0
+    """Per-call limit of a reward in the worker pool, seconds; past it the worker is killed."""
+    workers: int = 2
+    """Reward worker processes on rank 0 (started only for rewards that run isolated)."""
+    max_tasks_per_worker: int = 1000
+    """Calls a worker serves before it is replaced (bounds slow memory leaks; 0 = never)."""
+    worker_memory_mb: int = 0
+    """Address-space limit of each worker, MiB (a reward over it fails with MemoryError; 0 = none)."""
+    failed_reward: float = 0.0
+    """Reward of a sample whose reward call raised, timed out or crashed its worker."""
+    isolate_builtins: bool = False
+    """Run the built-in rewards in the worker pool too (default: in-process, they are trusted)."""
 
 
 @dataclass(kw_only=True)
@@ -365,6 +387,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -422,6 +445,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
+        if isinstance(value, (int, float)):  # '--set reward.weights=1': a list of one
+            value = [value]
         if not isinstance(value, list):
             _fail(path, value, "must be a list")
         return [_coerce(f"{path}[{i}]", item, v) for i, v in enumerate(value)]

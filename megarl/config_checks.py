@@ -93,11 +93,10 @@ def check(cfg: RunConfig, world_size: int) -> None:
         )
     if not 0 <= r.min_response_len <= r.max_response_len:
         _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
-    from megarl.rollout.rewards import REWARDS
+    from megarl.rollout.reward_runner import check_reward_config
 
-    if cfg.data.reward and cfg.data.reward not in REWARDS:
-        _fail("data.reward", cfg.data.reward, f"must be one of {sorted(REWARDS)} (or '' for the default)")
     check_kv_cache(cfg, m)
+    check_reward_config(cfg)  # imports each reward and checks its signature
     if r.engine_tp < 1:
         _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
     if r.engine_lease_s and r.engine_lease_s < 15:
@@ -206,6 +205,8 @@ def _positive(cfg: RunConfig) -> None:
                 "save_every",
                 "min_response_len",
                 "logprob_micro_batch_size",
+                "max_tasks_per_worker",
+                "worker_memory_mb",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 _fail(path, value, "must be a positive integer")

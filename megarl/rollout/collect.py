@@ -16,7 +16,7 @@ from megarl import algo
 from megarl.config import RunConfig
 from megarl.rollout.data import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
 from megarl.rollout.fleet import Fleet
-from megarl.rollout.rewards import RewardFn, score_all
+from megarl.rollout.reward_runner import RewardReport, RewardRunner, RewardSample
 from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
@@ -120,13 +120,11 @@ def sample_groups(
     tok: PromptTokenizer,
     prompts: list[tuple[PromptRecord, list[int]]],
     cfg: RunConfig,
-    reward_fn: RewardFn,
+    rewards: RewardRunner,
     seed: int,
     samples: int,
-    failures: list[str] | None = None,
-) -> tuple[list[Group], int, int]:
-    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, failed
-    rewards); each failure's reason goes to ``failures``."""
+) -> tuple[list[Group], int, RewardReport]:
+    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, reward report)."""
     r = cfg.rollout
     outs, version = fleet.generate(
         [ids for _, ids in prompts],
@@ -139,24 +137,34 @@ def sample_groups(
         seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
     )
     groups: list[Group] = []
-    failed = 0
     for (rec, pids), out in zip(prompts, outs):
         if len(out) != samples:
             raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
         smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
-        texts = [tok.decode(ids) for ids, _, _ in smp]
-        rewards, nfail = score_all(
-            reward_fn, [rec.prompt] * samples, texts, [rec.answer] * samples, failures=failures, where=rec.where
-        )
-        failed += nfail
+        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], []))
+    # one call for the whole round: the reward workers share it out
+    scores, report = rewards.score([reward_sample(g.record, t, j) for g in groups for j, t in enumerate(g.texts)])
+    for gi, g in enumerate(groups):
+        g.rewards = scores[gi * samples : (gi + 1) * samples]
         if cfg.algo.overlong_buffer_len:
-            lengths = torch.tensor([len(ids) for ids, _, _ in smp], dtype=torch.float32)
+            lengths = torch.tensor([len(ids) for ids, _, _ in g.samples], dtype=torch.float32)
             pen = algo.overlong_soft_penalty(
                 lengths, max_len=r.max_response_len, cache_len=cfg.algo.overlong_buffer_len
             )
-            rewards = [x + float(p) for x, p in zip(rewards, pen)]
-        groups.append(Group(rec, pids, smp, texts, rewards))
-    return groups, version, failed
+            g.rewards = [x + float(p) for x, p in zip(g.rewards, pen)]
+    return groups, version, report
+
+
+def reward_sample(rec: PromptRecord, response: str, j: int) -> RewardSample:
+    """Response ``j`` to ``rec`` as a reward sees it (``where`` = 'file:line #j' for the log)."""
+    return RewardSample(
+        response=response,
+        prompt=rec.prompt,
+        answer=rec.answer,
+        messages=rec.messages,
+        extra=rec.extra,
+        where=f"{rec.where} #{j}",
+    )
 
 
 def has_signal(g: Group) -> bool:
@@ -203,12 +211,11 @@ def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
     )
 
 
-def batch_stats(batch: RolloutBatch, failed: int) -> dict[str, float]:
+def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     rw, lens, trunc = batch.rewards, batch.response_lens, batch.truncated
     return {
         "rollout/reward_mean": float(rw.mean()),
         "rollout/reward_std": float(rw.std()) if batch.size > 1 else 0.0,
-        "rollout/reward_failures": float(failed),
         "rollout/response_len_mean": float(lens.float().mean()),
         "rollout/response_len_max": float(lens.max()),
         "rollout/truncated_frac": float(trunc.float().mean()),

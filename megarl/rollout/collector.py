@@ -30,13 +30,14 @@ from megarl.rollout.collect import (
     has_signal,
     overlong_summary,
     pack_groups,
+    reward_sample,
     sample_groups,
     take_prompts,
     validation_prompts,
 )
 from megarl.rollout.data import PromptRecord, PromptSampler
 from megarl.rollout.fleet import Fleet
-from megarl.rollout.rewards import RewardFn, failure_summary, score_all
+from megarl.rollout.reward_runner import RewardReport, RewardRunner
 from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
@@ -52,10 +53,12 @@ class RolloutCollector:
         fleet: Fleet | None,
         train_rows: list[PromptRecord],
         val_rows: list[PromptRecord],
-        reward_fn: RewardFn,
+        rewards: RewardRunner | None,
     ) -> None:
         self.cfg, self.dims, self.tok, self.fleet = cfg, dims, tok, fleet
-        self.train_rows, self.val_rows, self.reward_fn = train_rows, val_rows, reward_fn
+        self.train_rows, self.val_rows = train_rows, val_rows
+        self.rewards = rewards
+        """Rank 0 only (the reward workers live there)."""
         self.sampler = PromptSampler(len(train_rows), cfg.train.seed, cfg.data.shuffle)
         self.prompt_stats = PromptStats()
         self.engine_wait_s = 0.0
@@ -89,9 +92,8 @@ class RolloutCollector:
         overlong = self.prompt_stats.drain()  # every rank met the same prompts; rank 0 tells
         if self.dims.is_rank0:
             assert self.fleet is not None
-            for line in (overlong_summary(overlong, self.cfg), failure_summary(rnd.failures, len(rnd.kept) * samples)):
-                if line:
-                    log.warning("step %d: %s", step + 1, line)
+            if line := overlong_summary(overlong, self.cfg):
+                log.warning("step %d: %s", step + 1, line)
             short = num_prompts - len(rnd.kept)
             if short > 0:  # out of rounds: fill with signal-less groups (zero advantage), counted
                 rnd.kept.extend(rnd.reserve[:short])
@@ -100,7 +102,10 @@ class RolloutCollector:
                 self._dump(step, kept)
             stats["rollout/filled_without_signal"] = float(max(short, 0))
             batch = pack_groups(kept, self.tok.pad_id, rnd.version)
-            stats.update(batch_stats(batch, rnd.failed))
+            stats.update(batch_stats(batch))
+            stats.update(rnd.rewards.metrics())
+            if line := rnd.rewards.summary(self.cfg.reward.failed_reward):
+                log.warning("step %d rewards: %s", step + 1, line)
             stats["rollout/sampling_rounds"] = float(rnd.count)
             # which prompts, in which order (a resumed run must replay none and skip none)
             fp = sum((i + 1) * zlib.crc32(g.record.where.encode()) for i, g in enumerate(kept))
@@ -116,19 +121,18 @@ class RolloutCollector:
 
     def _sample_round(self, prompts: list[tuple[PromptRecord, list[int]]], step: int, samples: int, rnd: _Round) -> int:
         """Rank 0: one generation round appended to ``rnd.kept``; returns how many are kept."""
-        assert self.fleet is not None
-        groups, v, nfail = sample_groups(
+        assert self.fleet is not None and self.rewards is not None
+        groups, v, report = sample_groups(
             self.fleet,
             self.tok,
             prompts,
             self.cfg,
-            self.reward_fn,
+            self.rewards,
             seed=self.cfg.train.seed + 7919 * step + rnd.count,
             samples=samples,
-            failures=rnd.failures,
         )
         rnd.version = min(rnd.version, v)
-        rnd.failed += nfail
+        rnd.rewards.merge(report)
         if self.cfg.algo.dynamic_sampling:
             good = [g for g in groups if has_signal(g)]
             rnd.dropped += len(groups) - len(good)
@@ -158,7 +162,7 @@ class RolloutCollector:
         """Greedy accuracy on the validation prompts (rank 0 asks the fleet; shared to all)."""
         value = torch.zeros(1, dtype=torch.float64)
         if self.dims.is_rank0:
-            assert self.fleet is not None
+            assert self.fleet is not None and self.rewards is not None
             self.fleet_ready()
             # the overlong-prompt rule applies here too (a prompt past the context would fail the
             # engine); a reward that raises scores 0, as in training, counted in one line
@@ -172,13 +176,10 @@ class RolloutCollector:
                 stop_token_ids=self.tok.eos_ids,
             )
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
-            failures: list[str] = []
-            rewards = [
-                score_all(self.reward_fn, [r.prompt], [t], [r.answer], failures=failures, where=r.where)[0][0]
-                for (r, _), t in zip(rows, texts)
-            ]
-            if failures:
-                log.warning("validation: %s", failure_summary(failures, len(rows), "prompts"))
+            # guarded like training rewards: a failing reward scores reward.failed_reward, logged
+            rewards, report = self.rewards.score([reward_sample(r, t, 0) for (r, _), t in zip(rows, texts)])
+            if line := report.summary(self.cfg.reward.failed_reward):
+                log.warning("validation rewards: %s", line)
             value[0] = sum(rewards) / max(len(rewards), 1)
         dist.broadcast(value, src=0)
         return float(value)
@@ -204,8 +205,7 @@ class _Round:
     def __init__(self) -> None:
         self.count = 0
         self.version = 10**9  # the oldest policy version that produced a kept sample
-        self.failed = 0  # reward calls that raised
-        self.failures: list[str] = []  # which samples' rewards raised, and why (logged once per step)
+        self.rewards = RewardReport()  # failures, timeouts, crashes over the rounds
         self.dropped = 0  # groups without reward signal (dynamic sampling)
         self.kept: list[Group] = []
         self.reserve: list[Group] = []  # dropped groups, used if the rounds run out

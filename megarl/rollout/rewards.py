@@ -1,15 +1,23 @@
-"""Reward functions: ``fn(prompt, response, answer) -> float``, selected by name.
+"""The built-in rewards, selected by name in ``reward.fn``.
 
-:func:`score_all` never lets one reward kill the run (training and validation samples alike):
-a function that raises marks that sample as failed (reward = ``failed_reward``); failures are
-counted and summarised in one log line per step (:func:`failure_summary`).
+Each is a per-sample reward in the calling convention of
+:mod:`megarl.rollout.reward_runner`: parameters are passed by name (``prompt``, ``response``,
+``answer``, ...). They are pure and fast, so by default they run in the trainer's rank 0
+process; user rewards run in the worker pool.
+
+* ``exact_match`` — the stripped response equals the stripped answer;
+* ``arithmetic`` — the response is exactly the integer answer (the built-in task);
+* ``answer_prefix`` — the response starts with the answer (long responses on purpose);
+* ``math`` — the last ``\\boxed{...}`` of the response equals the answer mathematically
+  (math-verify: LaTeX, fractions, decimals, sets, expressions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-RewardFn = Callable[[str, str, str], float]
+RewardFn = Callable[..., float]
 
 
 def exact_match(prompt: str, response: str, answer: str) -> float:
@@ -32,45 +40,69 @@ def answer_prefix(prompt: str, response: str, answer: str) -> float:
     return 1.0 if response.strip().startswith(answer.strip()) else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "arithmetic": arithmetic, "answer_prefix": answer_prefix}
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
+    starts = [i for tag in ("\\boxed{", "\\fbox{") for i in _find_all(text, tag)]
+    for start in sorted(starts, reverse=True):
+        i = text.index("{", start) + 1
+        depth, j = 1, i
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            return text[i : j - 1]
+    return None
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward function '{name}' (known: {sorted(REWARDS)})")
-    return REWARDS[name]
+def _find_all(text: str, tag: str) -> list[int]:
+    out, i = [], text.find(tag)
+    while i >= 0:
+        out.append(i)
+        i = text.find(tag, i + 1)
+    return out
 
 
-def score_all(
-    fn: RewardFn,
-    prompts: list[str],
-    responses: list[str],
-    answers: list[str],
-    failed_reward: float = 0.0,
-    failures: list[str] | None = None,
-    where: str = "",
-) -> tuple[list[float], int]:
-    """(rewards, number of failed samples). Each failure's reason is appended to ``failures``
-    (``where``: the prompt's file:line) for the caller's one summary line per step, not logged
-    one by one (a broken reward fails on most samples)."""
-    rewards, failed = [], 0
-    for i, (p, r, a) in enumerate(zip(prompts, responses, answers)):
-        try:
-            value = float(fn(p, r, a))
-            if value != value:  # NaN
-                raise ValueError("reward is NaN")
-        except Exception as e:  # a broken reward must not kill the run; it is counted
-            failed += 1
-            if failures is not None:
-                failures.append(f"{where or repr(p)} sample {i}: {type(e).__name__}: {e}")
-            value = failed_reward
-        rewards.append(value)
-    return rewards, failed
+def math(prompt: str, response: str, answer: str) -> float:
+    """1.0 iff the last ``\\boxed{}`` of the response is mathematically equal to ``answer``.
+
+    Both sides go through math-verify's ``parse`` and ``verify`` (so ``\\frac{1}{2}`` = 0.5 =
+    ``\\dfrac12``, ``\\{1,2\\}`` = ``\\{2,1\\}``). A response without a boxed answer, or whose
+    boxed answer does not parse, scores 0.0: that is a wrong answer, not a failed reward. An
+    ``answer`` that math-verify cannot parse raises (a data problem: the sample is counted as
+    a failed reward and named in the log)."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    gold = _parse_gold(answer)
+    boxed = last_boxed(response)
+    if boxed is None or not boxed.strip():
+        return 0.0
+    latex_only = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    pred = parse(f"\\boxed{{{boxed}}}", extraction_config=latex_only)
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
 
 
-def failure_summary(failures: list[str], total: int, what: str = "samples") -> str:
-    """One log line for a step's failed rewards ('' if none): the count and two examples."""
-    if not failures:
-        return ""
-    more = f"; and {len(failures) - 2} more" if len(failures) > 2 else ""
-    return f"reward failed on {len(failures)} of {total} {what} (scored 0): {'; '.join(failures[:2])}{more}"
+def _parse_gold(answer: str) -> list[Any]:
+    from math_verify import parse
+
+    text = answer.strip()
+    boxed = last_boxed(text)
+    if boxed is not None:  # a solution text as the answer: its boxed part
+        text = boxed
+    # as LaTeX math first ('1+x^2' whole, not its first number), then math-verify's defaults
+    gold = parse(f"${text}$") or parse(text)
+    if not gold:
+        raise ValueError(f"math reward: math-verify cannot parse the reference answer {answer!r}")
+    return list(gold)
+
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "arithmetic": arithmetic,
+    "answer_prefix": answer_prefix,
+    "math": math,
+}
+
+NEEDS_PACKAGE = {"math": "math_verify"}
+"""Built-ins that need an optional package (import name), checked before launch."""
