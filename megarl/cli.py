@@ -39,11 +39,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     p = cfg.parallel
     world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
     if args.print_config:
-        from megarl.config_docs import explain
+        from megarl.config.docs import explain
 
         sys.stdout.write(explain(cfg) + "\n")
         return 0
-    cfg.validate(world)  # before any process group starts
+    from megarl.prelaunch import check_run
+
+    check_run(cfg, world)  # before any process group starts
     if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
         from megarl.rollout.data import check_data
 
@@ -157,7 +159,7 @@ def _user_error(e: Exception) -> int:
 
 def _dispatch(args_list: list[str]) -> int:
     if args_list[:1] == ["convert"]:  # its own parser (tools/convert.py is the same tool)
-        from megarl.checkpoint.convert import main as convert
+        from megarl.convert import main as convert
         from megarl.errors import ConvertError
 
         try:

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
-from megarl.checkpoint.hf_config import check_hf_tensors
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.config import ConfigError, RunConfig
+from megarl.config.hf import check_hf_tensors
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST

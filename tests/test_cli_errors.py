@@ -227,7 +227,8 @@ def test_print_config_shows_every_field_with_its_doc(capfd: pytest.CaptureFixtur
     # valid YAML that loads back into the same config
     again = tmp_yaml = yaml.safe_load(out)
     assert tmp_yaml["rollout"]["samples_per_prompt"] == 16
-    from megarl.config import RunConfig, _build
+    from megarl.config import RunConfig
+    from megarl.config.load import _build
 
     assert _build(RunConfig, again, "") == load_config(CONFIG, ["optim.lr=3e-4"])
     documented = [ln for ln in out.splitlines() if ":" in ln and not ln.rstrip().endswith(":")]

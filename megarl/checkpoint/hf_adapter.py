@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from megarl.checkpoint.hf_config import model_config_from_hf
 from megarl.config import ModelConfig
+from megarl.config.hf import model_config_from_hf
 from megarl.errors import AdapterError
 
 __all__ = ["AdapterError", "LlamaQwen2Adapter", "iter_layer_groups", "model_config_from_hf"]

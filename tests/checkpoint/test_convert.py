@@ -195,7 +195,7 @@ REFUSED = {
 
 _PROBE = """
 import json, sys
-from megarl.checkpoint.convert import main
+from megarl.convert import main
 from megarl.errors import ConvertError
 out = {}
 for case, hf in json.loads(sys.argv[1]).items():

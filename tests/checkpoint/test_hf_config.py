@@ -3,8 +3,8 @@ or refused by name (pure; the end-to-end checks are in test_convert.py)."""
 
 import pytest
 
-from megarl.checkpoint.hf_config import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
 from megarl.config import ModelConfig
+from megarl.config.hf import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
 
 # Llama-3.1-8B's config.json as published (transformers 4 layout: rope_theta + rope_scaling)
 LLAMA31 = {

@@ -13,9 +13,9 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from megarl.checkpoint.convert import main as convert  # noqa: E402
 from megarl.checkpoint.dist_ckpt import checkpoint_model_config, load_checkpoint  # noqa: E402
 from megarl.config import ParallelConfig  # noqa: E402
+from megarl.convert import main as convert  # noqa: E402
 from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs  # noqa: E402

@@ -92,8 +92,10 @@ def _cfg(**sections: dict) -> RunConfig:
     ],
 )
 def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:
+    from megarl.prelaunch import check_run
+
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("×", ".")):
-        cfg.validate(world)
+        check_run(cfg, world)  # the config's rules + each reward imported, as `megarl train` runs them
 
 
 def test_missing_file_named(tmp_path: Path) -> None:

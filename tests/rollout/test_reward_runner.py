@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, RewardConfig, RunConfig
+from megarl.prelaunch import check_run
 from megarl.rollout.data import RolloutError
 from megarl.rollout.reward_runner import RewardRunner, RewardSample, check_reward_config
 from megarl.rollout.rewards import last_boxed, math
@@ -152,7 +153,7 @@ def test_bad_rewards_fail_before_launch_naming_the_setting(tmp_path: Path, fn: s
     spec = fn.format(path=path, tmp=tmp_path, broken=broken)
     cfg = RunConfig(reward=RewardConfig(fn=["exact_match", spec]))
     with pytest.raises(ConfigError, match=message):
-        cfg.validate(1)  # what `megarl train` runs before torchrun
+        check_run(cfg, 1)  # what `megarl train` runs before torchrun
 
 
 def test_hanging_reward_times_out_and_the_pool_recovers(tmp_path: Path) -> None:

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megarl.config import ModelConfig, RunConfig, _fail, _walk
+from megarl.config.load import fail, walk
+
+if TYPE_CHECKING:
+    from megarl.config.model import ModelConfig
+    from megarl.config.run import RunConfig
 
 
 def check(cfg: RunConfig, world_size: int) -> None:
@@ -18,140 +23,137 @@ def check(cfg: RunConfig, world_size: int) -> None:
     _paths(cfg)
     m, p, r = resolved_model(cfg), cfg.parallel, cfg.rollout
     if m.linear_bias and m.arch == "qwen2":
-        _fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
+        fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        _fail(
+        fail(
             "model.rope_high_freq_factor",
             m.rope_high_freq_factor,
             f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 RoPE scaling)",
         )
     if m.hidden_size % m.num_attention_heads:
-        _fail(
+        fail(
             "model.hidden_size",
             m.hidden_size,
             f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
         )
     if m.num_attention_heads % m.num_query_groups:
-        _fail(
+        fail(
             "model.num_query_groups",
             m.num_query_groups,
             f"must divide model.num_attention_heads={m.num_attention_heads}",
         )
     if m.num_attention_heads % p.tensor_parallel:
-        _fail(
+        fail(
             "parallel.tensor_parallel",
             p.tensor_parallel,
             f"does not divide model.num_attention_heads={m.num_attention_heads}",
         )
     if m.num_query_groups % p.tensor_parallel:
-        _fail(
+        fail(
             "parallel.tensor_parallel",
             p.tensor_parallel,
             f"does not divide model.num_query_groups={m.num_query_groups}",
         )
     if m.ffn_hidden_size % p.tensor_parallel:
-        _fail(
+        fail(
             "parallel.tensor_parallel",
             p.tensor_parallel,
             f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
         )
     if m.num_layers % p.pipeline_parallel:
-        _fail("parallel.pipeline_parallel", p.pipeline_parallel, f"does not divide model.num_layers={m.num_layers}")
+        fail("parallel.pipeline_parallel", p.pipeline_parallel, f"does not divide model.num_layers={m.num_layers}")
     if world_size % (p.tensor_parallel * p.pipeline_parallel):
-        _fail(
+        fail(
             "parallel",
             f"TP×PP={p.tensor_parallel * p.pipeline_parallel}",
             f"does not divide the trainer world size {world_size}",
         )
     dp = world_size // (p.tensor_parallel * p.pipeline_parallel)
     if cfg.batch_size % (dp * p.micro_batch_size * cfg.algo.mini_batches):
-        _fail(
+        fail(
             "rollout.num_prompts×samples_per_prompt",
             cfg.batch_size,
             f"must be divisible by DP={dp} × parallel.micro_batch_size="
             f"{p.micro_batch_size} × algo.mini_batches={cfg.algo.mini_batches}",
         )
     if p.logprob_micro_batch_size and cfg.batch_size % (dp * p.logprob_micro_batch_size):
-        _fail(
+        fail(
             "parallel.logprob_micro_batch_size",
             p.logprob_micro_batch_size,
             f"× DP={dp} must divide rollout.num_prompts×samples_per_prompt={cfg.batch_size}",
         )
     if cfg.warm_start.steps and cfg.warm_start.batch_size % (dp * p.micro_batch_size):
-        _fail(
+        fail(
             "warm_start.batch_size",
             cfg.warm_start.batch_size,
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
     _validate_critic_layout(cfg, world_size)
     if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
-        _fail(
+        fail(
             "rollout.max_prompt_len+max_response_len",
             r.max_prompt_len + r.max_response_len,
             f"exceeds model.max_position_embeddings={m.max_position_embeddings}"
             + (f" (from {m.init_from}/config.json)" if m.init_from else ""),
         )
     if not 0 <= r.min_response_len <= r.max_response_len:
-        _fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
-    from megarl.rollout.reward_runner import check_reward_config
-
-    check_kv_cache(cfg, m)
-    check_reward_config(cfg)  # imports each reward and checks its signature
+        fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
+    check_kv_cache(cfg, m)  # (each reward is imported and checked by megarl.prelaunch.check_run)
     if r.engine_tp < 1:
-        _fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
+        fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
     if r.engine_lease_s and r.engine_lease_s < 15:
-        _fail("rollout.engine_lease_s", r.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
+        fail("rollout.engine_lease_s", r.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
     if m.num_query_groups % r.engine_tp:
-        _fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
+        fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
     if cfg.algo.clip_low >= 1 or cfg.algo.clip_low < 0:
-        _fail("algo.clip_low", cfg.algo.clip_low, "must be in [0, 1)")
+        fail("algo.clip_low", cfg.algo.clip_low, "must be in [0, 1)")
     if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
-        _fail("algo.advantage", cfg.algo.advantage, "must be 'gae' when algo.name='ppo' (critic)")
+        fail("algo.advantage", cfg.algo.advantage, "must be 'gae' when algo.name='ppo' (critic)")
     if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
-        _fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
+        fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
     from megarl.algo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
 
     if cfg.algo.advantage not in ADVANTAGE_ESTIMATORS:
-        _fail("algo.advantage", cfg.algo.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        fail("algo.advantage", cfg.algo.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
     if cfg.algo.loss_agg not in LOSS_AGG_MODES:
-        _fail("algo.loss_agg", cfg.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
+        fail("algo.loss_agg", cfg.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
     if cfg.algo.overlong_buffer_len >= r.max_response_len:
-        _fail(
+        fail(
             "algo.overlong_buffer_len",
             cfg.algo.overlong_buffer_len,
             f"must be < rollout.max_response_len={r.max_response_len}",
         )
     c = cfg.coordinator
     if c.enabled and cfg.optim.clip_grad <= 0:
-        _fail(
+        fail(
             "optim.clip_grad",
             cfg.optim.clip_grad,
             "must be > 0 with coordinator.enabled (its grad norm is reused)",
         )
     if c.enabled and not c.min_prompts <= r.num_prompts <= c.max_prompts:
-        _fail(
+        fail(
             "rollout.num_prompts",
             r.num_prompts,
             f"must lie in [coordinator.min_prompts={c.min_prompts}, coordinator.max_prompts={c.max_prompts}]",
         )
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
-        _fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
+        fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
     import torch
 
     cuda = torch.cuda.is_available()
     if cfg.weight_sync.transport in ("nccl", "cuda_ipc") and not cuda:
-        _fail("weight_sync.transport", cfg.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
+        fail("weight_sync.transport", cfg.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
     if r.colocate and not cuda:
-        _fail("rollout.colocate", r.colocate, "needs CUDA (vLLM sleep mode); use colocate=false on CPU")
+        fail("rollout.colocate", r.colocate, "needs CUDA (vLLM sleep mode); use colocate=false on CPU")
     if r.colocate and cfg.weight_sync.transport == "nccl":
-        _fail(
+        fail(
             "weight_sync.transport",
             "nccl",
             "cannot reach colocated engines (NCCL refuses two ranks on one GPU); use 'cuda_ipc' or 'auto'",
         )
     if m.dtype == "bf16" or m.transformer_impl == "transformer_engine":
         if not cuda:
-            _fail(
+            fail(
                 "model.dtype/transformer_impl",
                 f"{m.dtype}/{m.transformer_impl}",
                 "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU",
@@ -164,7 +166,7 @@ def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
     if not (c.tensor_parallel or c.pipeline_parallel):
         return
     if cfg.algo.name != "ppo":
-        _fail("critic.parallel", f"TP={c.tensor_parallel}, PP={c.pipeline_parallel}", "needs algo.name='ppo' (critic)")
+        fail("critic.parallel", f"TP={c.tensor_parallel}, PP={c.pipeline_parallel}", "needs algo.name='ppo' (critic)")
     tp, pp, dp = cfg.critic_layout(world_size)
     field_tp, field_pp = "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel"
     for name, size in (
@@ -173,26 +175,26 @@ def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
     ):
         if size % tp:
-            _fail(field_tp, tp, f"does not divide {name}={size}")
+            fail(field_tp, tp, f"does not divide {name}={size}")
     if m.num_layers % pp:
-        _fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
+        fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
     if world_size % (tp * pp):
-        _fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
+        fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
     p, mb = cfg.parallel, cfg.algo.mini_batches
     if cfg.batch_size % (dp * p.micro_batch_size * mb):
-        _fail(
+        fail(
             "rollout.num_prompts×samples_per_prompt",
             cfg.batch_size,
             f"must be divisible by the critic's DP={dp} × parallel.micro_batch_size={p.micro_batch_size} × "
             f"algo.mini_batches={mb}",
         )
     if cfg.coordinator.enabled and dp == 1 and pp > 1:
-        _fail(field_pp, pp, "with coordinator.enabled needs the critic's DP > 1 or PP = 1 (noise estimate)")
+        fail(field_pp, pp, "with coordinator.enabled needs the critic's DP > 1 or PP = 1 (noise estimate)")
 
 
 def _positive(cfg: RunConfig) -> None:
     zero_means_actor = ("critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel")
-    for path, value in _walk(cfg):
+    for path, value in walk(cfg):
         if path in zero_means_actor and value == 0:
             continue
         if isinstance(value, int) and not isinstance(value, bool):
@@ -209,7 +211,7 @@ def _positive(cfg: RunConfig) -> None:
                 "worker_memory_mb",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
-                _fail(path, value, "must be a positive integer")
+                fail(path, value, "must be a positive integer")
 
 
 def _rates_and_sampling(cfg: RunConfig) -> None:
@@ -217,42 +219,42 @@ def _rates_and_sampling(cfg: RunConfig) -> None:
     o, r, a = cfg.optim, cfg.rollout, cfg.algo
     for name, value in (("optim.lr", o.lr), ("critic.lr", cfg.critic.lr), ("warm_start.lr", cfg.warm_start.lr)):
         if not value > 0:
-            _fail(name, value, "must be > 0")
+            fail(name, value, "must be > 0")
     if not 0 <= o.min_lr <= o.lr:
-        _fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
+        fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
     if not 0 < o.adam_eps or not 0 <= o.adam_beta1 < 1 or not 0 <= o.adam_beta2 < 1:
-        _fail(
+        fail(
             "optim.adam_beta1/adam_beta2/adam_eps", (o.adam_beta1, o.adam_beta2, o.adam_eps), "need β in [0, 1), ε > 0"
         )
     if o.clip_grad < 0 or o.weight_decay < 0:
-        _fail("optim.clip_grad/weight_decay", (o.clip_grad, o.weight_decay), "must be >= 0")
+        fail("optim.clip_grad/weight_decay", (o.clip_grad, o.weight_decay), "must be >= 0")
     if r.temperature < 0:
-        _fail("rollout.temperature", r.temperature, "must be >= 0")
+        fail("rollout.temperature", r.temperature, "must be >= 0")
     if r.temperature == 0 and r.samples_per_prompt > 1:
-        _fail(
+        fail(
             "rollout.temperature",
             0.0,
             f"is greedy decoding: the rollout.samples_per_prompt={r.samples_per_prompt} samples of a prompt "
             "would be identical (use a temperature > 0, or samples_per_prompt=1 with a non-group estimator)",
         )
     if not 0 < r.top_p <= 1:
-        _fail("rollout.top_p", r.top_p, "must be in (0, 1]")
+        fail("rollout.top_p", r.top_p, "must be in (0, 1]")
     group_estimators = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
     if a.advantage in group_estimators and r.samples_per_prompt < 2:
-        _fail(
+        fail(
             "rollout.samples_per_prompt",
             r.samples_per_prompt,
             f"must be >= 2 with algo.advantage='{a.advantage}' (a group of one has no baseline: "
             "every advantage, and so the loss, would be exactly 0)",
         )
     if not r.kv_cache_gb > 0:
-        _fail("rollout.kv_cache_gb", r.kv_cache_gb, "must be > 0 (KV cache per engine, GiB)")
+        fail("rollout.kv_cache_gb", r.kv_cache_gb, "must be > 0 (KV cache per engine, GiB)")
     for name, value in (
         ("rollout.engine_start_timeout_s", r.engine_start_timeout_s),
         ("rollout.request_timeout_s", r.request_timeout_s),
     ):
         if not value > 0:
-            _fail(name, value, "must be > 0")
+            fail(name, value, "must be > 0")
 
 
 def _paths(cfg: RunConfig) -> None:
@@ -260,16 +262,16 @@ def _paths(cfg: RunConfig) -> None:
     run_dir = Path(cfg.train.run_dir)
     for parent in (run_dir, *run_dir.parents):
         if parent.exists() and not parent.is_dir():
-            _fail("train.run_dir", cfg.train.run_dir, f"cannot be created: {parent} is a file")
+            fail("train.run_dir", cfg.train.run_dir, f"cannot be created: {parent} is a file")
     src = cfg.model.init_from
     if src:
         folder = Path(src)
         if not folder.is_dir():
-            _fail("model.init_from", src, "does not exist (expected an HF model folder)")
+            fail("model.init_from", src, "does not exist (expected an HF model folder)")
         if not (folder / "config.json").is_file():
-            _fail("model.init_from", src, "has no config.json: not an HF model folder")
+            fail("model.init_from", src, "has no config.json: not an HF model folder")
         if not list(folder.glob("*.safetensors")):
-            _fail("model.init_from", src, "has no *.safetensors weights")
+            fail("model.init_from", src, "has no *.safetensors weights")
 
 
 def resolved_model(cfg: RunConfig) -> ModelConfig:
@@ -277,17 +279,17 @@ def resolved_model(cfg: RunConfig) -> ModelConfig:
     m = cfg.model
     if not m.init_from:
         return m
-    from megarl.checkpoint.hf_adapter import model_config_from_hf
+    from megarl.config.hf import model_config_from_hf
 
     cfg_file = Path(m.init_from) / "config.json"
     try:
         hf_cfg = json.loads(cfg_file.read_text())
         return model_config_from_hf(hf_cfg, m)
     except json.JSONDecodeError as e:
-        _fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
+        fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
     except (KeyError, ValueError) as e:  # AdapterError, UnsupportedHFModel: the key and value named
         reason = e.args[0] if len(e.args) == 1 else e
-        _fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
+        fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
 
 
 def check_kv_cache(cfg: RunConfig, m: ModelConfig) -> None:
@@ -301,7 +303,7 @@ def check_kv_cache(cfg: RunConfig, m: ModelConfig) -> None:
     need_tokens = -(-m.max_position_embeddings // block) * block
     have_tokens = int(r.kv_cache_gb * (1 << 30)) // per_token // block * block
     if have_tokens < need_tokens:
-        _fail(
+        fail(
             "rollout.kv_cache_gb",
             r.kv_cache_gb,
             f"holds {have_tokens} KV tokens per engine; one sequence of model.max_position_embeddings="

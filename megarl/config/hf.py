@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megarl.config import ModelConfig
+from megarl.config.model import ModelConfig
 from megarl.errors import UnsupportedHFModel
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

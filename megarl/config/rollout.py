@@ -1,0 +1,103 @@
+"""Run config sections for what is sampled and scored: prompt data, rewards, rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "builtin:arithmetic"
+    """'builtin:arithmetic', a .jsonl/.parquet file or an HF datasets save_to_disk folder
+    (or several, comma-separated)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text in file rows."""
+    messages_key: str = "messages"
+    """Field holding OpenAI-style chat turns ([{role, content}]); used instead of the prompt."""
+    chat_template: str = "auto"
+    """'auto' (the HF tokenizer's own template: applied to chat rows and to plain prompts as one
+    user turn), 'none' (plain prompts as raw text), or a Jinja template file."""
+    system_prompt: str = ""
+    """System turn put first in every templated prompt that has none ('' = none)."""
+    answer_key: str = "answer"
+    """Field holding the reference answer in file rows."""
+    num_train: int = 20000
+    """Built-in task: training prompts generated."""
+    num_val: int = 128
+    """Validation prompts (built-in: generated; files: the last rows)."""
+    max_operand: int = 50
+    """Built-in arithmetic task: operands are drawn from [0, max_operand)."""
+    overlong_prompt: Literal["skip", "truncate"] = "skip"
+    """What to do with a prompt longer than rollout.max_prompt_len (always counted)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded, resumable)."""
+    seed: int = 1234
+    """Seed of the built-in task's data (and so of its tokenizer); separate from train.seed."""
+    reward: str = ""
+    """Deprecated alias of ``reward.fn`` (one built-in name); use the ``reward`` section."""
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    fn: list[str] = field(default_factory=list)
+    """Reward functions: built-in names (arithmetic, exact_match, answer_prefix, math),
+    'package.module:function' or 'path/to/file.py:function' (megarl/rollout/reward_runner.py
+    documents the signature). Empty = 'arithmetic' for built-in data, else 'exact_match'."""
+    weights: list[float] = field(default_factory=list)
+    """Weight of each reward in ``fn``; a sample's reward is the weighted sum. Empty = all 1."""
+    timeout_s: float = 10.0
+    """Per-call limit of a reward in the worker pool, seconds; past it the worker is killed."""
+    workers: int = 2
+    """Reward worker processes on rank 0 (started only for rewards that run isolated)."""
+    max_tasks_per_worker: int = 1000
+    """Calls a worker serves before it is replaced (bounds slow memory leaks; 0 = never)."""
+    worker_memory_mb: int = 0
+    """Address-space limit of each worker, MiB (a reward over it fails with MemoryError; 0 = none)."""
+    failed_reward: float = 0.0
+    """Reward of a sample whose reward call raised, timed out or crashed its worker."""
+    isolate_builtins: bool = False
+    """Run the built-in rewards in the worker pool too (default: in-process, they are trusted)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_prompts: int = 16
+    """Prompts per RL step."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    max_prompt_len: int = 24
+    """Prompt limit, tokens."""
+    max_response_len: int = 12
+    """Response limit, tokens."""
+    min_response_len: int = 0
+    """EOS is suppressed until a response has this many tokens (vLLM min_tokens; 0 = off)."""
+    seeded: bool = True
+    """Per-prompt sampling seeds: samples are reproducible (exact resume, same samples on any
+    engine). False = the engines' own RNG: faster with many short responses (vLLM draws
+    seeded requests one by one), but a resumed run samples differently."""
+    temperature: float = 1.0
+    """Sampling temperature (logprobs on both sides use logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    num_engines: int = 1
+    """vLLM engines started by megarl (ignored when engine_addresses is set)."""
+    engine_tp: int = 1
+    """Tensor-parallel size of each engine."""
+    engine_addresses: list[str] = field(default_factory=list)
+    """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
+    kv_cache_gb: float = 0.25
+    """KV cache per engine on CPU, GiB."""
+    engine_start_timeout_s: float = 300.0
+    """Give up on an engine that is not healthy after this long, seconds."""
+    request_timeout_s: float = 600.0
+    """HTTP timeout for one engine request, seconds."""
+    engine_lease_s: float = 120.0
+    """Engines megarl starts exit after this long without a request or heartbeat (sent every
+    5 s) from the trainer, seconds; they also exit as soon as the trainer process is gone.
+    0 = no lease. Engines started by SLURM take MEGARL_ENGINE_LEASE_S instead."""
+    dump_rollouts: bool = False
+    """Rank 0 appends every step's prompt ids, response ids and texts to run_dir/rollouts.jsonl."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
+    works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""

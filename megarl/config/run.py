@@ -1,0 +1,126 @@
+"""The whole run config: weight sync, coordinator and run sections, and :class:`RunConfig`
+that holds one of each section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.config.algo import AlgoConfig, CriticConfig, WarmStartConfig
+from megarl.config.model import ModelConfig, OptimConfig, ParallelConfig
+from megarl.config.rollout import DataConfig, RewardConfig, RolloutConfig
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    transport: Literal["auto", "shm", "http", "nccl", "cuda_ipc"] = "auto"
+    """How buckets reach the engines: shm (files in this host's /dev/shm), http (bytes in a
+    request body; engines on any host), nccl (GPU broadcast), cuda_ipc (GPU memory shared with
+    colocated engines); auto = shm if every engine is on this host, else http."""
+    bucket_mb: float = 64.0
+    """Target bucket size, MiB."""
+    probe: bool = True
+    """After each sync, compare engine vs trainer logprobs on a fixed sequence."""
+    probe_tol: float = 1e-3
+    """Max |Δ logprob| allowed by the probe (fp32)."""
+
+
+@dataclass(kw_only=True)
+class CoordinatorConfig:
+    """The critical-batch-size coordinator's settings (docs/COORDINATOR.md). What the run itself
+    fixes (group size, starting batch, DP size, reference LRs) the planner derives and passes
+    beside these (``megarl.coordinator.config.CoordinatorRun``)."""
+
+    enabled: bool = False
+    """Measure gradient noise per model and plan batch + LR (see docs/COORDINATOR.md)."""
+    adapt: bool = True
+    """Change batch and LR from the estimates (False = measure and log only)."""
+    min_prompts: int = 8
+    """Smallest prompts per step the coordinator may choose."""
+    max_prompts: int = 256
+    """Largest prompts per step (memory / KV cache / dataset bound)."""
+    grid_factor: float = 1.4142135623730951
+    """Ratio between neighbouring candidate prompt counts (> 1)."""
+    min_gain: float = 0.05
+    """Switch only if predicted goodput improves by more than this fraction (hysteresis)."""
+    warmup_steps: int = 10
+    """Observed steps before the first batch change, steps."""
+    cooldown_steps: int = 5
+    """Steps after a change before the next one, steps."""
+    ema_beta: float = 0.9
+    """EMA decay per step of |G|², tr(Σ), per-rank throughput and timings."""
+    band_z: float = 2.0
+    """Width of the reported B_noise band in (approximate) standard errors."""
+    lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
+    """How LR follows the batch from (b_ref = initial batch, lr_ref = optim.lr / critic.lr)."""
+    lr_min: float = 0.0
+    """Lower clip of every planned LR."""
+    lr_max: float = 1.0e-2
+    """Upper clip of every planned LR."""
+    noise_kind: Literal["plain", "adam"] = "plain"
+    """Which noise scale drives decisions (adam: preconditioned gradients)."""
+    noise_calibration: float = 1.0
+    """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
+    time_window: int = 32
+    """Observations kept by each step-time least-squares fit, steps."""
+    prior_fixed_fraction: float = 0.3
+    """Assumed batch-independent fraction of phase time until two batch sizes were seen."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 20
+    """RL optimizer steps."""
+    seed: int = 1234
+    """Global seed."""
+    run_dir: str = "runs/demo"
+    """Output folder (metrics, tokenizer, HF exports, checkpoints)."""
+    eval_every: int = 10
+    """Validation every N steps (0 = only at start and end)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end and on preemption)."""
+    keep_last: int = 2
+    """Complete checkpoints kept."""
+    async_save: bool = False
+    """Periodic checkpoints are staged, then written in the background and committed at the
+    next step boundary (preemption and final checkpoints are always synchronous)."""
+    resume: str = "auto"
+    """'auto' (the newest intact one in run_dir/checkpoints, if any), 'never', or a checkpoint path."""
+    target_val_reward: float = 0.0
+    """Stop once validation reward reaches this (0 = run all steps); time-to-target runs."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per RL step."""
+        return self.rollout.num_prompts * self.rollout.samples_per_prompt
+
+    def critic_layout(self, world_size: int) -> tuple[int, int, int]:
+        """The critic's (TP, PP, DP) in a trainer world of ``world_size`` ranks."""
+        c, p = self.critic.parallel, self.parallel
+        tp = c.tensor_parallel or p.tensor_parallel
+        pp = c.pipeline_parallel or p.pipeline_parallel
+        return tp, pp, world_size // (tp * pp)
+
+    def validate(self, world_size: int) -> None:
+        """Raise ConfigError on inconsistent sizes. Runs before any process group starts."""
+        from megarl.config.checks import check
+
+        check(self, world_size)

@@ -1,0 +1,8 @@
+"""The generation engine: one vLLM ``LLM`` behind a small authenticated HTTP protocol.
+
+``server`` (entry point, ``python -m megarl.engine.server``), ``vllm_engine`` (generation,
+staged weight updates, sleep/wake), ``staging`` (update manifest and per-tensor checks),
+``http`` (handler, body limits, lifeline), ``routes`` (the one route table), ``credentials``
+(the run's token, private staging folders), ``worker_ext`` (code inside vLLM's workers),
+``wire`` (tensor records for NCCL / CUDA IPC) and ``client`` (the trainer's side).
+"""
