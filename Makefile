@@ -35,6 +35,7 @@ demo-ppo: demo
 lint: venv
 	$(BIN)/ruff check megarl tests tools benchmarks
 	$(BIN)/ruff format --check megarl
+	$(BIN)/lint-imports  # the layer contract in pyproject.toml
 
 typecheck: venv
 	$(BIN)/mypy megarl

@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     check_run(cfg, world)  # before any process group starts
     if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
-        from megarl.rollout.data import check_data
+        from megarl.prelaunch import check_data
 
         counts = check_data(cfg)
         logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
@@ -339,7 +339,9 @@ def _relaunch(argv: list[str], nproc: int) -> int:
         "megarl.launcher",  # torchrun, quiet when a rank reported a one-line error
         "--standalone",
         f"--nproc-per-node={nproc}",
-        str(Path(__file__).resolve()),
+        "-m",
+        "megarl.cli",  # each rank runs `megarl convert ...`: errors become one line, as for the user
+        "convert",
         *argv,
     ]
     from megarl.launcher import launch
@@ -361,9 +363,3 @@ def _setup_logging() -> None:
     )
     for noisy in ("megatron", "torch"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
-if __name__ == "__main__":  # a torchrun rank of _relaunch: errors become one line, as in `megarl convert`
-    from megarl.cli import main as cli_main
-
-    sys.exit(cli_main(["convert", *sys.argv[1:]]))

@@ -1,11 +1,15 @@
 """What ``megarl train`` checks before any process group or engine starts, beyond the config's
-own rules (:meth:`RunConfig.validate`): each reward is imported and its signature checked.
-(The launcher then reads every data row, ``megarl.rollout.data.check_data``, and picks the
-checkpoint to resume, ``megarl.checkpoint.integrity.choose_resume``.)"""
+own rules (:meth:`RunConfig.validate`): each reward is imported and its signature checked
+(:func:`check_run`), and every data row is read and measured with the run's own tokenizer
+(:func:`check_data`). (The launcher then picks the checkpoint to resume,
+``megarl.checkpoint.integrity.choose_resume``.)"""
 
 from __future__ import annotations
 
 from megarl.config import RunConfig
+from megarl.errors import DataError
+from megarl.rollout.data import load_prompts, tokenizer_corpus
+from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.reward_runner import check_reward_config
 
 
@@ -13,3 +17,26 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError naming the setting; nothing is started."""
     cfg.validate(world_size)
     check_reward_config(cfg)  # imports each reward and checks its signature
+
+
+def check_data(cfg: RunConfig) -> dict[str, int]:
+    """Launcher pre-check: read and validate every row, count them, and check that prompts fit
+    ``rollout.max_prompt_len`` under the run's tokenizer (trained here into
+    ``train.run_dir/tokenizer`` exactly as the trainer would, or the one already there).
+    Raises :class:`DataError`; returns row counts for the log."""
+    train, val = load_prompts(cfg.data, cfg.data.seed)
+    tok = open_tokenizer(cfg, tokenizer_corpus(train), train=True)
+    limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
+    counts = {"train_rows": len(train), "val_rows": len(val)}
+    for split, rows in (("train", train), ("validation", val)):
+        lengths = [len(tok.encode_prompt(r)) for r in rows]
+        overlong = sum(n > limit for n in lengths)
+        counts[f"{split}_overlong"] = overlong
+        if rows and overlong == len(rows) and mode == "skip":
+            i = min(range(len(rows)), key=lengths.__getitem__)
+            raise DataError(
+                f"data.source={cfg.data.source}: no {split} prompt fits rollout.max_prompt_len={limit} tokens "
+                f"(shortest: {lengths[i]} tokens, at {rows[i].where}); raise rollout.max_prompt_len "
+                "or set data.overlong_prompt=truncate"
+            )
+    return counts

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl.config.load import fail, walk
+from megarl.config.rules import fail, walk
 
 if TYPE_CHECKING:
     from megarl.config.model import ModelConfig

@@ -12,27 +12,9 @@ from typing import Any, Literal
 
 import yaml
 
+from megarl.config.rules import fail
 from megarl.config.run import RunConfig
 from megarl.errors import ConfigError
-
-
-def walk(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        name = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(v):
-            out.extend(walk(v, name + "."))
-        else:
-            out.append((name, v))
-    return out
-
-
-def fail(field_name: str, value: Any, rule: str) -> typing.NoReturn:
-    raise ConfigError(f"{field_name}={value!r} {rule}")
-
-
-# --------------------------------------------------------------------------- loading
 
 
 def _coerce(path: str, tp: Any, value: Any) -> Any:

@@ -4,7 +4,7 @@ folders, and a resumable sampler.
 Every row becomes a :class:`PromptRecord` (prompt text or chat ``messages``, reference answer,
 the row's other fields, source location); the tokenizer turns it into prompt ids. A
 malformed row raises :class:`~megarl.errors.DataError` naming the file and line (the launcher
-reads every row before any process starts: :func:`check_data`); a prompt longer than
+reads every row before any process starts: :func:`megarl.prelaunch.check_data`); a prompt longer than
 ``rollout.max_prompt_len`` tokens is skipped or truncated by config and always counted.
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.config import DataConfig, RunConfig
+from megarl.config import DataConfig
 from megarl.errors import DataError, RolloutError
 
-__all__ = ["DataError", "PromptRecord", "PromptSampler", "RolloutError", "check_data", "load_prompts"]
+__all__ = ["DataError", "PromptRecord", "PromptSampler", "RolloutError", "load_prompts"]
 
 TOKENIZER_CORPUS_ROWS = 5000
 """The tokenizer is trained on prompt + answer of the first this-many training rows."""
@@ -173,31 +173,6 @@ def fit_prompt(ids: list[int], limit: int, mode: str) -> list[int] | None:
     if mode == "skip":
         return None
     return [ids[0], *ids[len(ids) - limit + 1 :]]
-
-
-def check_data(cfg: RunConfig) -> dict[str, int]:
-    """Launcher pre-check: read and validate every row, count them, and check that prompts fit
-    ``rollout.max_prompt_len`` under the run's tokenizer (trained here into
-    ``train.run_dir/tokenizer`` exactly as the trainer would, or the one already there).
-    Raises :class:`DataError`; returns row counts for the log."""
-    from megarl.rollout.hf_tokenizer import open_tokenizer
-
-    train, val = load_prompts(cfg.data, cfg.data.seed)
-    tok = open_tokenizer(cfg, tokenizer_corpus(train), train=True)
-    limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
-    counts = {"train_rows": len(train), "val_rows": len(val)}
-    for split, rows in (("train", train), ("validation", val)):
-        lengths = [len(tok.encode_prompt(r)) for r in rows]
-        overlong = sum(n > limit for n in lengths)
-        counts[f"{split}_overlong"] = overlong
-        if rows and overlong == len(rows) and mode == "skip":
-            i = min(range(len(rows)), key=lengths.__getitem__)
-            raise DataError(
-                f"data.source={cfg.data.source}: no {split} prompt fits rollout.max_prompt_len={limit} tokens "
-                f"(shortest: {lengths[i]} tokens, at {rows[i].where}); raise rollout.max_prompt_len "
-                "or set data.overlong_prompt=truncate"
-            )
-    return counts
 
 
 class PromptSampler:

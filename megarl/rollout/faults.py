@@ -1,6 +1,6 @@
 """Test-only fault injection: SIGKILL a real engine process at a named phase of a real run.
 
-EngineClient recovery (``Fleet.recover`` / ``Fleet.restart``) is proved by killing engines in
+Engine recovery (``Fleet.recover`` / ``Fleet.restart``) is proved by killing engines in
 ``megarl train`` runs; the moment of death must be exact for the run to be compared with an
 uninterrupted one, so the trainer and the fleet call :func:`inject` at each phase boundary.
 Without ``MEGARL_FAULT`` in the environment :func:`inject` does nothing.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.engine.client import EngineClient as EngineClient
+    from megarl.engine.client import EngineClient
 
 log = logging.getLogger("megarl.fleet")
 

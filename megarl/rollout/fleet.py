@@ -19,7 +19,7 @@ Weight updates go to every engine as begin → load (all engines) → commit (al
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
 serving the previous version. The primitives (``begin_update``, ``load_files``,
 ``load_bytes``, ``post_all``, ``commit_update``, ``abort_update``) are driven by a weight-sync
-transport (``megarl.weight_sync.transport``); ``update_weights`` is the whole sequence from
+transport (``megarl.weight_sync.transports``); ``update_weights`` is the whole sequence from
 safetensors files. A restarted engine is brought to the current weights by the replay the
 last transport registered (``set_replay``).
 

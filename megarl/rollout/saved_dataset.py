@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.data import DataError
+from megarl.errors import DataError
 
 
 def read_saved_dataset(folder: Path, split: str = "train") -> list[tuple[str, dict[str, Any]]]:

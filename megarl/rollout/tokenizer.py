@@ -77,7 +77,7 @@ class Tokenizer:
 
     def encode_prompt(self, rec: PromptRecord) -> list[int]:
         if rec.messages is not None:
-            from megarl.rollout.data import RolloutError
+            from megarl.errors import RolloutError
 
             raise RolloutError(f"{rec.where}: chat rows (messages) need model.tokenizer=hf and a chat template")
         return self.encode(rec.prompt)

@@ -5,7 +5,7 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
    them to HF names with the one adapter (``megarl.checkpoint.hf_adapter``).
 2. The owner packs HF tensors into ~``bucket_mb`` buckets, never splitting a layer group
    (q/k/v and gate/up stay together).
-3. A transport (``megarl.weight_sync.transport``: shm, http, nccl, cuda_ipc — one interface)
+3. A transport (``megarl.weight_sync.transports``: shm, http, nccl, cuda_ipc — one interface)
    moves the buckets: rank 0 opens the update on every engine (begin), the stage owners send,
    rank 0 has the engines stage and validate (load), then commit. A bucket rejected by any
    engine aborts the update everywhere (old version keeps serving) and raises
@@ -33,7 +33,7 @@ from megarl.errors import WeightSyncError
 from megarl.model.builder import Model
 from megarl.rollout.data import RolloutError
 from megarl.rollout.fleet import Fleet
-from megarl.weight_sync.transport import Transport, bucket_bytes, make_transport, resolve_transport
+from megarl.weight_sync.transports import Transport, bucket_bytes, make_transport, resolve_transport
 
 log = logging.getLogger("megarl.sync")
 

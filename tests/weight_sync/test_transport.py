@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from megarl.config import ConfigError
-from megarl.weight_sync.transport import TRANSPORTS, is_local_address, resolve_transport
+from megarl.weight_sync.transports import TRANSPORTS, is_local_address, resolve_transport
 
 REMOTE = "192.0.2.7:8100"  # TEST-NET-1: never this host, no DNS lookup needed
 

@@ -11,7 +11,7 @@ is finite; commit applies it in one ``reload_weights`` (``megarl.engine.worker_e
   rank 0 (rank 0 of the group, hosting the rendezvous store) and every engine worker
   (``/weights/nccl_init`` with its ``rank_offset``). Per bucket, rank 0 POSTs
   ``/weights/nccl_load`` and broadcasts concurrently. Other PP stage owners hand their
-  buckets to rank 0 point-to-point over the trainer's own group first. EngineClient workers hold
+  buckets to rank 0 point-to-point over the trainer's own group first. Engine workers hold
   the received buffers until commit (one extra copy of the weights on the engine GPUs).
 * ``cuda_ipc`` (colocated engines): every stage owner shares its buffers
   (``reduce_tensor`` → JSON, ``wire.share_cuda``); rank 0 POSTs the handles; workers open
@@ -30,32 +30,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config import ConfigError
 from megarl.distributed import ParallelDims
 from megarl.engine import routes, wire
 from megarl.engine.client import EngineClient, free_port
-from megarl.errors import WeightSyncError
-from megarl.rollout.data import RolloutError
+from megarl.errors import RolloutError, WeightSyncError
 from megarl.rollout.fleet import Fleet
-from megarl.weight_sync.transport import Bucket, _FleetPhases, cannot_replay, is_local_address
+from megarl.weight_sync.transports.base import (
+    Bucket,
+    FleetPhases,
+    cannot_replay,
+    check_all,
+    is_local_address,
+    need_cuda,
+)
 
 
-def _need_cuda(name: str) -> None:
-    if not torch.cuda.is_available():
-        raise ConfigError(f"weight_sync.transport={name!r} needs CUDA; use 'shm' or 'http' on CPU")
-
-
-def _check_all(fleet: Fleet, version: int, records: list[dict[str, Any]]) -> None:
-    body = {"tensors": [{k: r[k] for k in ("name", "shape", "dtype")} for r in records]}
-    fleet.post_all(routes.CHECK, body, version)
-
-
-class NcclTransport(_FleetPhases):
+class NcclTransport(FleetPhases):
     name = "nccl"
     device = "cuda"
 
     def __init__(self, fleet: Fleet | None, dims: ParallelDims, master_address: str = "") -> None:
-        _need_cuda(self.name)
+        need_cuda(self.name)
         self.fleet, self.dims = fleet, dims
         self.master_address = master_address
         self.group: Any = None
@@ -106,7 +101,7 @@ class NcclTransport(_FleetPhases):
         error = ""
         if self.fleet is not None:
             try:
-                _check_all(self.fleet, version, [r for per_rank in everyone for recs, _ in per_rank for r in recs])
+                check_all(self.fleet, version, [r for per_rank in everyone for recs, _ in per_rank for r in recs])
             except WeightSyncError as err:
                 error = str(err)
         for src, per_rank in enumerate(everyone):
@@ -140,38 +135,4 @@ class NcclTransport(_FleetPhases):
         return cannot_replay("the nccl transport keeps no copy of the weights (use shm or http)")
 
     def release(self, version: int, committed: bool) -> None:
-        torch.cuda.empty_cache()
-
-
-class CudaIpcTransport(_FleetPhases):
-    name = "cuda_ipc"
-    device = "cuda"
-
-    def __init__(self, fleet: Fleet | None, dims: ParallelDims) -> None:
-        _need_cuda(self.name)
-        self.fleet, self.dims = fleet, dims
-        self._buffers: list[torch.Tensor] = []
-
-    def send(self, version: int, buckets: list[Bucket]) -> list[dict[str, Any]]:
-        out = []
-        for bucket in buckets:
-            buf, records = wire.flatten(bucket)
-            self._buffers.append(buf)  # alive until release(), i.e. after commit
-            out.append({"handle": wire.share_cuda(buf), "tensors": records})
-        torch.cuda.synchronize()  # the engines read these buffers from other processes
-        return out
-
-    def load(self, version: int, receipts: list[Any]) -> None:
-        if self.fleet is None:
-            return
-        shared = [item for per_rank in receipts for item in per_rank or []]
-        _check_all(self.fleet, version, [r for item in shared for r in item["tensors"]])
-        for item in shared:
-            self.fleet.post_all(routes.IPC_LOAD, {"version": version, **item}, version)
-
-    def replay(self, version: int) -> Any:
-        return cannot_replay("the cuda_ipc transport shares buffers only until commit (use shm)")
-
-    def release(self, version: int, committed: bool) -> None:
-        self._buffers = []
         torch.cuda.empty_cache()

@@ -1,0 +1,102 @@
+"""What every weight-sync transport shares: the :class:`Transport` interface (the phases
+``WeightSync`` drives), the bucket type, and :class:`FleetPhases` — begin / commit / abort on
+the fleet, with engine recovery — that each transport builds on (one file per transport
+beside this one)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from megarl.config import ConfigError
+from megarl.engine import routes
+from megarl.engine.client import EngineClient
+from megarl.errors import RolloutError
+from megarl.rollout.fleet import Fleet
+
+Bucket = list[tuple[str, torch.Tensor]]
+"""HF-named tensors sent together; a layer group (q/k/v, gate/up) never spans two buckets."""
+
+
+class Transport(Protocol):
+    name: str
+    device: str
+    """Where the gathered tensors should be: 'cpu' (serialised) or 'cuda' (sent from GPU)."""
+
+    def begin(self, version: int) -> None: ...
+    def send(self, version: int, buckets: list[Bucket]) -> Any: ...
+    def load(self, version: int, receipts: list[Any]) -> None: ...
+    def commit(self, version: int) -> None: ...
+    def abort(self, version: int) -> None: ...
+    def release(self, version: int, committed: bool) -> None: ...
+
+
+def is_local_address(address: str) -> bool:
+    """True if ``host:port`` is on this machine (loopback, or one of this host's addresses)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return False
+    if ip.is_loopback:
+        return True
+    try:
+        own = set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        return False
+    return str(ip) in own
+
+
+def bucket_bytes(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def cannot_replay(reason: str) -> Callable[[list[EngineClient]], None]:
+    def replay(engines: list[EngineClient]) -> None:
+        names = ", ".join(e.name for e in engines)
+        raise RolloutError(f"restarted {names} cannot be given the current weights: {reason}")
+
+    return replay
+
+
+class FleetPhases:
+    """begin / commit / abort shared by every transport (rank 0 holds the fleet).
+
+    Engine deaths: one found dead before the update is restarted at the previous version
+    (``Fleet.recover`` in begin); one that dies during it is left out of the rest of it and
+    restarted after commit, replaying this version (or after abort, the previous one)."""
+
+    fleet: Fleet | None
+
+    def begin(self, version: int) -> None:
+        if self.fleet is not None:
+            self.fleet.recover()
+            self.fleet.begin_update(version)
+
+    def commit(self, version: int) -> None:
+        if self.fleet is not None:
+            self.fleet.commit_update(version)
+            self.fleet.set_replay(self.replay(version))
+            self.fleet.recover()
+
+    def abort(self, version: int) -> None:
+        if self.fleet is not None:
+            self.fleet.abort_update()
+            self.fleet.recover()
+
+    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
+        return None
+
+
+def need_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        raise ConfigError(f"weight_sync.transport={name!r} needs CUDA; use 'shm' or 'http' on CPU")
+
+
+def check_all(fleet: Fleet, version: int, records: list[dict[str, Any]]) -> None:
+    body = {"tensors": [{k: r[k] for k in ("name", "shape", "dtype")} for r in records]}
+    fleet.post_all(routes.CHECK, body, version)
