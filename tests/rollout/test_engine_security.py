@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from megarl.engine import credentials
 from megarl.engine.credentials import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -38,7 +39,6 @@ from megarl.engine.http import Limits
 from megarl.engine.routes import ROUTES
 from megarl.engine.staging import MANIFEST
 from megarl.errors import WeightSyncError
-from megarl.rollout import credentials
 from megarl.rollout.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model
 
