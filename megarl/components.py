@@ -34,7 +34,7 @@ from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
-from megarl.rollout.collect import probe_sequence
+from megarl.rollout.collect import integrity_sequence
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.fleet import Fleet
@@ -146,8 +146,8 @@ def build(cfg: RunConfig) -> Components:
         planner.attach_probe(actor)
         rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
-        probe_tokens = probe_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
-        publisher = PolicyPublisher(cfg, actor, sync, fleet, probe_tokens, ready=rollouts.fleet_ready)
+        integrity_tokens = integrity_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
+        publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=rollouts.fleet_ready)
     except BaseException:
         if fleet is not None:
             fleet.shutdown()

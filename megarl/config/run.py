@@ -19,10 +19,10 @@ class WeightSyncConfig:
     colocated engines); auto = shm if every engine is on this host, else http."""
     bucket_mb: float = 64.0
     """Target bucket size, MiB."""
-    probe: bool = True
+    integrity_check: bool = True
     """After each sync, compare engine vs trainer logprobs on a fixed sequence."""
-    probe_tol: float = 1e-3
-    """Max |Δ logprob| allowed by the probe (fp32)."""
+    integrity_tol: float = 1e-3
+    """Max |Δ logprob| the integrity check allows (fp32)."""
 
 
 @dataclass(kw_only=True)

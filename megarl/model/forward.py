@@ -181,7 +181,7 @@ def _forward_collect(
 
     With DP > 1 each data-parallel rank runs only its B / DP rows (in order) and the rows are
     all-gathered over the DP group: always with ``split_dp``, otherwise when B divides into
-    DP × micro-batches (the one-sequence integrity probe runs on every rank)."""
+    DP × micro-batches (the one-sequence integrity check runs on every rank)."""
     dims = model.dims
     rows = tokens
     if dims.dp > 1 and (split_dp or tokens.shape[0] % (dims.dp * micro_batch_size) == 0):

@@ -96,8 +96,8 @@ def validation_prompts(
     return rows
 
 
-def probe_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig) -> list[int]:
-    """The weight-sync probe's fixed sequence: the first validation prompt + answer that fits
+def integrity_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig) -> list[int]:
+    """The weight-sync integrity check's fixed sequence: the first validation prompt + answer that fits
     rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
     limit = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     seqs = [tok.encode_prompt(r) + tok.encode_answer(r) for r in records[:64]]

@@ -16,7 +16,7 @@ that phase (step ``s`` samples with version ``s``; its sync pushes version ``s +
                (SIGSTOP) so the request is sent but unanswered, then SIGKILLed after 1 s
                (the trainer sees "Connection reset", as from a death mid-load)
   sync_commit  just before the engine's commit of V (engines before it have committed)
-  probe        just before the integrity probe's /logprobs request at version V
+  integrity    just before the integrity check's /logprobs request at version V
 
 The death is real (SIGKILL of the engine's process); what follows is the ordinary code path.
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl.fleet")
 
 ENV = "MEGARL_FAULT"
-PHASES = ("logprobs", "sync_begin", "sync_load", "sync_commit", "probe")
+PHASES = ("logprobs", "sync_begin", "sync_load", "sync_commit", "integrity")
 
 
 @dataclass

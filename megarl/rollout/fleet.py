@@ -383,9 +383,9 @@ class Fleet:
         return [(e, sorted(shares[e.name])) for e in engines]
 
     def logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
-        """Prompt log-probs of each sequence on every engine (integrity probe); an engine
+        """Prompt log-probs of each sequence on every engine (integrity check); an engine
         that died is restarted at the current version and asked again (bounded)."""
-        faults.inject("probe", self.version, self.engines)
+        faults.inject("integrity", self.version, self.engines)
         body = {"sequences": sequences, "temperature": temperature}
         out = []
         for e in self.engines:
@@ -396,7 +396,7 @@ class Fleet:
                 except EngineDead as err:
                     if attempt == 2:
                         raise
-                    log.warning("%s died before the integrity probe (%s); restarting it", e.name, err)
+                    log.warning("%s died before the integrity check (%s); restarting it", e.name, err)
                     self.restart(e)
         return out
 

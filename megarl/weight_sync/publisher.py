@@ -2,7 +2,7 @@
 
 The publisher owns the policy version counter (checkpointed: a resumed run re-sends the saved
 version) and the order around a sync: engines healthy → colocated engines wake their weights →
-:meth:`WeightSync.push` → KV cache back → optional integrity probe (engine vs trainer
+:meth:`WeightSync.push` → KV cache back → optional integrity check (engine vs trainer
 log-probs on one fixed sequence).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from megarl.config import RunConfig
 from megarl.model.builder import Model
 from megarl.rollout.fleet import Fleet
-from megarl.weight_sync.sync import WeightSync, probe
+from megarl.weight_sync.sync import WeightSync, check_integrity
 
 
 class PolicyPublisher:
@@ -24,11 +24,11 @@ class PolicyPublisher:
         actor: Model,
         sync: WeightSync,
         fleet: Fleet | None,
-        probe_tokens: list[int],
+        integrity_tokens: list[int],
         ready: Callable[[], None],
     ) -> None:
         self.cfg, self.actor, self.sync, self.fleet = cfg, actor, sync, fleet
-        self.probe_tokens = probe_tokens
+        self.integrity_tokens = integrity_tokens
         self._ready = ready  # rank 0: wait for engines spawned at start-up (once)
         self.version = 0
         """Version of the weights the fleet serves (0 = none pushed yet)."""
@@ -43,9 +43,9 @@ class PolicyPublisher:
         finally:
             self._wake(["kv_cache"])  # ... then the KV cache: the fleet serves again
         out = {f"sync/{k}": v for k, v in stats.items()}
-        if self.cfg.weight_sync.probe:
-            out["sync/probe_max_abs_diff"] = probe(
-                self.actor, self.fleet, self.probe_tokens, self.cfg.weight_sync.probe_tol
+        if self.cfg.weight_sync.integrity_check:
+            out["sync/integrity_max_abs_diff"] = check_integrity(
+                self.actor, self.fleet, self.integrity_tokens, self.cfg.weight_sync.integrity_tol
             )
         if self.fleet is not None:  # engines restarted so far, including during this sync
             out["fleet/restarts"] = float(self.fleet.restarts)

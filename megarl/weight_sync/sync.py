@@ -12,7 +12,7 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
    ``WeightSyncError`` naming the tensor, on every rank. An engine that *dies* (connection
    lost) does not fail the update: the fleet restarts it and it replays the committed
    version (``Fleet.recover``, called by the transport's begin / commit / abort).
-4. Optional integrity probe: engine vs trainer log-probs on a fixed sequence.
+4. Optional integrity check: engine vs trainer log-probs on a fixed sequence.
 """
 
 from __future__ import annotations
@@ -170,11 +170,11 @@ class WeightSync:
                 shutil.rmtree(vdir, ignore_errors=True)
 
 
-def probe(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> float:
+def check_integrity(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> float:
     """Max |engine − trainer| log-prob over a fixed sequence, across engines (collective).
 
     Compared at temperature 1: vLLM's prompt log-probs are raw (pre-temperature), and the
-    probe checks weights, not sampling. Raises WeightSyncError beyond ``tol``. Returns the
+    check tests weights, not sampling. Raises WeightSyncError beyond ``tol``. Returns the
     max difference (on every rank).
     """
     temperature = 1.0
@@ -189,5 +189,5 @@ def probe(model: Model, fleet: Fleet | None, tokens: list[int], tol: float) -> f
             diff = torch.maximum(diff, (e - lp.double().cpu()).abs().max().reshape(1))
     dist.broadcast(diff, src=0)
     if float(diff) > tol:
-        raise WeightSyncError(f"integrity probe: engine vs trainer log-prob differ by {float(diff):.3g} > {tol}")
+        raise WeightSyncError(f"integrity check: engine vs trainer log-prob differ by {float(diff):.3g} > {tol}")
     return float(diff)

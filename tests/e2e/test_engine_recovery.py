@@ -33,7 +33,7 @@ SETS = [
 ]
 FAULTS = [
     "kill_engine_at=logprobs:version=1:engine=0",  # step 1, engine idle: found dead before step 1's sync
-    "kill_engine_at=probe:version=2:engine=1",  # step 1's integrity probe (after update 2 committed)
+    "kill_engine_at=integrity:version=2:engine=1",  # step 1's integrity check (after update 2 committed)
     "kill_engine_at=sync_begin:version=3:engine=1",  # step 2's sync: between begin and load
     "kill_engine_at=sync_load:version=4:engine=0",  # step 3's sync: load request in flight (connection reset)
     "kill_engine_at=sync_commit:version=5:engine=1",  # step 4's sync: engine0 committed 5, engine1 dies first
@@ -82,7 +82,7 @@ def test_engines_killed_at_every_phase_run_equals_uninterrupted(base: Path, tmp_
     # every fault fired, at its phase, on a real process
     for phase, version, engine in [
         ("logprobs", 1, 0),
-        ("probe", 2, 1),
+        ("integrity", 2, 1),
         ("sync_begin", 3, 1),
         ("sync_load", 4, 0),
         ("sync_commit", 5, 1),

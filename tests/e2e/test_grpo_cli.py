@@ -35,11 +35,11 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
     assert [r["rollout/policy_version"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         for key in ("timing/step/generate", "timing/step/logprobs", "timing/step/update", "timing/step/sync",
-                    "train/kl", "train/lr", "train/loss", "train/grad_norm", "sync/probe_max_abs_diff",
+                    "train/kl", "train/lr", "train/loss", "train/grad_norm", "sync/integrity_max_abs_diff",
                     "rollout/responses", "rollout/reward_failures"):
             assert key in r, key
         assert r["rollout/responses"] == 32
-        assert r["sync/probe_max_abs_diff"] < 1e-3
+        assert r["sync/integrity_max_abs_diff"] < 1e-3
         assert r["train/grad_norm"] >= 0
     # (a step whose groups all have equal rewards, with the actor still at the reference, has
     # zero gradient; some step must have had signal)

@@ -27,7 +27,7 @@ def test_engine_matches_trainer_after_steps(tmp_path, layout) -> None:
     r = read_json(out)
     assert r["versions"] == [1.0, 2.0, 3.0]  # each step sampled with the previous step's weights
     assert r["batch_version"] == r["trainer_version"] == 4
-    assert max(r["probe"]) < 1e-3
+    assert max(r["integrity"]) < 1e-3
     assert r["sampled_tokens"] > 20
     assert r["sampled_logprob_max_abs_diff"] < 2e-3
     assert r["engine_greedy"] == r["trainer_greedy"]  # prompts were spread over both engines

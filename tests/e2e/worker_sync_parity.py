@@ -29,7 +29,7 @@ try:
     tr.publisher.push()
     steps = [rl_step(tr, s) for s in range(cfg.train.steps)]
     result["versions"] = [m.get("rollout/policy_version", -1.0) for m in steps]
-    result["probe"] = [m["sync/probe_max_abs_diff"] for m in steps]
+    result["integrity"] = [m["sync/integrity_max_abs_diff"] for m in steps]
     prompts = [tr.tok.encode(r.prompt) for r in tr.rollouts.val_rows[:8]]
     # 1) engine samples + logprobs vs trainer logprobs of the same tokens
     batch, _ = tr.rollouts.collect(999, 8, 4)

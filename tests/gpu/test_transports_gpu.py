@@ -94,7 +94,7 @@ def _staged(fleet: Fleet, path: str) -> str:
 
 
 def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> None:
-    from megarl.weight_sync.sync import WeightSync, probe
+    from megarl.weight_sync.sync import WeightSync, check_integrity
 
     fleet.update_weights(version, [_staged(fleet, t["old"])])
     before = fleet.logprobs([SEQ], 1.0)
@@ -105,7 +105,7 @@ def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> No
     pushed = fleet.logprobs([SEQ], 1.0)
     assert fleet.versions() == [version + 1]
     assert _max_diff(pushed, before) > 0.05
-    assert probe(t["model"], fleet, SEQ, tol=1e-3) <= 1e-3
+    assert check_integrity(t["model"], fleet, SEQ, tol=1e-3) <= 1e-3
     fleet.update_weights(version + 2, [_staged(fleet, t["new"])])  # the same weights from the file
     assert _max_diff(fleet.logprobs([SEQ], 1.0), pushed) <= 1e-5
     # a NaN on the trainer: rejected by name, the engine keeps serving version + 2

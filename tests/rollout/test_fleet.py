@@ -222,7 +222,7 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path, monkeypat
         assert http["stats"]["bytes"] == 4 * sum(v.numel() for v in new.values())  # both stages, fp32
         assert _max_diff(http["logprobs"], before) > 0.05  # the update took effect ...
         assert _max_diff(http["logprobs"], shm["logprobs"]) <= 1e-6  # ... exactly as shm's did
-        assert http["probe"] <= 1e-3  # and the engines agree with the trainer's own forward
+        assert http["integrity"] <= 1e-3  # and the engines agree with the trainer's own forward
         # the same weights from the HF file directly (no Megatron, no http): the same engines
         f.update_weights(12, [_staged(f, folder / "model.safetensors")])
         assert _max_diff(f.logprobs([SEQ], temperature=1.0), http["logprobs"]) <= 1e-6

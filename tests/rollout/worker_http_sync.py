@@ -19,7 +19,7 @@ from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.errors import WeightSyncError  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.rollout.fleet import Fleet  # noqa: E402
-from megarl.weight_sync.sync import WeightSync, probe  # noqa: E402
+from megarl.weight_sync.sync import WeightSync, check_integrity  # noqa: E402
 
 SEQ = [1, 5, 9, 13, 17, 21, 25]
 
@@ -48,7 +48,7 @@ def main() -> None:
     http = WeightSync(model, adapter, fleet, bucket_mb=0.05, transport="http")
     stats = http.push(v)
     out["http"] = engines() | {"stats": stats, "transport": http.transport.name}
-    out["http"]["probe"] = probe(model, fleet, SEQ, tol=1e-3)  # trainer vs engines (collective)
+    out["http"]["integrity"] = check_integrity(model, fleet, SEQ, tol=1e-3)  # trainer vs engines (collective)
     shm = WeightSync(model, adapter, fleet, bucket_mb=0.05, transport="shm")  # MEGARL_STAGING_DIR
     shm.push(v + 1)
     out["shm"] = engines() | {"transport": shm.transport.name}
