@@ -58,17 +58,33 @@ from megarl.checkpoint.integrity import (  # noqa: F401 (re-exported)
     resolve_checkpoint,
     write_manifest,
 )
+from megarl.checkpoint.meta import (  # noqa: F401 (re-exported)
+    DTYPE_FIELD,
+    FORMAT_VERSION,
+    check_model_config,
+    checkpoint_model_config,
+    fsync_dir,
+    has_value_head,
+    layout_of,
+    meta_of,
+    model_config_dict,
+    prune,
+    read_json,
+    read_meta,
+    rng_state,
+    set_rng_state,
+    uses_distopt,
+    write_text,
+)
 from megarl.checkpoint.optim_state import (  # noqa: F401 (re-exported)
     DIST_OPT_SHARDING,
     _ensure_adam_state,
     _load_optimizer_state,
 )
-from megarl.config import ModelConfig
 from megarl.model.builder import Model
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 FAULT_ENV = "MEGARL_CKPT_FAULT"
 """Fault injection for tests: ``before_commit`` makes every rank ``os._exit(1)`` after all
 files of a checkpoint are written but before ``COMPLETE`` (a crash mid-save)."""
@@ -76,9 +92,6 @@ files of a checkpoint are written but before ``COMPLETE`` (a crash mid-save)."""
 """Model-space optimizer state for the distributed optimizer: reshardable over TP/PP/DP.
 (megatron's default, ``fully_sharded_model_space``, needs flattened ranges that the local
 layer spec does not provide: it raises ``flattened_range is not supported``.)"""
-
-_DTYPE_FIELD = "dtype"
-"""The one model-config field that may differ at load time (values are cast)."""
 
 
 def save_checkpoint(
@@ -137,13 +150,13 @@ def save_checkpoint(
         dist_checkpointing.save(_sharded_state_dict(model, is_loading=False), str(tmp / mname), strategy)
     t2 = time.perf_counter()
 
-    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    meta = _meta(models)  # every rank (collective)
+    torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    meta = meta_of(models)  # every rank (collective)
     if rank == 0:
         for dest, src in (files or {}).items():
             shutil.copyfile(src, tmp / dest)
-        _write_text(tmp / "state.json", text)
-        _write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+        write_text(tmp / "state.json", text)
+        write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
     dist.barrier()
 
     if asynchronous:
@@ -220,16 +233,16 @@ def _commit(root: Path, name: str, keep_last: int) -> None:
             time.perf_counter() - t0,
         )
         order = 1 + max((read_marker(p).get("order", 0) for p in complete_checkpoints(root)), default=0)
-        _write_text(tmp / MARKER, json.dumps({"name": name, "order": order, "time": time.time()}))
+        write_text(tmp / MARKER, json.dumps({"name": name, "order": order, "time": time.time()}))
         old = root / (name + ".replaced" + TMP_SUFFIX)
         if final.exists():  # same name saved again: set the old copy aside, drop it once replaced
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        _write_text(root / (LATEST + TMP_SUFFIX), name)
+        write_text(root / (LATEST + TMP_SUFFIX), name)
         os.replace(root / (LATEST + TMP_SUFFIX), root / LATEST)
-        _fsync_dir(root)
-        _prune(root, keep_last)
+        fsync_dir(root)
+        prune(root, keep_last)
     dist.barrier()
 
 
@@ -260,24 +273,24 @@ def load_checkpoint(
 
     t0 = time.perf_counter()
     path = resolve_checkpoint(ckpt_dir)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     saved_models: dict[str, Any] = meta["models"]
     for mname, model in models.items():
         if mname not in saved_models:
             raise CheckpointError(
                 f"checkpoint {path} has no model '{mname}' (it holds: {', '.join(sorted(saved_models)) or 'none'})"
             )
-        _check_model_config(path, mname, saved_models[mname]["model_config"], model_config_dict(model))
+        check_model_config(path, mname, saved_models[mname]["model_config"], model_config_dict(model))
         if load_optimizer and model.optimizer is not None and not saved_models[mname]["has_optimizer"]:
             raise CheckpointError(
                 f"checkpoint {path} model '{mname}' was saved without optimizer state; "
                 "load it with load_optimizer=False"
             )
         saved_distopt = saved_models[mname]["distributed_optimizer"]
-        if load_optimizer and model.optimizer is not None and saved_distopt != _uses_distopt(model):
+        if load_optimizer and model.optimizer is not None and saved_distopt != uses_distopt(model):
             raise CheckpointError(
                 f"checkpoint {path} model '{mname}': use_distributed_optimizer={saved_distopt} in the "
-                f"checkpoint but {_uses_distopt(model)} now; optimizer state only loads into the same kind"
+                f"checkpoint but {uses_distopt(model)} now; optimizer state only loads into the same kind"
             )
 
     t1 = time.perf_counter()
@@ -299,67 +312,14 @@ def load_checkpoint(
     t2 = time.perf_counter()
 
     dims = next(iter(models.values())).dims
-    if meta["layout"] == _layout(dims):
-        _set_rng_state(torch.load(path / "rng" / f"rank{dims.rank}.pt", weights_only=True))
+    if meta["layout"] == layout_of(dims):
+        set_rng_state(torch.load(path / "rng" / f"rank{dims.rank}.pt", weights_only=True))
     else:
-        logger.info("checkpoint layout %s != current %s: RNG states not restored", meta["layout"], _layout(dims))
-    extra: dict[str, Any] = _read_json(path, "state.json")
+        logger.info("checkpoint layout %s != current %s: RNG states not restored", meta["layout"], layout_of(dims))
+    extra: dict[str, Any] = read_json(path, "state.json")
     dist.barrier()
     logger.info("loaded checkpoint %s in %.2fs (weights + optimizer %.2fs)", path, time.perf_counter() - t0, t2 - t1)
     return extra
-
-
-def model_config_dict(model: Model) -> dict[str, Any]:
-    """The :class:`ModelConfig` fields that define ``model``'s parameters, read off the model.
-
-    Stored in ``meta.json`` so a load can name the field that differs, and so tools can rebuild
-    the model (``megarl-to-hf``) from the checkpoint alone. Collective over the PP group.
-    """
-    cfg, core = model.config, model.core
-    return {
-        "arch": "qwen2" if cfg.add_qkv_bias else "llama",  # builder: add_qkv_bias == (arch == "qwen2")
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_query_groups": cfg.num_query_groups,
-        "head_dim": cfg.kv_channels,
-        "ffn_hidden_size": cfg.ffn_hidden_size,
-        "vocab_size": model.vocab_size,
-        "max_position_embeddings": int(getattr(core, "max_sequence_length", 0)),
-        "rotary_base": float(getattr(core, "rotary_base", 0.0)),
-        "norm_eps": float(cfg.layernorm_epsilon),
-        "tie_embeddings": bool(getattr(core, "share_embeddings_and_output_weights", False)),
-        "linear_bias": bool(cfg.add_bias_linear),
-        **getattr(core, "megarl_rope_scaling", {"rope_scaling": "none"}),  # set by the builder
-        "value_head": _has_value_head(model),
-        _DTYPE_FIELD: "bf16" if cfg.bf16 else "fp32",
-    }
-
-
-def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelConfig:
-    """The :class:`ModelConfig` of model ``name`` in a checkpoint (to rebuild it elsewhere)."""
-    path = resolve_checkpoint(ckpt_dir)
-    saved = _read_meta(path)["models"]
-    if name not in saved:
-        raise CheckpointError(f"checkpoint {path} has no model '{name}' (it holds: {', '.join(sorted(saved))})")
-    fields = dict(saved[name]["model_config"])
-    head_dim, value_head = fields.pop("head_dim"), fields.pop("value_head")
-    if value_head:
-        raise CheckpointError(f"checkpoint {path} model '{name}' has a value head: it is not a language model")
-    mcfg = ModelConfig(**fields)
-    if mcfg.head_dim != head_dim:
-        raise CheckpointError(f"checkpoint {path} model '{name}': head_dim={head_dim} != hidden_size / heads")
-    return mcfg
-
-
-# --------------------------------------------------------------------------- exact resume
-
-
-def _uses_distopt(model: Model) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opts = getattr(model.optimizer, "chained_optimizers", [model.optimizer])
-    return any(isinstance(o, DistributedOptimizer) for o in opts)
 
 
 def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
@@ -368,7 +328,7 @@ def _sharded_state_dict(model: Model, *, is_loading: bool, with_optimizer: bool 
     model_sd = core.sharded_state_dict(metadata={"dp_cp_group": model.dims.pgs.dp_cp})
     out: dict[str, Any] = {"model": model_sd}
     if with_optimizer and model.optimizer is not None:
-        metadata = dict(DIST_OPT_SHARDING) if _uses_distopt(model) else None
+        metadata = dict(DIST_OPT_SHARDING) if uses_distopt(model) else None
         _ensure_adam_state(model.optimizer)
         out["optimizer"] = model.optimizer.sharded_state_dict(model_sd, is_loading, metadata=metadata)
     return out
@@ -432,120 +392,3 @@ def _save_strategy(async_group: Any = None) -> Any:
 
 
 # model-config fields added after checkpoints were first written, and the value they had then
-_ADDED_FIELD_DEFAULTS: dict[str, Any] = {"linear_bias": False, "rope_scaling": "none"}
-
-
-def _check_model_config(path: Path, mname: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Raise naming every model-config field that differs (dtype only logs: values are cast)."""
-    saved = {**_ADDED_FIELD_DEFAULTS, **saved}  # checkpoints written before these fields existed
-    keys = sorted(set(saved) | set(current))
-    diff = [k for k in keys if k != _DTYPE_FIELD and saved.get(k) != current.get(k)]
-    if diff:
-        was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
-        now = ", ".join(f"{k}={current.get(k)!r}" for k in diff)
-        raise CheckpointError(
-            f"checkpoint {path} model '{mname}' does not fit the model being loaded: saved with {was}; "
-            f"the model has {now}"
-        )
-    if saved.get(_DTYPE_FIELD) != current.get(_DTYPE_FIELD):
-        logger.info(
-            "checkpoint %s model '%s': %s weights are cast to %s",
-            path,
-            mname,
-            saved.get(_DTYPE_FIELD),
-            current.get(_DTYPE_FIELD),
-        )
-
-
-def _has_value_head(model: Model) -> bool:
-    """A critic: the last stage's output layer is megarl's value head (collective over PP)."""
-    from megarl.model.value_head import ValueHead
-
-    flag = torch.tensor([int(isinstance(getattr(model.core, "output_layer", None), ValueHead))])
-    if model.dims.pp > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=model.dims.pp_group)
-    return bool(flag.item())
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta: dict[str, Any] = _read_json(path, "meta.json")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format_version={meta.get('format_version')}, this megarl reads {FORMAT_VERSION}"
-        )
-    return meta
-
-
-def _read_json(path: Path, name: str) -> dict[str, Any]:
-    try:
-        return dict(json.loads((path / name).read_text()))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: {name} is unreadable ({type(e).__name__}: {e})") from e
-
-
-def _layout(dims: Any) -> dict[str, int]:
-    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
-
-
-def _meta(models: dict[str, Model]) -> dict[str, Any]:
-    import megatron.core
-
-    dims = next(iter(models.values())).dims
-    return {
-        "format_version": FORMAT_VERSION,
-        "megatron_core": getattr(megatron.core, "__version__", ""),
-        "layout": _layout(dims),
-        "models": {
-            mname: {
-                "model_config": model_config_dict(m),
-                "has_optimizer": m.optimizer is not None,
-                "distributed_optimizer": m.optimizer is not None and _uses_distopt(m),
-                "padded_vocab": m.padded_vocab,
-                "layout": _layout(m.dims),
-            }
-            for mname, m in models.items()
-        },
-    }
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["torch_cuda"] = torch.cuda.get_rng_state()
-    for key, value in get_cuda_rng_tracker().get_states().items():
-        out[f"tracker/{key}"] = value
-    return out
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch_cpu"])
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["torch_cuda"])
-    tracker = {k.split("/", 1)[1]: v for k, v in state.items() if k.startswith("tracker/")}
-    if tracker:
-        get_cuda_rng_tracker().set_states(tracker)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    done = complete_checkpoints(root)
-    for old in done[: max(0, len(done) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.checkpoint.dist_ckpt import CheckpointError, _check_model_config
+from megarl.checkpoint.meta import CheckpointError
+from megarl.checkpoint.meta import check_model_config as _check_model_config
 
 OLD = {  # meta.json model_config as written before linear_bias / rope_scaling existed
     "arch": "llama",
