@@ -1,0 +1,129 @@
+"""The fleet's weight-update primitives (mixed into :class:`megarl.rollout.fleet.Fleet`).
+
+Weight updates go to every engine as begin → load (all engines) → commit (all engines); a
+load rejected by any engine aborts the update everywhere, so the whole fleet keeps serving
+the previous version (``WeightSyncError``). An engine that does not answer at all during an
+update is marked down and left out of the rest of it; ``Fleet.recover`` restarts it and the
+replay registered by the transport (:meth:`set_replay`) brings it to the committed version.
+The weight-sync transports (``megarl.weight_sync.transports``) drive these primitives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megarl.engine import routes
+from megarl.engine.client import EngineClient
+from megarl.errors import EngineDead, RolloutError, WeightSyncError
+from megarl.rollout import faults
+
+log = logging.getLogger("megarl.fleet")
+
+
+class WeightUpdates:
+    engines: list[EngineClient]
+    timeout: float
+    down: set[str]
+    _replay: Callable[[list[EngineClient]], None] | None
+
+    def recover(self) -> None:
+        raise NotImplementedError  # Fleet.recover
+
+    def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
+        """begin → load(files) → commit on every engine; a restarted engine replays it."""
+        t0 = time.perf_counter()
+        self.recover()
+        try:
+            self.update_engines(self.engines, version, files)
+        except WeightSyncError:
+            self.recover()  # engines that died meanwhile come back at the previous version
+            raise
+        self.set_replay(lambda engines: self.update_engines(engines, version, files))
+        self.recover()  # engines that died during the update come back at this version
+        return {"fleet_update_s": time.perf_counter() - t0}
+
+    def update_engines(self, engines: list[EngineClient], version: int, files: list[str]) -> None:
+        try:
+            self.begin_update(version, engines)
+            self.load_files(version, files, engines)
+        except WeightSyncError:
+            self.abort_update(engines)
+            raise
+        self.commit_update(version, engines)
+
+    def set_replay(self, replay: Callable[[list[EngineClient]], None] | None) -> None:
+        """How to bring a restarted engine to the current weights (registered by the transport)."""
+        self._replay = replay
+
+    def post_all(
+        self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[EngineClient] | None = None
+    ) -> list[dict[str, Any] | None]:
+        """One request to every engine, concurrently; a rejection becomes WeightSyncError.
+
+        An engine that fails at the connection level (``EngineDead``) is marked in ``down``
+        and answers None: the update goes on without it, :meth:`recover` restarts it."""
+        engines = engines or self.engines
+
+        def one(e: EngineClient) -> dict[str, Any] | None:
+            try:
+                if isinstance(body, bytes):
+                    return e.post_bytes(path, body, self.timeout)
+                return e.post(path, body, self.timeout)
+            except EngineDead as err:
+                log.warning("%s died during update %d (%s); it will be restarted", e.name, version, err)
+                self.down.add(e.name)
+                return None
+
+        try:
+            with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+                return list(pool.map(one, engines))
+        except RolloutError as err:
+            raise WeightSyncError(f"weight update to version {version} rejected: {err}") from err
+
+    def begin_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
+        self.post_all(routes.BEGIN, {"version": version}, version, engines)
+        faults.inject("sync_begin", version, engines or self.engines)
+
+    def load_files(self, version: int, files: list[str], engines: list[EngineClient] | None = None) -> None:
+        faults.inject("sync_load", version, engines or self.engines)
+        self.post_all(routes.LOAD, {"version": version, "files": files}, version, engines)
+
+    def load_bytes(self, version: int, data: bytes, engines: list[EngineClient] | None = None) -> None:
+        """One bucket as safetensors bytes (http transport)."""
+        faults.inject("sync_load", version, engines or self.engines)
+        self.post_all(f"{routes.LOAD_BYTES}?version={version}", data, version, engines)
+
+    def commit_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
+        """Commit engine by engine; one that died is left to :meth:`recover` (it replays this
+        version), one that refuses aborts the engines not reached yet."""
+        for e in engines or self.engines:
+            faults.inject("sync_commit", version, [e])
+            try:
+                e.post(routes.COMMIT, {"version": version}, self.timeout)
+            except EngineDead as err:
+                log.warning("%s died before committing version %d (%s); it will be restarted", e.name, version, err)
+                self.down.add(e.name)
+                continue
+            except RolloutError as err:
+                self.abort_update(engines)  # engines not reached yet drop their staged tensors
+                raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
+            self.version = version
+
+    def abort_update(self, engines: list[EngineClient] | None = None) -> None:
+        """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""
+        for e in engines or self.engines:
+            try:
+                e.post(routes.ABORT, {}, self.timeout)
+            except RolloutError:
+                pass
+
+    def engine_tps(self) -> list[int]:
+        """Tensor-parallel size (= vLLM worker count) of each engine."""
+        try:
+            return [int(e.info()["tp"]) for e in self.engines]
+        except RolloutError as err:
+            raise WeightSyncError(f"engine /info failed: {err}") from err
