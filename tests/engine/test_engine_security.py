@@ -225,7 +225,7 @@ def _start_parent(model: Path, tmp_path: Path, lease_s: float) -> tuple[subproce
     parent = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "tests/rollout/fleet_parent.py"),
+            str(ROOT / "tests/engine/fleet_parent.py"),
             "--model",
             str(model),
             "--lease-s",
