@@ -18,10 +18,21 @@ if TYPE_CHECKING:
 
 
 def check(cfg: RunConfig, world_size: int) -> None:
+    """Every rule, section by section; the first broken one raises."""
     _positive(cfg)
     _rates_and_sampling(cfg)
     _paths(cfg)
-    m, p, r = resolved_model(cfg), cfg.parallel, cfg.rollout
+    m = resolved_model(cfg)
+    _model(m)
+    _parallel(cfg, m, world_size)
+    _rollout(cfg, m)
+    _algo(cfg)
+    _coordinator(cfg)
+    _devices(cfg, m)
+
+
+def _model(m: ModelConfig) -> None:
+    """model: the architecture is one megatron can build and the HF mapping can express."""
     if m.linear_bias and m.arch == "qwen2":
         fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
@@ -42,6 +53,11 @@ def check(cfg: RunConfig, world_size: int) -> None:
             m.num_query_groups,
             f"must divide model.num_attention_heads={m.num_attention_heads}",
         )
+
+
+def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
+    """parallel (and the critic's layout): TP/PP split the model; batches split over DP."""
+    p = cfg.parallel
     if m.num_attention_heads % p.tensor_parallel:
         fail(
             "parallel.tensor_parallel",
@@ -89,6 +105,11 @@ def check(cfg: RunConfig, world_size: int) -> None:
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
     _validate_critic_layout(cfg, world_size)
+
+
+def _rollout(cfg: RunConfig, m: ModelConfig) -> None:
+    """rollout: lengths fit the model's context and the engines' KV cache; engine layout."""
+    r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
         fail(
             "rollout.max_prompt_len+max_response_len",
@@ -105,6 +126,11 @@ def check(cfg: RunConfig, world_size: int) -> None:
         fail("rollout.engine_lease_s", r.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
     if m.num_query_groups % r.engine_tp:
         fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
+
+
+def _algo(cfg: RunConfig) -> None:
+    """algo: known estimators and aggregation modes, clip ranges, overlong shaping."""
+    r = cfg.rollout
     if cfg.algo.clip_low >= 1 or cfg.algo.clip_low < 0:
         fail("algo.clip_low", cfg.algo.clip_low, "must be in [0, 1)")
     if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
@@ -123,6 +149,13 @@ def check(cfg: RunConfig, world_size: int) -> None:
             cfg.algo.overlong_buffer_len,
             f"must be < rollout.max_response_len={r.max_response_len}",
         )
+    if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
+        fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
+
+
+def _coordinator(cfg: RunConfig) -> None:
+    """coordinator: what it needs from the optimizer and the starting batch."""
+    r = cfg.rollout
     c = cfg.coordinator
     if c.enabled and cfg.optim.clip_grad <= 0:
         fail(
@@ -136,8 +169,11 @@ def check(cfg: RunConfig, world_size: int) -> None:
             r.num_prompts,
             f"must lie in [coordinator.min_prompts={c.min_prompts}, coordinator.max_prompts={c.max_prompts}]",
         )
-    if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
-        fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
+
+
+def _devices(cfg: RunConfig, m: ModelConfig) -> None:
+    """GPU-only choices (NCCL / CUDA IPC transports, colocation, bf16, Transformer Engine)."""
+    r = cfg.rollout
     import torch
 
     cuda = torch.cuda.is_available()
