@@ -65,7 +65,6 @@ EOF
     megarl_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on ${#MEGARL_NODES[@]} node(s): ${MEGARL_NODES[*]}"
     megarl_log "config ${MEGARL_CONFIG:-<defaults>} sets [${MEGARL_SETS[*]}] → TP=$MEGARL_TP PP=$MEGARL_PP DP=$MEGARL_DP world=$MEGARL_WORLD run_dir=$MEGARL_RUN_DIR"
     megarl_export_env
-    megarl_make_token
     # From here on the batch shell survives USR1/TERM and hands them to the trainer step.
     MEGARL_GOT_SIGNAL=""
     trap 'megarl_forward USR1' USR1
@@ -132,8 +131,11 @@ megarl_check_trainer() {
     megarl_set_omp "$MEGARL_NPROC_PER_NODE"
 }
 
-# megarl_rendezvous FIRST_TRAINER_NODE: static torchrun rendezvous on the first trainer node.
+# megarl_rendezvous FIRST_TRAINER_NODE: static torchrun rendezvous on the first trainer node,
+# and the run's engine credential (made here, after the allocation checks: a misfit job
+# leaves nothing behind).
 megarl_rendezvous() {
+    megarl_make_token
     export MASTER_ADDR="$1"
     # Derived from the job id: stable across requeues, different for jobs sharing a node.
     export MASTER_PORT="${MEGARL_MASTER_PORT:-$((15000 + SLURM_JOB_ID % 15000))}"

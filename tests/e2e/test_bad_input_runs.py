@@ -88,8 +88,8 @@ def test_broken_reward_and_overlong_validation_prompt_do_not_stop_the_run(
     assert [r["rollout/reward_failures"] for r in steps] == [32.0, 32.0]  # 8 prompts × 4 samples, each step
     assert [(r["step"], r["val/reward"]) for r in recs if "val/reward" in r] == [(0, 0.0), (1, 0.0), (2, 0.0)]
     lines = log.splitlines()
-    train_lines = [ln for ln in lines if "reward failed on" in ln and "validation" not in ln]
-    val_lines = [ln for ln in lines if "validation: reward failed on" in ln]
+    train_lines = [ln for ln in lines if "rewards: 32 of 32 samples got reward.failed_reward=0" in ln]
+    val_lines = [ln for ln in lines if "validation rewards: 3 of 3 samples got reward.failed_reward=0" in ln]
     skipped = [ln for ln in lines if "validation: skipped 1 of 4 prompts longer than rollout.max_prompt_len=12" in ln]
     # one line per step and per validation, not one per sample (64 + 9 lines before)
     assert len(train_lines) == 2 and len(val_lines) == 3 and len(skipped) == 3, "\n".join(lines[-40:])

@@ -254,7 +254,7 @@ def test_engine_dead_between_commits_is_restarted_at_the_new_version(fleet, monk
         assert _max_diff(after, before) > 0.01  # the new weights serve ...
         assert _max_diff(after[:1], after[1:]) <= 1e-6  # ... on both engines, the restarted one too
     finally:
-        f.update_weights(1, [str(hf / "model.safetensors")])  # later tests expect version 1
+        f.update_weights(1, [_staged(f, hf / "model.safetensors")])  # later tests expect version 1
     assert f.versions() == [1, 1] and f.logprobs([SEQ], temperature=1.0) == before
 
 
