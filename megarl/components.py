@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
-from megarl.config import ConfigError, RunConfig
-from megarl.config.hf import check_hf_tensors
+from megarl.config import ConfigError, ModelConfig, RunConfig
+from megarl.config.hf import check_hf_tensors, hf_dtype_name
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
@@ -96,10 +96,13 @@ class Components:
 
     def export_hf(self, path: Path) -> None:
         """The actor as an HF folder (collective; rank 0 writes) with the run's tokenizer files
-        (an HF tokenizer's files and generation config copied unchanged from its folder)."""
+        (an HF tokenizer's files and generation config copied unchanged from its folder), in the
+        source model's dtype (:func:`export_dtype`)."""
         sd = hf_state_dict(self.actor, self.adapter)
         if self.dims.is_rank0:
-            hf_cfg = self.adapter.hf_config(*self.tok.config_ids)
+            dtype = export_dtype(self.cfg.model)
+            sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
+            hf_cfg = self.adapter.hf_config(*self.tok.config_ids, dtype=dtype)
             save_hf_folder(path, sd, hf_cfg)
             for f in self.tok.files():
                 shutil.copyfile(f, path / f.name)
@@ -220,6 +223,17 @@ def _model_config(cfg: RunConfig, tok: PromptTokenizer) -> Any:
             "(the tokenizer could produce ids the model has no embedding for)"
         )
     return m
+
+
+def export_dtype(m: ModelConfig) -> str:
+    """The dtype an exported HF folder keeps, as ``megarl convert megarl-to-hf --dtype auto``:
+    the one ``model.init_from``'s config.json records, else the trainer's ``model.dtype``
+    (the gathered tensors are fp32 whatever the trainer computes in)."""
+    if m.init_from:
+        recorded = hf_dtype_name(json.loads((Path(m.init_from) / "config.json").read_text()))
+        if recorded in ("float32", "bfloat16", "float16"):
+            return recorded
+    return "bfloat16" if m.dtype == "bf16" else "float32"
 
 
 def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: PromptTokenizer) -> None:

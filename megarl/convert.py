@@ -1,4 +1,4 @@
-"""HF ⇄ megarl checkpoint conversion for Llama- and Qwen2-family decoders.
+"""HF ⇄ megarl checkpoint conversion for Llama-, Qwen2- and Qwen3-family decoders.
 
     python tools/convert.py hf-to-megarl --hf HF_DIR --out CKPT_ROOT [--tp N] [--pp M]
     python tools/convert.py megarl-to-hf --ckpt CKPT --out HF_DIR [--tp N] [--pp M]
@@ -16,7 +16,7 @@ checkpoint itself reshards, so any layout reads any checkpoint. Run with TP×PP 
 itself under torchrun with TP×PP processes.
 
 Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,
-tied embeddings, Qwen2 QKV bias) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
+tied embeddings, Qwen2 QKV bias, Qwen3 q/k norms) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
 Megatron ⇄ HF mapping that weight sync uses too.
 """
 
@@ -54,7 +54,7 @@ TOKENIZER_FILES = (
 HF_CONFIG_IN_CKPT = "hf_config.json"
 """The source HF ``config.json`` as stored inside a converted checkpoint."""
 GENERATION_CONFIG = "generation_config.json"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_DTYPE = "hf_dtype"
 """Key of the converted checkpoint's state.json holding the source tensors' dtype name."""

@@ -57,7 +57,7 @@ def tiny_hf_model(
     dtype: str = "float32",
     qk_gain: float = 1.0,
 ) -> Path:
-    """A random tiny Llama/Qwen2 model saved by transformers itself (the independent oracle).
+    """A random tiny Llama/Qwen2/Qwen3 model saved by transformers itself (the independent oracle).
 
     ``extra``: more config keys (rope_scaling, attention_bias, ...); ``dtype``: the saved
     tensors' dtype; ``qk_gain`` scales q/k projections so attention is sharp and position
@@ -75,11 +75,16 @@ def tiny_hf_model(
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":  # head_dim × heads = 256 ≠ hidden_size 128, as in Qwen3-0.6B (128 × 16 ≠ 1024)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 64, **common}))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         model = LlamaForCausalLM(LlamaConfig(head_dim=32, **common))
-    # transformers inits norms to 1 and biases to 0: perturb them so the mapping is tested.
+    # transformers inits norms (Qwen3's q/k norms too) to 1 and biases to 0: perturb them so
+    # the mapping is tested.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -1,4 +1,4 @@
-"""The ONE Megatron ⇄ HF name/layout mapping for Llama- and Qwen2-family decoders.
+"""The ONE Megatron ⇄ HF name/layout mapping for Llama-, Qwen2- and Qwen3-family decoders.
 
 Used by weight sync, checkpoint export and ``tools/`` alike, so export and sync can never
 disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat them):
@@ -14,6 +14,9 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
   ``model.linear_bias`` (HF Llama ``attention_bias`` + ``mlp_bias``) ``linear_fc1.bias`` is
   [gate; up] per TP shard like its weight, and the row-parallel ``linear_proj.bias`` /
   ``linear_fc2.bias`` are whole on every TP rank (added after the reduce).
+* Qwen3's per-head RMSNorms ``self_attention.{q,k}_layernorm.weight`` ([head_dim], applied to
+  every head before RoPE) are whole on every TP rank and map to ``self_attn.{q,k}_norm.weight``.
+* head_dim (``model.kv_channels``) may differ from hidden_size / heads: q/k/v/o shapes use it.
 * Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
   fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
 """
@@ -40,6 +43,8 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight", None),
     "self_attention.linear_qkv.weight": ("@qkv.weight", 0),
     "self_attention.linear_qkv.bias": ("@qkv.bias", 0),
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight", None),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight", None),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
     "self_attention.linear_proj.bias": ("self_attn.o_proj.bias", None),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
@@ -57,7 +62,7 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
 
 
 class LlamaQwen2Adapter:
-    """Name/layout mapping for one model config (Llama or Qwen2 family)."""
+    """Name/layout mapping for one model config (Llama, Qwen2 or Qwen3 family)."""
 
     def __init__(self, mcfg: ModelConfig) -> None:
         self.cfg = mcfg
@@ -91,6 +96,8 @@ class LlamaQwen2Adapter:
                     p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
                 }
             )
+            if m.arch == "qwen3":
+                shapes.update({p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd]})
             if m.arch == "qwen2" or m.linear_bias:
                 shapes.update(
                     {
@@ -271,6 +278,10 @@ class LlamaQwen2Adapter:
             from transformers import Qwen2Config
 
             return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+        if c.arch == "qwen3":
+            from transformers import Qwen3Config
+
+            return Qwen3Config(**common, head_dim=c.head_dim, attention_bias=False, architectures=["Qwen3ForCausalLM"])
         from transformers import LlamaConfig
 
         return LlamaConfig(

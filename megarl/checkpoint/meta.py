@@ -35,7 +35,8 @@ def model_config_dict(model: Model) -> dict[str, Any]:
     """
     cfg, core = model.config, model.core
     return {
-        "arch": "qwen2" if cfg.add_qkv_bias else "llama",  # builder: add_qkv_bias == (arch == "qwen2")
+        # builder: add_qkv_bias == (arch == "qwen2"), qk_layernorm == (arch == "qwen3")
+        "arch": "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama",
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -65,8 +66,8 @@ def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelC
     if value_head:
         raise CheckpointError(f"checkpoint {path} model '{name}' has a value head: it is not a language model")
     mcfg = ModelConfig(**fields)
-    if mcfg.head_dim != head_dim:
-        raise CheckpointError(f"checkpoint {path} model '{name}': head_dim={head_dim} != hidden_size / heads")
+    if mcfg.head_dim != head_dim:  # head_dim × heads ≠ hidden_size (Qwen3): explicit kv_channels
+        mcfg.kv_channels = head_dim
     return mcfg
 
 

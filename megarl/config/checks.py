@@ -33,15 +33,22 @@ def check(cfg: RunConfig, world_size: int) -> None:
 
 def _model(m: ModelConfig) -> None:
     """model: the architecture is one megatron can build and the HF mapping can express."""
-    if m.linear_bias and m.arch == "qwen2":
-        fail("model.linear_bias", m.linear_bias, "is a Llama option; arch=qwen2 has its own QKV-only bias")
+    if m.linear_bias and m.arch != "llama":
+        fail("model.linear_bias", m.linear_bias, f"is a Llama option; arch={m.arch} has its own bias layout")
+    if m.arch == "qwen2" and m.head_dim * m.num_attention_heads != m.hidden_size:
+        fail(
+            "model.kv_channels",
+            m.kv_channels,
+            f"arch=qwen2 needs head_dim × num_attention_heads = hidden_size={m.hidden_size} "
+            "(vLLM's Qwen2 derives head_dim from it)",
+        )
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         fail(
             "model.rope_high_freq_factor",
             m.rope_high_freq_factor,
             f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 RoPE scaling)",
         )
-    if m.hidden_size % m.num_attention_heads:
+    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
         fail(
             "model.hidden_size",
             m.hidden_size,
@@ -245,6 +252,7 @@ def _positive(cfg: RunConfig) -> None:
                 "logprob_micro_batch_size",
                 "max_tasks_per_worker",
                 "worker_memory_mb",
+                "kv_channels",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

@@ -1,4 +1,4 @@
-"""What megarl can represent of an HF Llama / Qwen2 checkpoint, decided before any work starts.
+"""What megarl can represent of an HF Llama / Qwen2 / Qwen3 checkpoint, decided before any work starts.
 
 A converter that drops what it does not understand builds a *different model* and exits 0.
 So the HF ``config.json`` is read key by key: every key that changes the forward pass is
@@ -6,10 +6,12 @@ either mapped onto :class:`megarl.config.ModelConfig` or refused with
 :class:`UnsupportedHFModel` naming the key and its value. Mapped: sizes, RMSNorm eps, tied
 embeddings, ``rope_theta`` (kept fractional), ``rope_scaling`` / ``rope_parameters`` of type
 ``default`` or ``llama3`` (Llama 3.1/3.2), Llama ``attention_bias`` + ``mlp_bias`` when both
-are set (megatron's ``add_bias_linear`` covers both at once), Qwen2's QKV bias. Refused:
-other RoPE types (``linear``, ``dynamic``, ``yarn``, ...), partial rotary, activations other
-than SiLU, one of ``attention_bias`` / ``mlp_bias`` without the other, Qwen2 sliding window,
-quantized checkpoints. Keys that only matter for training regularisation or generation
+are set (megatron's ``add_bias_linear`` covers both at once), Qwen2's QKV bias, Qwen3's q/k
+norms, an explicit ``head_dim`` with head_dim × heads ≠ hidden_size (``model.kv_channels``;
+Llama and Qwen3). Refused: other RoPE types (``linear``, ``dynamic``, ``yarn``, ...), partial
+rotary, activations other than SiLU, one of ``attention_bias`` / ``mlp_bias`` without the
+other, Qwen3 ``attention_bias``, sliding-window layers, a Qwen2 ``head_dim`` that vLLM would
+ignore, quantized checkpoints. Keys that only matter for training regularisation or generation
 (dropout, ``use_cache``, token ids) are not refused.
 
 :func:`check_hf_tensors` then compares the checkpoint's tensor names and shapes with the ones
@@ -70,14 +72,14 @@ def _rope(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
-    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2), or refuse.
+    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2 / Qwen3), or refuse.
 
     Raises :class:`UnsupportedHFModel` naming the first key whose value megarl would not
     reproduce (see the module docstring).
     """
     arch = hf_cfg.get("model_type", "llama")
-    if arch not in ("llama", "qwen2"):
-        raise _refuse("model_type", arch, "supported: llama, qwen2")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3")
     act = hf_cfg.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "megarl builds SwiGLU with SiLU only")
@@ -87,8 +89,13 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     partial = hf_cfg.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise _refuse("partial_rotary_factor", partial, "megarl rotates the whole head")
-    if arch == "qwen2" and hf_cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and hf_cfg.get("use_sliding_window"):
         raise _refuse("use_sliding_window", hf_cfg["use_sliding_window"], "megarl attends over the full context")
+    for i, kind in enumerate(hf_cfg.get("layer_types") or []):
+        if kind != "full_attention":
+            raise _refuse(f"layer_types[{i}]", kind, "megarl attends over the full context in every layer")
+    if arch == "qwen3" and hf_cfg.get("attention_bias"):
+        raise _refuse("attention_bias", hf_cfg["attention_bias"], "megarl builds Qwen3 without q/k/v/o biases")
     linear_bias = False
     if arch == "llama":
         attn_bias, mlp_bias = bool(hf_cfg.get("attention_bias", False)), bool(hf_cfg.get("mlp_bias", False))
@@ -100,21 +107,23 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
                 "only attention_bias == mlp_bias can be represented",
             )
         linear_bias = attn_bias
-    heads = hf_cfg["num_attention_heads"]
-    head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads
-    if head_dim * heads != hf_cfg["hidden_size"]:
+    heads, hidden = hf_cfg["num_attention_heads"], hf_cfg["hidden_size"]
+    head_dim = hf_cfg.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden and arch == "qwen2":
         raise _refuse(
             "head_dim",
             head_dim,
-            f"head_dim × num_attention_heads={heads} must equal hidden_size={hf_cfg['hidden_size']}",
+            f"vLLM's Qwen2 uses hidden_size / num_attention_heads = {hidden} / {heads} instead; "
+            "megarl would train another model than the engines run",
         )
     return dataclasses.replace(
         base,
         arch=arch,
         num_layers=hf_cfg["num_hidden_layers"],
-        hidden_size=hf_cfg["hidden_size"],
+        hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=hf_cfg.get("num_key_value_heads") or heads,
+        kv_channels=0 if head_dim * heads == hidden else head_dim,
         ffn_hidden_size=hf_cfg["intermediate_size"],
         vocab_size=hf_cfg["vocab_size"],
         max_position_embeddings=hf_cfg.get("max_position_embeddings", base.max_position_embeddings),

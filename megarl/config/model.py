@@ -9,8 +9,9 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    arch: Literal["llama", "qwen2"] = "llama"
-    """HF architecture family used for export and the vLLM engines."""
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """HF architecture family used for export and the vLLM engines (qwen3: RMSNorm on each
+    query and key head before RoPE, megatron's qk_layernorm)."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 128
@@ -19,6 +20,9 @@ class ModelConfig:
     """Query heads."""
     num_query_groups: int = 2
     """KV heads (GQA groups); equal to num_attention_heads for MHA."""
+    kv_channels: int = 0
+    """Channels per attention head (HF head_dim; megatron kv_channels); 0 = hidden_size /
+    num_attention_heads. Qwen3 and some Llamas have head_dim × heads ≠ hidden_size."""
     ffn_hidden_size: int = 256
     """SwiGLU inner width."""
     vocab_size: int = 0
@@ -62,7 +66,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head: ``kv_channels``, or hidden_size / num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(kw_only=True)

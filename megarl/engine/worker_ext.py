@@ -33,6 +33,26 @@ EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
 def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    _refresh_tied_lm_head(worker.model_runner.get_model())
+
+
+def _refresh_tied_lm_head(model: Any) -> None:
+    """Re-derive a tied LM head's kernel state from the (just reloaded) embedding.
+
+    With tied embeddings vLLM's ``lm_head`` is its own module sharing the embedding's
+    Parameter. ``reload_weights`` only loads ``model.embed_tokens.weight``, so it processes
+    the embedding and never the head: on CPU the head keeps the GEMM it packed at start-up
+    from the dummy weights (``dispatch_cpu_unquantized_gemm``), and the logits stay those of
+    the dummy model (0.5 off transformers' log-probs, tests/weight_sync/test_engine_model.py).
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if head is None or embed is None or weight is None or weight is not getattr(embed, "weight", None):
+        return
+    quant_method = getattr(head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(head)
 
 
 def _non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:

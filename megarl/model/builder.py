@@ -1,7 +1,8 @@
 """Build megatron-core GPTModels (actor, reference, critic) and their optimizer from config.
 
-A Llama/Qwen2-style decoder: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE (optionally
-Llama 3 scaled, ``megarl.model.rope``), GQA; linear biases: none, Qwen2's QKV bias, or all
+A Llama/Qwen2/Qwen3-style decoder: RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), RoPE (optionally
+Llama 3 scaled, ``megarl.model.rope``), GQA, head_dim from ``model.kv_channels``, Qwen3's
+per-head q/k RMSNorm (``qk_layernorm``); linear biases: none, Qwen2's QKV bias, or all
 (``model.linear_bias``, HF Llama ``attention_bias`` + ``mlp_bias``). The layer spec is megatron's ``local`` spec
 (CPU and GPU) or Transformer Engine's (GPU only), selected by ``model.transformer_impl``.
 
@@ -50,6 +51,7 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
         activation_func=F.silu,
         add_bias_linear=mcfg.linear_bias,
         add_qkv_bias=mcfg.arch == "qwen2",
+        qk_layernorm=mcfg.arch == "qwen3",  # also makes finalize_model_grads sum their grads over TP
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -73,10 +75,12 @@ def layer_spec(mcfg: ModelConfig) -> Any:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mcfg.arch == "qwen3")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # qwen3: per-head RMSNorm (torch.nn.RMSNorm, eps=norm_eps) on q and k before RoPE; its
+    # [head_dim] weights are whole on every TP rank
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.arch == "qwen3")
     if mcfg.attention == "sdpa":
         from megarl.model.sdpa import SDPAttention
 

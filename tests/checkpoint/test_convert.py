@@ -3,7 +3,8 @@ identical tensors; the Megatron model built from the checkpoint matches transfor
 independent oracle) on the same tokens; the round-tripped folder loads with transformers.
 Llama with untied embeddings and a vocabulary that needs TP padding; Qwen2 with tied
 embeddings and QKV bias; a Llama 3.1-style model (llama3 RoPE scaling, attention and MLP
-biases, fractional rope_theta, bf16, which comes back bf16). The command line re-launches
+biases, fractional rope_theta, bf16, which comes back bf16); Qwen3 (q/k norms, head_dim ×
+heads ≠ hidden_size, tied embeddings). The command line re-launches
 itself under torchrun. HF models megarl would not reproduce are refused before any work."""
 
 import json
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.checkpoint.dist_ckpt import checkpoint_model_config
 from tests.helpers import ROOT, tiny_hf_model, torchrun
 
 WORKER = ROOT / "tests/checkpoint/worker_convert.py"
@@ -36,6 +38,8 @@ ARCHS = {
     "llama": dict(arch="llama", vocab=100, tie=False),
     "qwen2": dict(arch="qwen2", vocab=61, tie=True),
     "llama3": dict(arch="llama", vocab=100, tie=False, extra=LLAMA3, dtype="bfloat16", qk_gain=8.0),
+    # Qwen3: per-head q/k RMSNorm before RoPE, head_dim 64 × 4 heads ≠ hidden 128, tied embeddings
+    "qwen3": dict(arch="qwen3", vocab=61, tie=True, qk_gain=4.0),
 }
 TOKENIZER_BYTES = b"not a real sentencepiece model, copied verbatim"
 
@@ -76,11 +80,12 @@ def _hf_logprobs(hf_dir: Path, tokens: torch.Tensor, **config_changes: Any) -> t
     for key, value in config_changes.items():
         setattr(config, key, value)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), config=config, dtype=torch.float32)
-    if config_changes.get("zero_biases"):
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if config_changes.get("zero_biases") and name.endswith("bias"):
+                p.zero_()
+            if config_changes.get("unit_qk_norms") and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(1.0)
     with torch.no_grad():
         logits = model(tokens).logits
     return logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
@@ -94,6 +99,8 @@ def test_roundtrip_gives_identical_tensors(base: Path, arch: str) -> None:
     assert any(n.endswith("q_proj.bias") for n in names) is (arch in ("qwen2", "llama3"))
     for bias in ("o_proj.bias", "gate_proj.bias", "up_proj.bias", "down_proj.bias"):
         assert sum(n.endswith(bias) for n in names) == (4 if arch == "llama3" else 0), bias
+    for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        assert sum(n.endswith(norm) for n in names) == (4 if arch == "qwen3" else 0), norm
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -120,6 +127,7 @@ def test_roundtrip_folder_loads_with_transformers(base: Path, arch: str) -> None
         "num_hidden_layers",
         "num_attention_heads",
         "num_key_value_heads",
+        "head_dim",
         "rms_norm_eps",
         "tie_word_embeddings",
         "max_position_embeddings",
@@ -152,6 +160,17 @@ def test_llama3_features_each_change_the_logits(base: Path) -> None:
         diff = (got["logprobs"][:, :-1] - _hf_logprobs(hf, got["tokens"], **change)).abs().max().item()
         print(f"llama3 Megatron vs transformers with {change}: max |Δ logprob| = {diff:.3f}")
         assert diff > 1e-3, (change, diff)  # 10× the agreement tolerance
+
+
+def test_qwen3_qk_norms_change_the_logits(base: Path) -> None:
+    """Qwen3's 1e-4 agreement would fail had the q/k norm weights not been carried over (unit
+    weights, megatron's init) or had the norms been left out (what a Llama build would do)."""
+    got = load_file(str(base / "qwen3" / "megatron_logprobs.safetensors"))
+    diff = got["logprobs"][:, :-1] - _hf_logprobs(base / "qwen3" / "hf", got["tokens"], unit_qk_norms=True)
+    print(f"qwen3 Megatron vs transformers with unit q/k norms: max |Δ logprob| = {diff.abs().max().item():.3f}")
+    assert diff.abs().max().item() > 1e-3
+    mcfg = checkpoint_model_config(base / "qwen3" / "ckpt")
+    assert (mcfg.arch, mcfg.head_dim, mcfg.kv_channels, mcfg.hidden_size) == ("qwen3", 64, 64, 128)
 
 
 def test_converted_checkpoint_format(base: Path) -> None:

@@ -87,6 +87,10 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(reward={"fn": "math,exact_match", "weights": "1"}), 1, "reward.weights=.1.0. has 1 entries, reward.fn has 2"),
         (_cfg(reward={"fn": "math", "timeout_s": 0}), 1, "reward.timeout_s=0.0 must be > 0 seconds"),
         (_cfg(reward={"workers": 0}), 1, "reward.workers=0 must be a positive integer"),
+        (_cfg(model={"arch": "qwen2", "kv_channels": 64}), 1,
+         "model.kv_channels=64 arch=qwen2 needs head_dim × num_attention_heads = hidden_size=128"),
+        (_cfg(model={"arch": "qwen3", "linear_bias": True}), 1, "model.linear_bias=True is a Llama option"),
+        (_cfg(model={"kv_channels": -1}), 1, "model.kv_channels=-1 must be a positive integer"),
         (_cfg(parallel={"logprob_micro_batch_size": 48}), 1,
          "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128"),
     ],
@@ -166,3 +170,11 @@ def test_critic_layout_defaults_to_the_actor_and_validates() -> None:
     cfg = _cfg(algo=PPO, critic={"parallel.pipeline_parallel": 2})
     cfg.validate(2)
     assert cfg.critic_layout(2) == (1, 2, 1)
+
+
+def test_explicit_head_dim_validates() -> None:
+    """Qwen3-style head_dim × heads ≠ hidden_size (model.kv_channels); 0 keeps hidden / heads."""
+    cfg = _cfg(model={"arch": "qwen3", "kv_channels": 64, "hidden_size": 96})  # 96 / 4 heads = 24 ≠ 64
+    cfg.validate(1)
+    assert cfg.model.head_dim == 64
+    assert _cfg().model.head_dim == 32
