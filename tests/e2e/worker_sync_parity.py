@@ -53,3 +53,10 @@ finally:
 if dist.get_rank() == 0:
     with open(args.out, "w") as fh:
         json.dump(result, fh)
+
+# leave together and tear the groups down explicitly (a rank exiting while its peer still holds
+# live gloo groups can abort in their destructors: "terminate called without an active exception")
+dist.barrier()
+from megarl.distributed import shutdown  # noqa: E402
+
+shutdown()

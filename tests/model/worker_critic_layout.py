@@ -183,3 +183,10 @@ if dims.is_rank0:
     out = Path(args.out)
     save_file({k: v.contiguous() for k, v in result.items()}, str(out / "result.safetensors"))
     (out / "info.json").write_text(json.dumps({"critics": info, "ckpt_layouts": ckpt_info}))
+
+# leave together and tear the groups down explicitly (a rank exiting while its peer still holds
+# live gloo groups can abort in their destructors: "terminate called without an active exception")
+dist.barrier()
+from megarl.distributed import shutdown  # noqa: E402
+
+shutdown()

@@ -169,3 +169,12 @@ if dims.is_rank0:
     out = Path(args.out)
     save_file(result, str(out / "result.safetensors"))
     save_file(weights, str(out / "updated.safetensors"))
+
+# leave together and tear the groups down explicitly (a rank exiting while its peer still holds
+# live gloo groups can abort in their destructors: "terminate called without an active exception")
+import torch.distributed as dist  # noqa: E402
+
+from megarl.distributed import shutdown  # noqa: E402
+
+dist.barrier()
+shutdown()
