@@ -46,11 +46,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megarl.prelaunch import check_run
 
     check_run(cfg, world)  # before any process group starts
-    if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
-        from megarl.prelaunch import check_data
-
-        counts = check_data(cfg)
-        logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
     if "RANK" not in os.environ:
         # the launcher (or the whole run, world=1) picks the checkpoint: a bad explicit one
         # fails here in one line; the ranks get the verified choice and do not read it again
@@ -63,6 +58,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 2
         cfg.train.resume = "never" if found is None else str(found)
         os.environ[VERIFIED_ENV] = cfg.train.resume
+    if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
+        from megarl.prelaunch import check_data
+
+        counts = check_data(cfg)
+        logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
     if "RANK" not in os.environ and world > 1:
         # torchrun as a child; SIGTERM / SIGINT / SIGUSR1 sent to this process are forwarded to
         # the ranks (finish the step, checkpoint, exit) and this process exits with their status
