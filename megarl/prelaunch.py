@@ -1,12 +1,12 @@
 """What ``megarl train`` checks before any process group or engine starts, beyond the config's
-own rules (:meth:`RunConfig.validate`): each reward is imported and its signature checked
+own rules (:func:`megarl.config.validate`): each reward is imported and its signature checked
 (:func:`check_run`), and every data row is read and measured with the run's own tokenizer
 (:func:`check_data`). (The launcher then picks the checkpoint to resume,
 ``megarl.checkpoint.integrity.choose_resume``.)"""
 
 from __future__ import annotations
 
-from megarl.config import RunConfig
+from megarl.config import RunConfig, validate
 from megarl.errors import DataError
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.hf_tokenizer import open_tokenizer
@@ -15,7 +15,7 @@ from megarl.rollout.reward_runner import check_reward_config
 
 def check_run(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError naming the setting; nothing is started."""
-    cfg.validate(world_size)
+    validate(cfg, world_size)
     check_reward_config(cfg)  # imports each reward and checks its signature
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from megarl import cli, launcher
-from megarl.config import load_config
+from megarl.config import load_config, validate
 from tests.helpers import ROOT
 
 CONFIG = str(ROOT / "examples/grpo_cpu.yaml")
@@ -94,10 +94,10 @@ def test_kv_cache_that_holds_one_sequence_passes(tmp_path: Path) -> None:
     """The KV rule's boundary: 2 layers × 2 KV heads × 32 dims × K,V × fp32 = 1 KiB a token;
     128 tokens (one CPU block, covering 64 positions) need exactly 2^17 bytes."""
     cfg = load_config(CONFIG, ["rollout.kv_cache_gb=" + repr(2**17 / 2**30), f"train.run_dir={tmp_path}"])
-    cfg.validate(2)
+    validate(cfg, 2)
     cfg = load_config(CONFIG, ["rollout.kv_cache_gb=" + repr((2**17 - 1024) / 2**30), f"train.run_dir={tmp_path}"])
     with pytest.raises(cli_config_error(), match="holds 0 KV tokens per engine"):
-        cfg.validate(2)
+        validate(cfg, 2)
 
 
 def cli_config_error() -> type[Exception]:

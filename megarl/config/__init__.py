@@ -2,7 +2,7 @@
 
 ``load_config(path, overrides)`` (``load``) reads YAML, applies ``--set a.b=c`` overrides,
 rejects unknown keys and wrong types (naming the dotted field), and
-:meth:`RunConfig.validate` (``checks``) applies the cross-field rules before any process
+:func:`validate` (``checks``) applies the cross-field rules before any process
 group starts. Sections: ``model`` (model, parallel, optim), ``rollout`` (data, reward,
 rollout), ``algo`` (algo, critic, warm start), ``run`` (weight sync, coordinator, train,
 RunConfig); ``hf`` maps an HF ``config.json`` onto a ModelConfig or refuses it; ``docs``
@@ -11,6 +11,7 @@ prints the resolved config with each field's docstring. Every error is a
 """
 
 from megarl.config.algo import AlgoConfig, CriticConfig, CriticParallelConfig, WarmStartConfig
+from megarl.config.checks import validate
 from megarl.config.load import load_config, parse_override, to_dict
 from megarl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import DataConfig, RewardConfig, RolloutConfig
@@ -36,4 +37,5 @@ __all__ = [
     "load_config",
     "parse_override",
     "to_dict",
+    "validate",
 ]

@@ -1,4 +1,4 @@
-"""The consistency rules behind :meth:`megarl.config.RunConfig.validate`.
+"""The consistency rules of a run config: :func:`validate` (``megarl.config.validate``).
 
 Every rule fails with :class:`megarl.config.ConfigError` naming the field, its value and the
 rule, before any process group starts.
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from megarl.config.run import RunConfig
 
 
-def check(cfg: RunConfig, world_size: int) -> None:
-    """Every rule, section by section; the first broken one raises."""
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Every rule, section by section, before any process group starts; the first broken one
+    raises ConfigError naming the field, the value and the rule."""
     _positive(cfg)
     _rates_and_sampling(cfg)
     _paths(cfg)

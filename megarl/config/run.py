@@ -118,9 +118,3 @@ class RunConfig:
         tp = c.tensor_parallel or p.tensor_parallel
         pp = c.pipeline_parallel or p.pipeline_parallel
         return tp, pp, world_size // (tp * pp)
-
-    def validate(self, world_size: int) -> None:
-        """Raise ConfigError on inconsistent sizes. Runs before any process group starts."""
-        from megarl.config.checks import check
-
-        check(self, world_size)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, RunConfig, load_config
+from megarl.config import ConfigError, RunConfig, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,9 +40,9 @@ def test_examples_load_and_validate(tmp_path: Path) -> None:
         local_stand_ins(path.name, cfg, tmp_path)
         p = cfg.parallel
         world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
-        cfg.validate(world)
+        validate(cfg, world)
         with pytest.raises(ConfigError):
-            cfg.validate(world + 1)
+            validate(cfg, world + 1)
 
 
 def test_overrides_are_typed() -> None:
@@ -117,7 +117,7 @@ def test_weight_sync_transport_and_colocate_fields() -> None:
     assert cfg.weight_sync.transport == "auto" and cfg.rollout.colocate is False
     cfg = load_config(None, ["weight_sync.transport=http", "rollout.colocate=false"])
     assert cfg.weight_sync.transport == "http"
-    cfg.validate(1)
+    validate(cfg, 1)
     with pytest.raises(ConfigError, match=r"weight_sync.transport='tcp' must be one of \['auto', 'shm', 'http', "
                                           r"'nccl', 'cuda_ipc'\]"):
         load_config(None, ["weight_sync.transport=tcp"])
@@ -131,8 +131,8 @@ def test_nccl_refused_for_colocated_engines(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rule holds on any machine
     cfg = load_config(None, ["weight_sync.transport=nccl", "rollout.colocate=true"])
     with pytest.raises(ConfigError, match=r"weight_sync.transport='nccl' cannot reach colocated engines"):
-        cfg.validate(1)
-    load_config(None, ["weight_sync.transport=cuda_ipc", "rollout.colocate=true"]).validate(1)
+        validate(cfg, 1)
+    validate(load_config(None, ["weight_sync.transport=cuda_ipc", "rollout.colocate=true"]), 1)
 
 
 PPO = {"name": "ppo", "advantage": "gae"}
@@ -162,24 +162,24 @@ R3 = {"num_prompts": 3, "samples_per_prompt": 8}  # 24 responses: the actor's DP
 )
 def test_critic_layout_errors_name_the_field(cfg: RunConfig, world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("×", ".").replace("'", ".")):
-        cfg.validate(world)
+        validate(cfg, world)
 
 
 def test_critic_layout_defaults_to_the_actor_and_validates() -> None:
     cfg = _cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 4})
-    cfg.validate(2)
+    validate(cfg, 2)
     assert cfg.critic_layout(2) == (2, 1, 1)  # unset: the actor's TP/PP
     cfg = _cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 4}, critic={"parallel.tensor_parallel": 1})
-    cfg.validate(2)
+    validate(cfg, 2)
     assert cfg.critic_layout(2) == (1, 1, 2)  # TP1 over 2 ranks: DP2
     cfg = _cfg(algo=PPO, critic={"parallel.pipeline_parallel": 2})
-    cfg.validate(2)
+    validate(cfg, 2)
     assert cfg.critic_layout(2) == (1, 2, 1)
 
 
 def test_explicit_head_dim_validates() -> None:
     """Qwen3-style head_dim × heads ≠ hidden_size (model.kv_channels); 0 keeps hidden / heads."""
     cfg = _cfg(model={"arch": "qwen3", "kv_channels": 64, "hidden_size": 96})  # 96 / 4 heads = 24 ≠ 64
-    cfg.validate(1)
+    validate(cfg, 1)
     assert cfg.model.head_dim == 64
     assert _cfg().model.head_dim == 32

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, RunConfig, load_config
+from megarl.config import ConfigError, RunConfig, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,18 +77,18 @@ def test_gpu_recipe_refuses_only_gpu_only_fields_on_cpu(tmp_path: Path) -> None:
     path = ROOT / "examples/qwen_math_gpu.yaml"
     src = f"model.init_from={qwen_folder(tmp_path)}"
     with pytest.raises(ConfigError, match=r"^rollout.colocate=True needs CUDA"):
-        load_config(path, [src]).validate(8)
+        validate(load_config(path, [src]), 8)
     with pytest.raises(ConfigError, match=r"^model.dtype/transformer_impl='bf16/transformer_engine' needs CUDA"):
-        load_config(path, [src, "rollout.colocate=false"]).validate(8)
+        validate(load_config(path, [src, "rollout.colocate=false"]), 8)
     cpu = ["rollout.colocate=false", "model.dtype=fp32", "model.transformer_impl=local"]
     cfg = load_config(path, [src, *cpu])
-    cfg.validate(8)  # TP 2 × DP 4 on one 8-GPU node
+    validate(cfg, 8)  # TP 2 × DP 4 on one 8-GPU node
     m = resolved_model(cfg)
     assert (m.arch, m.num_layers, m.hidden_size, m.num_query_groups, m.tie_embeddings) == ("qwen2", 28, 1536, 2, True)
     assert m.rotary_base == 1e6 and m.max_position_embeddings == 32768
     check_kv_cache(cfg, m)  # each engine's KV cache holds a whole 32k-token sequence
     with pytest.raises(ConfigError, match="parallel.tensor_parallel=4"):
-        load_config(path, [src, *cpu, "parallel.tensor_parallel=4", "parallel.data_parallel=2"]).validate(8)
+        validate(load_config(path, [src, *cpu, "parallel.tensor_parallel=4", "parallel.data_parallel=2"]), 8)
 
 
 def test_byo_files_are_deterministic_split_by_problem_and_fit_the_config(tmp_path: Path) -> None:

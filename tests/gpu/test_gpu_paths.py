@@ -4,7 +4,7 @@ refused with a clear error on a machine without CUDA; with CUDA they build and r
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, load_config, validate
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -14,7 +14,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_only_options_refused_on_cpu(override: str) -> None:
     cfg = load_config(None, [override])
     with pytest.raises(ConfigError, match="needs CUDA"):
-        cfg.validate(1)
+        validate(cfg, 1)
 
 
 @pytest.mark.gpu
@@ -49,4 +49,4 @@ def test_transformer_engine_spec_bf16_forward(tmp_path) -> None:
 def test_gpu_transports_and_colocation_refused_on_cpu(override: str, message: str) -> None:
     cfg = load_config(None, [override])
     with pytest.raises(ConfigError, match=message):
-        cfg.validate(1)
+        validate(cfg, 1)
