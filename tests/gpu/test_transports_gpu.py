@@ -9,6 +9,7 @@ two-step wake (weights, then KV cache) around a sync leaves it serving the new w
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -93,42 +94,70 @@ def _staged(fleet: Fleet, path: str) -> str:
     return str(dst)
 
 
-def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> None:
+def _push_and_compare(t: dict, fleet: Fleet, transport: str, version: int) -> dict:
+    """Push the trainer's weights through ``transport`` and measure what the engine serves:
+    against the old weights, the same weights loaded from a file, the trainer's own forward,
+    and after a push with a NaN on the trainer (which must be refused by name)."""
     from megarl.weight_sync.sync import WeightSync, check_integrity
 
     fleet.update_weights(version, [_staged(fleet, t["old"])])
     before = fleet.logprobs([SEQ], 1.0)
     sync = WeightSync(t["model"], t["adapter"], fleet, bucket_mb=0.05, transport=transport)
-    assert sync.transport.name == transport
     stats = sync.push(version + 1)
-    assert stats["bytes"] == 4 * sum(p.numel() for p in load_file(t["new"]).values())
     pushed = fleet.logprobs([SEQ], 1.0)
-    assert fleet.versions() == [version + 1]
-    assert _max_diff(pushed, before) > 0.05
-    assert check_integrity(t["model"], fleet, SEQ, tol=1e-3) <= 1e-3
+    got = {
+        "transport": sync.transport.name,
+        "bytes": stats["bytes"],
+        "expected_bytes": 4 * sum(p.numel() for p in load_file(t["new"]).values()),
+        "versions_after_push": fleet.versions(),
+        "moved": _max_diff(pushed, before),
+        "integrity": check_integrity(t["model"], fleet, SEQ, tol=1e-3),
+    }
     fleet.update_weights(version + 2, [_staged(fleet, t["new"])])  # the same weights from the file
-    assert _max_diff(fleet.logprobs([SEQ], 1.0), pushed) <= 1e-5
+    got["vs_file"] = _max_diff(fleet.logprobs([SEQ], 1.0), pushed)
     # a NaN on the trainer: rejected by name, the engine keeps serving version + 2
     norm = dict(t["model"].core.named_parameters())["decoder.final_layernorm.weight"]
     saved = norm.detach().clone()
     with torch.no_grad():
         norm[3] = float("nan")
+    got["nan_error"] = ""
     try:
-        with pytest.raises(WeightSyncError, match=r"tensor 'model\.norm\.weight' contains NaN/Inf"):
-            sync.push(version + 3)
+        sync.push(version + 3)
+    except WeightSyncError as e:
+        got["nan_error"] = str(e)
     finally:
         with torch.no_grad():
             norm.copy_(saved)
-    assert fleet.versions() == [version + 2]
-    assert _max_diff(fleet.logprobs([SEQ], 1.0), pushed) <= 1e-5
+    got["versions_after_nan"] = fleet.versions()
+    got["vs_file_after_nan"] = _max_diff(fleet.logprobs([SEQ], 1.0), pushed)
+    return got
+
+
+def _assert_pushed(got: dict, transport: str, version: int) -> None:
+    assert got["transport"] == transport
+    assert got["bytes"] == got["expected_bytes"]
+    assert got["versions_after_push"] == [version + 1]
+    assert got["moved"] > 0.05  # the new weights serve
+    assert got["integrity"] <= 1e-3  # ... and equal the trainer's forward
+    assert got["vs_file"] <= 1e-5  # ... and the same weights loaded from a file
+    assert re.search(r"tensor 'model\.norm\.weight' contains NaN/Inf", got["nan_error"]), got["nan_error"]
+    assert got["versions_after_nan"] == [version + 2] and got["vs_file_after_nan"] <= 1e-5
 
 
 def test_nccl_transport(trainer, remote_gpu) -> None:
-    _push_and_compare(trainer, remote_gpu, "nccl", 10)
+    got = _push_and_compare(trainer, remote_gpu, "nccl", 10)
+    assert got["transport"] == "nccl" and got["bytes"] == got["expected_bytes"]
+    assert got["versions_after_push"] == [11] and got["moved"] > 0.05 and got["integrity"] <= 1e-3
+    assert got["vs_file"] <= 1e-5 and "contains NaN/Inf" in got["nan_error"]
+    _assert_pushed(got, "nccl", 10)
 
 
 def test_cuda_ipc_transport(trainer, colocated) -> None:
-    _push_and_compare(trainer, colocated, "cuda_ipc", 20)
+    got = _push_and_compare(trainer, colocated, "cuda_ipc", 20)
+    assert got["transport"] == "cuda_ipc" and got["bytes"] == got["expected_bytes"]
+    assert got["versions_after_push"] == [21] and got["moved"] > 0.05 and got["integrity"] <= 1e-3
+    assert got["vs_file"] <= 1e-5 and "contains NaN/Inf" in got["nan_error"]
+    _assert_pushed(got, "cuda_ipc", 20)
 
 
 def test_sleep_frees_memory_and_two_step_wake_around_sync(trainer, colocated) -> None:
