@@ -33,27 +33,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from megarl.rollout.hf_tokenizer import GENERATION_CONFIG, HF_TOKENIZER_FILES
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
 
 logger = logging.getLogger("megarl.convert")
 
-TOKENIZER_FILES = (
-    "tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-)
-"""Tokenizer files (SentencePiece or HF, as megarl.rollout.hf_tokenizer lists them) copied unchanged."""
 HF_CONFIG_IN_CKPT = "hf_config.json"
 """The source HF ``config.json`` as stored inside a converted checkpoint."""
-GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_DTYPE = "hf_dtype"
@@ -178,7 +165,7 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     source = LazyHFTensors(hf_dir)
     load_hf_tensors(model, LlamaQwen2Adapter(mcfg), source)
     files = {HF_CONFIG_IN_CKPT: hf_dir / "config.json"}
-    for name in (GENERATION_CONFIG, *TOKENIZER_FILES):
+    for name in (GENERATION_CONFIG, *HF_TOKENIZER_FILES):
         if (hf_dir / name).is_file():
             files[name] = hf_dir / name
     dtype = str(source["model.embed_tokens.weight"].dtype).removeprefix("torch.")
@@ -321,8 +308,8 @@ def _tokenizer_files(tokenizer: Path | None, ckpt: Path) -> list[Path]:
             return [tokenizer]
         if not tokenizer.is_dir():
             raise FileNotFoundError(f"--tokenizer {tokenizer} does not exist")
-        return [tokenizer / n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
-    return [ckpt / n for n in TOKENIZER_FILES if (ckpt / n).is_file()]
+        return [tokenizer / n for n in HF_TOKENIZER_FILES if (tokenizer / n).is_file()]
+    return [ckpt / n for n in HF_TOKENIZER_FILES if (ckpt / n).is_file()]
 
 
 # --------------------------------------------------------------------------- launching
