@@ -163,3 +163,17 @@ def tiny_hf_tokenizer(path: Path, style: str = "chatml", vocab: int = 300) -> Pa
     fast.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return path
+
+
+def alive_processes(procs: list[Any]) -> list[Any]:
+    """The psutil processes of ``procs`` still running (zombies count as gone)."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out

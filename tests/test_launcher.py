@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers import alive_processes as _alive
 
 TORCHRUN = """
 import subprocess, sys
@@ -72,17 +73,6 @@ def _wait_for(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _reap(procs: list[psutil.Process]) -> None:

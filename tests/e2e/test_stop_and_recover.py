@@ -25,6 +25,7 @@ import pytest
 
 from megarl.checkpoint.integrity import verify_checkpoint
 from tests.helpers import ROOT
+from tests.helpers import alive_processes as _alive
 
 SETS = [
     "coordinator.enabled=false",
@@ -58,17 +59,6 @@ def _env() -> dict[str, str]:
 def _steps(run: Path) -> list[int]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [r["step"] for r in map(json.loads, lines) if "rollout/reward_mean" in r]
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _cmdline(p: psutil.Process) -> str:
