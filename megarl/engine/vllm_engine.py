@@ -30,16 +30,33 @@ from megarl.errors import EngineError
 log = logging.getLogger("megarl.engine")
 
 
-def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, kv_tokens: int) -> list[tuple[int, int]]:
-    """Consecutive [lo, hi) prompt ranges whose worst-case KV use fits the cache.
+CPU_PREFILL_TOKENS = 16384
+"""Scheduler budget (``max_num_batched_tokens``) of a CPU engine: a wave of seeded requests
+must prefill in one step (see :func:`waves`); vLLM's CPU default is 4096 per TP rank."""
 
-    vLLM preempts and recomputes sequences when the cache runs out; the CPU build then
-    fails on seeded requests ("CPU Generator does not use offset"), and a recompute is
-    wasted work anyway. Generating in waves that fit never preempts, and per-request
-    seeds keep the samples identical to one big call.
+
+def waves(
+    prompt_lens: list[int],
+    n: int,
+    max_tokens: int,
+    block_size: int,
+    kv_tokens: int,
+    prefill: tuple[int, int] | None = None,
+) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) prompt ranges that vLLM runs without preempting or chunking.
+
+    vLLM preempts and recomputes sequences when the KV cache runs out, and splits a prompt's
+    prefill over scheduler steps when the step's token budget runs out. Either way it then
+    rewinds the request's random generator, which the CPU build cannot do for seeded
+    requests ("CPU Generator does not use offset"), and a recompute is wasted work anyway.
+    Every wave fits the KV cache (worst case: every sample runs to ``max_tokens``); with
+    ``prefill = (max_num_batched_tokens, max_num_seqs)`` (seeded requests on CPU) each wave's
+    ``n`` × prompt tokens also fit one step's budget and its sequences one step's batch, so
+    all of them are prefilled in the first step. Per-request seeds keep the samples identical
+    to one big call.
     """
-    waves: list[tuple[int, int]] = []
-    lo, used = 0, 0
+    out: list[tuple[int, int]] = []
+    lo, used, tokens = 0, 0, 0
     for i, plen in enumerate(prompt_lens):
         need = n * -(-(plen + max_tokens) // block_size) * block_size
         if need > kv_tokens:
@@ -47,13 +64,24 @@ def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, k
                 f"prompt {i}: {n} samples × {plen + max_tokens} tokens need {need} KV tokens, the engine has"
                 f" {kv_tokens}; raise rollout.kv_cache_gb or lower samples_per_prompt / max_response_len"
             )
-        if used + need > kv_tokens:
-            waves.append((lo, i))
-            lo, used = i, 0
+        full = used + need > kv_tokens
+        if prefill is not None:
+            budget, max_seqs = prefill
+            if n * plen > budget or n > max_seqs:
+                raise EngineError(
+                    f"prompt {i}: {n} seeded samples × {plen} prompt tokens cannot be prefilled in one step of"
+                    f" the CPU engine ({budget} tokens, {max_seqs} sequences); lower samples_per_prompt /"
+                    " max_prompt_len or set rollout.seeded=false"
+                )
+            full = full or tokens + n * plen > budget or (i - lo + 1) * n > max_seqs
+        if full and i > lo:
+            out.append((lo, i))
+            lo, used, tokens = i, 0, 0
         used += need
+        tokens += n * plen
     if lo < len(prompt_lens):
-        waves.append((lo, len(prompt_lens)))
-    return waves
+        out.append((lo, len(prompt_lens)))
+    return out
 
 
 class VllmEngine:
@@ -77,6 +105,7 @@ class VllmEngine:
         manifest = json.loads((self.model_dir / MANIFEST).read_text())
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
+        on_cpu = not torch.cuda.is_available()
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -92,6 +121,7 @@ class VllmEngine:
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=sleep_mode,
+            **({"max_num_batched_tokens": max(CPU_PREFILL_TOKENS, max_len)} if on_cpu else {}),
         )
         # One worker in this very process: staged tensors are handed over without a copy.
         self.in_process = tp == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -101,6 +131,9 @@ class VllmEngine:
         self.lock = threading.Lock()
         self.staged: Staged | None = None
         self.block_size, self.kv_tokens = self._kv_capacity(kv_cache_gb, tp)
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.cpu_prefill = (int(sched.max_num_batched_tokens), int(sched.max_num_seqs)) if on_cpu else None
+        """Seeded requests on CPU must not be chunked or preempted: :func:`waves` sizes them."""
         log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
@@ -138,13 +171,23 @@ class VllmEngine:
             for s in seeds
         ]
         n, max_tokens = int(req.get("n", 1)), int(req["max_tokens"])
-        waves = kv_waves([len(p) for p in prompts], n, max_tokens, self.block_size, self.kv_tokens)
-        if len(waves) > 1:
-            log.info("%d prompts × %d samples exceed the KV cache: %d waves", len(prompts), n, len(waves))
+        seeded = any(s is not None for s in seeds)
+        parts = waves(
+            [len(p) for p in prompts],
+            n,
+            max_tokens,
+            self.block_size,
+            self.kv_tokens,
+            prefill=self.cpu_prefill if seeded else None,
+        )
+        if len(parts) > 1:
+            log.info(
+                "%d prompts × %d samples exceed the KV cache or step budget: %d waves", len(prompts), n, len(parts)
+            )
         with self.lock:
             version = self.version
             results = []
-            for lo, hi in waves:
+            for lo, hi in parts:
                 results += self.llm.generate(
                     [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi], use_tqdm=False
                 )

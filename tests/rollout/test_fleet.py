@@ -135,15 +135,39 @@ def test_engine_killed_mid_generation_is_restarted(fleet) -> None:
     assert version == 1
 
 
-def test_kv_waves_fit_the_cache() -> None:
-    from megarl.engine.vllm_engine import kv_waves
+def test_waves_fit_the_cache_and_the_step_budget() -> None:
+    from megarl.engine.vllm_engine import waves
     from megarl.errors import EngineError
 
     # 3 samples × ceil((4 + 20) / 16) blocks = 96 tokens per prompt; 256 tokens hold 2 prompts
-    assert kv_waves([4] * 5, 3, 20, 16, 256) == [(0, 2), (2, 4), (4, 5)]
-    assert kv_waves([4] * 5, 3, 20, 16, 10_000) == [(0, 5)]
+    assert waves([4] * 5, 3, 20, 16, 256) == [(0, 2), (2, 4), (4, 5)]
+    assert waves([4] * 5, 3, 20, 16, 10_000) == [(0, 5)]
     with pytest.raises(EngineError, match="prompt 1: 3 samples × 40 tokens need 144 KV tokens"):
-        kv_waves([4, 20], 3, 20, 16, 128)
+        waves([4, 20], 3, 20, 16, 128)
+    # seeded on CPU: 3 × 10 prompt tokens per prompt, 64 a step -> 2 prompts a wave;
+    # at most 7 sequences a step -> 2 prompts (6 sequences) a wave
+    assert waves([10] * 5, 3, 4, 16, 10_000, prefill=(64, 1000)) == [(0, 2), (2, 4), (4, 5)]
+    assert waves([1] * 5, 3, 4, 16, 10_000, prefill=(64, 7)) == [(0, 2), (2, 4), (4, 5)]
+    assert waves([10, 1, 1, 30], 2, 4, 16, 10_000, prefill=(64, 1000)) == [(0, 3), (3, 4)]
+    with pytest.raises(EngineError, match=r"prompt 1: 3 seeded samples × 30 prompt tokens cannot be prefilled"
+                       r" in one step of the CPU engine \(64 tokens, 1000 sequences\).*rollout\.seeded=false"):
+        waves([10, 30], 3, 4, 16, 10_000, prefill=(64, 1000))
+
+
+def test_seeded_requests_over_one_step_budget(fleet) -> None:
+    """More seeded prefill than one scheduler step of vLLM's CPU default (4096 tokens) holds:
+    vLLM would chunk a prefill and then rewind the CPU generator, which kills the engine ("CPU
+    Generator does not use offset"). megarl raises the budget to 16384 and sizes waves under
+    it. Same samples as the same prompts sent in small calls, and no engine restarted."""
+    f, _, _, _ = fleet
+    prompts = [[1] + [5 + (i + j) % 50 for j in range(44)] for i in range(104)]  # 4 × 52 × 45 = 9360 an engine
+    kw = dict(n=4, max_tokens=3, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True)
+    seeds, restarts = list(range(len(prompts))), f.restarts
+    big, _ = f.generate(prompts, seeds=seeds, **kw)
+    small = [g for i in range(0, len(prompts), 26)
+             for g in f.generate(prompts[i : i + 26], seeds=seeds[i : i + 26], **kw)[0]]
+    assert [[s["token_ids"] for s in g] for g in big] == [[s["token_ids"] for s in g] for g in small]
+    assert f.restarts == restarts  # no engine died (the fleet would have restarted it)
 
 
 def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_path) -> None:
