@@ -74,7 +74,7 @@ def waves(
                     " max_prompt_len or set rollout.seeded=false"
                 )
             full = full or tokens + n * plen > budget or (i - lo + 1) * n > max_seqs
-        if full and i > lo:
+        if full:
             out.append((lo, i))
             lo, used, tokens = i, 0, 0
         used += need
