@@ -121,7 +121,7 @@ class VllmEngine:
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=sleep_mode,
-            **({"max_num_batched_tokens": max(CPU_PREFILL_TOKENS, max_len)} if on_cpu else {}),
+            max_num_batched_tokens=max(CPU_PREFILL_TOKENS, max_len) if on_cpu else None,
         )
         # One worker in this very process: staged tensors are handed over without a copy.
         self.in_process = tp == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
