@@ -24,10 +24,14 @@ import torch
 
 from megarl.engine.credentials import inside
 from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
+from megarl.engine.wire import encode_generation
 from megarl.engine.worker_ext import EXTENSION
 from megarl.errors import EngineError
 
 log = logging.getLogger("megarl.engine")
+
+TIME_MODEL_ENV = "MEGARL_ENGINE_TIME_MODEL"
+"""``1``: every ``/generate`` reply also carries ``model_s``, the model's forward seconds."""
 
 
 def kv_waves(prompt_lens: list[int], n: int, max_tokens: int, block_size: int, kv_tokens: int) -> list[tuple[int, int]]:
@@ -101,6 +105,10 @@ class VllmEngine:
         self.lock = threading.Lock()
         self.staged: Staged | None = None
         self.block_size, self.kv_tokens = self._kv_capacity(kv_cache_gb, tp)
+        self.time_model = os.environ.get(TIME_MODEL_ENV) == "1"
+        """Report the model's forward seconds with each generation (benchmarks; adds an RPC)."""
+        if self.time_model:
+            self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
         log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
@@ -116,7 +124,8 @@ class VllmEngine:
         return bs, int(kv_cache_gb * (1 << 30)) // per_token // bs * bs
 
     # -- generation ----------------------------------------------------------------
-    def generate(self, req: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, req: dict[str, Any]) -> bytes:
+        """Sample ``n`` responses per prompt; the reply is one binary frame (``wire.encode_generation``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -143,11 +152,17 @@ class VllmEngine:
             log.info("%d prompts × %d samples exceed the KV cache: %d waves", len(prompts), n, len(waves))
         with self.lock:
             version = self.version
+            if self.time_model:  # forwards since the last generation (integrity checks) do not count
+                self.llm.collective_rpc("megarl_model_seconds")
+            t0 = time.perf_counter()
             results = []
             for lo, hi in waves:
                 results += self.llm.generate(
                     [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi], use_tqdm=False
                 )
+            timings = {"engine_s": time.perf_counter() - t0}
+            if self.time_model:  # the model's forward only (the rest is vLLM's scheduling and sampling)
+                timings["model_s"] = max(self.llm.collective_rpc("megarl_model_seconds"))
         outputs = []
         for r in results:
             group = []
@@ -155,7 +170,7 @@ class VllmEngine:
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids) if d is not None]
                 group.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
             outputs.append(group)
-        return {"version": version, "outputs": outputs}
+        return encode_generation(version, outputs, timings)
 
     def logprobs(self, req: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
