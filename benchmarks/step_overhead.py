@@ -13,9 +13,10 @@ times, and reads each run's metrics.jsonl. Engines time their own model forward
       sync           the sync phase: gather, bucket write, begin/load/commit, vLLM reload, integrity check
       other          advantages + plan + time between the phases
 
-A tree without the fleet/* metrics (megarl before they existed) gets the model seconds of the
-runs that have them (the samples are the same: seeded generation, same weights; the table
-checks that the rewards agree) and its generate-phase split is not shown. The trainer's
+A tree without the fleet/* metrics (megarl before they existed) gets --untimed-model-s, or
+else the model seconds of the runs that have them (the samples are the same: seeded
+generation, same weights; the table checks that the rewards agree), and its generate-phase
+split is not shown. The trainer's
 logprobs and update phases count as compute here (their own overheads are the subject of
 token-budget batching, not of this benchmark).
 
@@ -86,6 +87,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/step_overhead"))
     ap.add_argument("--set", action="append", default=[], dest="sets", help="extra --set for every run")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--untimed-model-s", type=float, default=None,
+                    help="model seconds per step for trees without fleet/model_s (default: the timed runs' median)")  # fmt: skip
     args = ap.parse_args()
     codes = [c.resolve() for c in args.code]
     runs: dict[int, list[list[dict[str, float]]]] = {i: [] for i in range(len(codes))}
@@ -96,7 +99,7 @@ def main() -> int:
             runs[i].append(steps[args.skip :])
             print(f"tree {i} ({code}) repeat {r}: {len(steps)} steps in {time.perf_counter() - t0:.0f}s", flush=True)
     timed = [m["fleet/model_s"] for rs in runs.values() for steps in rs for m in steps if m.get("fleet/model_s")]
-    model_s = statistics.median(timed) if timed else None
+    model_s = args.untimed_model_s if args.untimed_model_s is not None else (statistics.median(timed) if timed else None)
     rows, summary = [], {}
     for i, code in enumerate(codes):
         per_step = [split(m, model_s) for steps in runs[i] for m in steps]
