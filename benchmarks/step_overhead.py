@@ -99,7 +99,9 @@ def main() -> int:
             runs[i].append(steps[args.skip :])
             print(f"tree {i} ({code}) repeat {r}: {len(steps)} steps in {time.perf_counter() - t0:.0f}s", flush=True)
     timed = [m["fleet/model_s"] for rs in runs.values() for steps in rs for m in steps if m.get("fleet/model_s")]
-    model_s = args.untimed_model_s if args.untimed_model_s is not None else (statistics.median(timed) if timed else None)
+    model_s = (
+        args.untimed_model_s if args.untimed_model_s is not None else (statistics.median(timed) if timed else None)
+    )
     rows, summary = [], {}
     for i, code in enumerate(codes):
         per_step = [split(m, model_s) for steps in runs[i] for m in steps]
