@@ -77,10 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the trainer) is gone")
     ap.add_argument("--lease-s", type=float, default=0.0, help="exit after this long without a request (0: off)")
     ap.add_argument("--max-json-mb", type=float, default=64.0, help="largest JSON request body, MiB")
-    # vLLM's CPU defaults (256 sequences, 4096 tokens a step) split an RL step's batch (e.g. 32
-    # prompts x 16 samples) into sequential waves: twice the scheduler steps for the same tokens
-    ap.add_argument("--max-num-seqs", type=int, default=1024, help="sequences vLLM runs in one step")
-    ap.add_argument("--max-batched-tokens", type=int, default=16384, help="tokens vLLM runs in one step")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
     try:
@@ -112,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     stop, lost = threading.Event(), list[str]()
     lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
     engine = VllmEngine(
-        args.model,
-        args.tp,
-        args.kv_cache_gb,
-        args.seed,
-        args.max_model_len,
-        args.sleep_mode,
-        args.staging_dir,
-        max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
+        args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
     )
     if stop.is_set():
         return 3

@@ -72,10 +72,7 @@ class VllmEngine:
         max_len: int,
         sleep_mode: bool = False,
         staging_dir: str = "",
-        max_num_seqs: int = 0,
-        max_batched_tokens: int = 0,
     ) -> None:
-        """``max_num_seqs`` / ``max_batched_tokens``: vLLM's per-step limits (0: vLLM's default)."""
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
@@ -99,8 +96,6 @@ class VllmEngine:
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=sleep_mode,
-            max_num_seqs=max_num_seqs or None,
-            max_num_batched_tokens=max_batched_tokens or None,
         )
         # One worker in this very process: staged tensors are handed over without a copy.
         self.in_process = tp == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
