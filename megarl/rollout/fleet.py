@@ -7,13 +7,14 @@ after it is restarted and given the current weights), so a step always completes
 planned number of samples; the event is logged and counted in ``fleet.restarts``.
 
 Engines can die at any other moment too. One found dead before a generation or an update
-(``recover``: process exited or /health silent) is restarted first. During an update
-(begin / load / commit) a connection-level failure (``EngineDead``) does not fail the update:
-the engine is marked down, the others carry on, and when the update commits the dead ones
-are restarted and replay *that* version (or, if the update was rejected, the previous one);
-then every engine must report the same version. A rejection (engine alive, says no) still
-aborts everywhere and raises ``WeightSyncError``. Remote engines (no launch command) cannot
-be restarted: their death is an error naming the engine and its address.
+(``recover``: process exited, or silent on /health when it has not answered for ``fresh_s``)
+is restarted first. During an update (begin / load / commit) a connection-level failure
+(``EngineDead``) does not fail the update: the engine is marked down, the others carry on,
+and when the update commits the dead ones are restarted and replay *that* version (or, if
+the update was rejected, the previous one); then every engine must report the same version.
+A rejection (engine alive, says no) still aborts everywhere and raises ``WeightSyncError``.
+Remote engines (no launch command) cannot be restarted: their death is an error naming the
+engine and its address.
 
 Weight updates go to every engine as begin → load (all engines) → commit (all engines);
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
