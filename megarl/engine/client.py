@@ -1,7 +1,8 @@
 """The trainer's side of the engine protocol: one :class:`EngineClient` per engine server.
 
 Requests use the route table of ``megarl.engine.routes`` and carry the run's credential
-(``Authorization: Bearer``); an engine that answers with an error raises
+(``Authorization: Bearer``); ``/generate`` answers one binary frame (``megarl.engine.wire``),
+every other route JSON. An engine that answers with an error raises
 :class:`RolloutError` naming engine, address and route, one that does not answer at all
 :class:`EngineDead` (the fleet restarts local engines that are down).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 
 from megarl.engine import routes
 from megarl.engine.credentials import TOKEN_ENV, auth_header
+from megarl.engine.wire import GENERATION_TYPE, decode_generation
 from megarl.errors import EngineDead, RolloutError
 
 
@@ -42,13 +45,30 @@ class EngineClient:
     env: dict[str, str] = field(default_factory=dict)
     token: str = field(default="", repr=False)
     """The run's credential, sent with every request."""
+    answered_at: float = field(default=float("-inf"), repr=False)
+    """``time.monotonic()`` of the engine's last successful answer (the fleet skips a /health
+    ping for an engine that answered moments ago)."""
+    served_version: int | None = field(default=None, repr=False)
+    """The weight version the engine named in its last answer that carried one."""
 
     def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
+        ctype, body = self._exchange(path, data, content_type, timeout)
+        if ctype != "application/json":
+            raise RolloutError(f"engine {self.name} ({self.address}) {path}: expected JSON, got {ctype!r}")
+        reply = dict(json.loads(body))
+        if isinstance(reply.get("version"), int):
+            self.served_version = reply["version"]
+        return reply
+
+    def _exchange(self, path: str, data: bytes | None, content_type: str, timeout: float) -> tuple[str, bytes]:
+        """One request: (reply Content-Type, reply body); errors mapped as the module says."""
         headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
         req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return dict(json.loads(r.read()))
+                body = r.read()
+                self.answered_at = time.monotonic()
+                return r.headers.get_content_type(), body
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
             try:
@@ -61,6 +81,22 @@ class EngineClient:
 
     def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return self._request(path, json.dumps(body).encode(), "application/json", timeout)
+
+    def generate(
+        self, body: dict[str, Any], timeout: float
+    ) -> tuple[int, list[list[dict[str, Any]]], dict[str, float]]:
+        """POST /generate: (weight version, samples per prompt as ``{"token_ids", "logprobs",
+        "finish_reason"}``, the engine's timings), decoded from the binary frame."""
+        ctype, frame = self._exchange(routes.GENERATE, json.dumps(body).encode(), "application/json", timeout)
+        if ctype != GENERATION_TYPE:
+            raise RolloutError(f"engine {self.name} ({self.address}) {routes.GENERATE}: expected {GENERATION_TYPE}, "
+                               f"got {ctype!r} (an engine from an older megarl?)")  # fmt: skip
+        try:
+            version, outputs, timings = decode_generation(frame)
+        except ValueError as e:
+            raise RolloutError(f"engine {self.name} ({self.address}) {routes.GENERATE}: {e}") from e
+        self.served_version = version
+        return version, outputs, timings
 
     def post_bytes(self, path: str, data: bytes, timeout: float) -> dict[str, Any]:
         """POST a binary body (safetensors bytes); the reply is JSON."""
@@ -96,6 +132,7 @@ class EngineClient:
             return None, f"GET /health answered {body[:40]!r}, not JSON", True
         if not isinstance(health, dict) or health.get("ok") is not True or "version" not in health:
             return None, f"GET /health answered {str(health)[:80]}, not a megarl engine's", True
+        self.answered_at, self.served_version = time.monotonic(), int(health["version"])
         return health, "", True
 
     def info(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from megarl.engine import routes
 from megarl.engine.credentials import token_matches
+from megarl.engine.wire import GENERATION_TYPE
 from megarl.errors import EngineError
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class Lifeline:
 def make_handler(
     engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
 ) -> type[BaseHTTPRequestHandler]:
-    post: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    post: dict[str, Callable[[dict[str, Any]], dict[str, Any] | bytes]] = {
         routes.GENERATE: engine.generate,
         routes.LOGPROBS: engine.logprobs,
         routes.HEARTBEAT: lambda req: {"ok": True},
@@ -130,11 +131,12 @@ def make_handler(
             log.debug(fmt, *args)
 
         def _send(
-            self, code: int, body: dict[str, Any], close: bool = False, extra: dict[str, str] | None = None
+            self, code: int, body: dict[str, Any] | bytes, close: bool = False, extra: dict[str, str] | None = None
         ) -> None:
-            data = json.dumps(body).encode()
+            # a bytes body is a generation frame (megarl.engine.wire); everything else is JSON
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", GENERATION_TYPE if isinstance(body, bytes) else "application/json")
             self.send_header("Content-Length", str(len(data)))
             for k, v in (extra or {}).items():
                 self.send_header(k, v)
@@ -215,7 +217,7 @@ def make_handler(
                 raise EngineError(f"{routes.LOAD_BYTES} needs ?version=<int>, got {query!r}")
             return engine.load_bytes(int(version), body)
 
-        def _call(self, fn: Callable[[], dict[str, Any]]) -> None:
+        def _call(self, fn: Callable[[], dict[str, Any] | bytes]) -> None:
             try:
                 self._send(200, fn())
             except EngineError as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 HEALTH = "/health"  # GET  -> {"ok", "version"}: liveness and the weight version only
 INFO = "/info"  # GET  -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
-GENERATE = "/generate"  # POST {"prompts", "n", "max_tokens", ...} -> {"version", "outputs"}
+GENERATE = "/generate"  # POST {"prompts", "n", "max_tokens", ...} -> binary frame (wire.encode_generation)
 LOGPROBS = "/logprobs"  # POST {"sequences", "temperature"} -> {"version", "logprobs"} (integrity check)
 HEARTBEAT = "/heartbeat"  # POST {}: keeps the engine's lease (the fleet sends it every few seconds)
 BEGIN = "/weights/begin"  # POST {"version"}: open an update

@@ -3,12 +3,13 @@
 Run as ``python -m megarl.engine.server --model DIR --port P``. The engine works on
 token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
 
-Endpoints (JSON in, JSON out, except the one binary body; every one needs the run's
+Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; every one needs the run's
 credential, see ``megarl.engine.http`` for the route table, limits and lifeline):
   GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
   GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
-                    "stop_token_ids", "seeds", "min_tokens"}  -> {"version", "outputs"}
+                    "stop_token_ids", "seeds", "min_tokens"}  -> one binary frame:
+                   version, ids, log-probs, finish reasons, engine seconds (``megarl.engine.wire``)
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /heartbeat  {}                           (keeps the lease; the fleet sends it)
   POST /weights/begin  {"version"}

@@ -24,10 +24,14 @@ import torch
 
 from megarl.engine.credentials import inside
 from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
+from megarl.engine.wire import encode_generation
 from megarl.engine.worker_ext import EXTENSION
 from megarl.errors import EngineError
 
 log = logging.getLogger("megarl.engine")
+
+TIME_MODEL_ENV = "MEGARL_ENGINE_TIME_MODEL"
+"""``1``: every ``/generate`` reply also carries ``model_s``, the model's forward seconds."""
 
 
 CPU_PREFILL_TOKENS = 16384
@@ -134,6 +138,10 @@ class VllmEngine:
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.cpu_prefill = (int(sched.max_num_batched_tokens), int(sched.max_num_seqs)) if on_cpu else None
         """Seeded requests on CPU must not be chunked or preempted: :func:`waves` sizes them."""
+        self.time_model = os.environ.get(TIME_MODEL_ENV) == "1"
+        """Report the model's forward seconds with each generation (benchmarks; adds an RPC)."""
+        if self.time_model:
+            self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
         log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
@@ -149,7 +157,8 @@ class VllmEngine:
         return bs, int(kv_cache_gb * (1 << 30)) // per_token // bs * bs
 
     # -- generation ----------------------------------------------------------------
-    def generate(self, req: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, req: dict[str, Any]) -> bytes:
+        """Sample ``n`` responses per prompt; the reply is one binary frame (``wire.encode_generation``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -186,11 +195,17 @@ class VllmEngine:
             )
         with self.lock:
             version = self.version
+            if self.time_model:  # forwards since the last generation (integrity checks) do not count
+                self.llm.collective_rpc("megarl_model_seconds")
+            t0 = time.perf_counter()
             results = []
             for lo, hi in parts:
                 results += self.llm.generate(
                     [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi], use_tqdm=False
                 )
+            timings = {"engine_s": time.perf_counter() - t0}
+            if self.time_model:  # the model's forward only (the rest is vLLM's scheduling and sampling)
+                timings["model_s"] = max(self.llm.collective_rpc("megarl_model_seconds"))
         outputs = []
         for r in results:
             group = []
@@ -198,7 +213,7 @@ class VllmEngine:
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids) if d is not None]
                 group.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
             outputs.append(group)
-        return {"version": version, "outputs": outputs}
+        return encode_generation(version, outputs, timings)
 
     def logprobs(self, req: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams

@@ -8,11 +8,20 @@
   from an allow-list, bytes as base64) — never pickle, so an engine only ever rebuilds a
   plain tensor from a request body. The receiver substitutes its own device index for the
   sender's (the two processes may number the same GPU differently).
+* Generations (the ``/generate`` reply) travel as one binary frame, not JSON lists of ids:
+  a small JSON header (version, byte order, counts) then flat arrays — samples per prompt,
+  response lengths, finish-reason codes, token ids (int32) and log-probs (float64, so
+  every value arrives bit-identical). :func:`encode_generation` / :func:`decode_generation`
+  are exact inverses; decoding checks every length against the frame before reading.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import struct
+import sys
+from array import array
 from typing import Any
 
 import torch
@@ -60,6 +69,92 @@ def unflatten(buf: torch.Tensor, records: list[dict[str, Any]]) -> list[tuple[st
             )
         out.append((rec["name"], buf[start : start + n].view(dtype).view(shape)))
     return out
+
+
+# ------------------------------------------------------------------ generations as one binary frame
+
+GENERATION_MAGIC = b"MRLGEN1\n"
+GENERATION_TYPE = "application/x-megarl-generation"
+"""Content-Type of a ``/generate`` reply."""
+FINISH_REASONS = (None, "stop", "length", "abort")
+"""vLLM finish reasons by code (the index)."""
+_ARRAYS = (
+    ("samples", "I"),
+    ("lengths", "I"),
+    ("logprob_lengths", "I"),
+    ("finish", "B"),
+    ("ids", "i"),
+    ("logprobs", "d"),
+)
+
+
+def encode_generation(
+    version: int, outputs: list[list[dict[str, Any]]], timings: dict[str, float] | None = None
+) -> bytes:
+    """Outputs per prompt (each sample ``{"token_ids", "logprobs", "finish_reason"}``) → one frame;
+    ``timings``: the engine's own seconds (e.g. ``engine_s``), carried in the header."""
+    cols: dict[str, array[Any]] = {name: array(code) for name, code in _ARRAYS}
+    for group in outputs:
+        cols["samples"].append(len(group))
+        for s in group:
+            reason = s["finish_reason"]
+            if reason not in FINISH_REASONS:
+                raise ValueError(f"finish_reason {reason!r} has no wire code (known: {FINISH_REASONS})")
+            cols["lengths"].append(len(s["token_ids"]))
+            cols["logprob_lengths"].append(len(s["logprobs"]))
+            cols["finish"].append(FINISH_REASONS.index(reason))
+            cols["ids"].extend(s["token_ids"])
+            cols["logprobs"].extend(s["logprobs"])
+    header = {"version": int(version), "byteorder": sys.byteorder, "timings": timings or {}}
+    header |= {n: len(a) for n, a in cols.items()}
+    head = json.dumps(header).encode()
+    return b"".join([GENERATION_MAGIC, struct.pack("<I", len(head)), head, *(a.tobytes() for a in cols.values())])
+
+
+def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], dict[str, float]]:
+    """Inverse of :func:`encode_generation`: (version, outputs per prompt, timings); ValueError
+    naming what does not add up in a malformed frame."""
+    m = len(GENERATION_MAGIC)
+    if frame[:m] != GENERATION_MAGIC or len(frame) < m + 4:
+        raise ValueError(f"not a generation frame: starts with {frame[:16]!r}")
+    (hlen,) = struct.unpack_from("<I", frame, m)
+    try:
+        header = json.loads(frame[m + 4 : m + 4 + hlen])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"generation frame header is not JSON: {e}") from e
+    pos = m + 4 + hlen
+    cols: dict[str, list[Any]] = {}
+    for name, code in _ARRAYS:
+        a = array(code)
+        n = int(header.get(name, -1))
+        end = pos + n * a.itemsize
+        if n < 0 or end > len(frame):
+            raise ValueError(f"generation frame: array '{name}' of {n} items runs past the {len(frame)}-byte frame")
+        a.frombytes(frame[pos:end])
+        if header.get("byteorder") != sys.byteorder:
+            a.byteswap()
+        cols[name], pos = a.tolist(), end
+    if pos != len(frame):
+        raise ValueError(f"generation frame: {len(frame) - pos} bytes after the last array")
+    if sum(cols["samples"]) != len(cols["lengths"]) or sum(cols["lengths"]) != len(cols["ids"]):
+        raise ValueError("generation frame: sample counts, lengths and token ids do not add up")
+    if sum(cols["logprob_lengths"]) != len(cols["logprobs"]) or max(cols["finish"], default=0) >= len(FINISH_REASONS):
+        raise ValueError("generation frame: log-prob lengths or finish codes do not add up")
+    outputs: list[list[dict[str, Any]]] = []
+    k = i = j = 0
+    for count in cols["samples"]:
+        group = []
+        for _ in range(count):
+            n, nl = cols["lengths"][k], cols["logprob_lengths"][k]
+            group.append({
+                "token_ids": cols["ids"][i : i + n],
+                "logprobs": cols["logprobs"][j : j + nl],
+                "finish_reason": FINISH_REASONS[cols["finish"][k]],
+            })  # fmt: skip
+            k, i, j = k + 1, i + n, j + nl
+        outputs.append(group)
+    timings = {str(k): float(v) for k, v in dict(header.get("timings") or {}).items()}
+    return int(header["version"]), outputs, timings
 
 
 # ------------------------------------------------------------------ CUDA IPC handles as JSON

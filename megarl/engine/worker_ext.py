@@ -21,6 +21,7 @@ attribute.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -63,6 +64,7 @@ class MegarlWorkerExtension:
     _megarl_group: Any = None
     _megarl_staged: list[tuple[str, torch.Tensor]] | None = None
     _megarl_buffers: list[torch.Tensor] | None = None
+    _megarl_clock: dict[str, Any] | None = None
 
     # -- CPU sources ------------------------------------------------------------------
     def megarl_apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -127,6 +129,25 @@ class MegarlWorkerExtension:
 
     def megarl_drop_staged(self) -> None:
         self._megarl_staged, self._megarl_buffers = None, None
+
+    # -- diagnostics --------------------------------------------------------------------
+    def megarl_model_seconds(self) -> float:
+        """Seconds spent in the model's forward since the last call (the first call installs
+        the two forward hooks and returns 0). ``MEGARL_ENGINE_TIME_MODEL=1`` only: the
+        benchmarks split a generation into model compute and everything around it. Wall
+        time, so exact on CPU; on CUDA the forward is asynchronous and this undercounts."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        clock = self._megarl_clock
+        if clock is None:
+            clock = self._megarl_clock = {"total": 0.0, "starts": []}
+            model.register_forward_pre_hook(lambda m, a: clock["starts"].append(time.perf_counter()))
+
+            def done(m: Any, a: Any, out: Any) -> None:
+                clock["total"] += time.perf_counter() - clock["starts"].pop()
+
+            model.register_forward_hook(done)
+        total, clock["total"] = clock["total"], 0.0
+        return float(total)
 
 
 def nccl_group(master_address: str, master_port: int, rank: int, world_size: int, device: Any) -> Any:

@@ -7,7 +7,7 @@ tensors (no Python objects) to every trainer rank.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -173,39 +173,51 @@ def has_signal(g: Group) -> bool:
     return bool(algo.groups_with_signal(rw, torch.zeros(len(g.rewards), dtype=torch.long)).any())
 
 
+def _ragged(
+    rows: list[list[float]] | list[list[int]], starts: torch.Tensor, S: int, fill: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """(B, S) tensor of ``fill`` with row ``b``'s values written from column ``starts[b]`` on
+    (one scatter for the whole batch: no per-row tensor)."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    out = torch.full((len(rows), S), fill, dtype=dtype)
+    if int(lens.sum()):
+        b = torch.repeat_interleave(torch.arange(len(rows)), lens)
+        offset = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        out[b, starts[b] + offset] = torch.tensor([x for r in rows for x in r], dtype=dtype)
+    return out
+
+
+def _response_mask(plen: torch.Tensor, rlen: torch.Tensor, S: int) -> torch.Tensor:
+    """(B, S) = 1 from column ``prompt_len - 1`` for ``response_len`` columns."""
+    col = torch.arange(S)
+    return ((col >= plen[:, None] - 1) & (col < (plen + rlen)[:, None] - 1)).float()
+
+
 def pack_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt ids, response ids) pairs -> tokens (B, S) right-padded, mask (B, S) = 1 where
     ``tokens[t+1]`` is a response token (the forward.py layout)."""
-    S = max(len(p) + len(r) for p, r in seqs)
-    tokens = torch.full((len(seqs), S), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), S)
-    for b, (p, r) in enumerate(seqs):
-        tokens[b, : len(p) + len(r)] = torch.tensor(p + r)
-        mask[b, len(p) - 1 : len(p) + len(r) - 1] = 1.0
-    return tokens, mask
+    plen = torch.tensor([len(p) for p, _ in seqs], dtype=torch.long)
+    rlen = torch.tensor([len(r) for _, r in seqs], dtype=torch.long)
+    S = int((plen + rlen).max())
+    tokens = _ragged([p + r for p, r in seqs], torch.zeros_like(plen), S, pad_id, torch.long)
+    return tokens, _response_mask(plen, rlen, S)
 
 
 def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
     """Groups -> (B, S) tensors in the forward.py layout."""
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
-    B, S = tokens.shape
-    elp = torch.zeros(B, S)
-    lens = torch.zeros(B, dtype=torch.long)
-    trunc = torch.zeros(B, dtype=torch.bool)
-    for b, (p, rr, lp, tr) in enumerate(seqs):
-        if rr:
-            elp[b, len(p) - 1 : len(p) + len(rr) - 1] = torch.tensor(lp[: len(rr)])
-        lens[b] = len(rr)
-        trunc[b] = tr
+    plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
+    # engine log-probs sit under the mask: response token j's at column prompt_len - 1 + j
+    elp = _ragged([lp[: len(rr)] for _, rr, lp, _ in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
     return RolloutBatch(
         tokens=tokens,
         mask=mask,
         engine_logprobs=elp,
         rewards=torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32),
         group_ids=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long),
-        response_lens=lens,
-        truncated=trunc,
+        response_lens=torch.tensor([len(rr) for _, rr, _, _ in seqs], dtype=torch.long),
+        truncated=torch.tensor([tr for _, _, _, tr in seqs], dtype=torch.bool),
         version=version,
         texts=[t for g in groups for t in g.texts],
     )
@@ -227,8 +239,29 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     }
 
 
+_BATCH_FIELDS = ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated")
+
+
+def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
+    """Every tensor of ``batch`` in one float64 vector (exact: ids < 2**53, float32 values)."""
+    extra = [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+    if sorted(extra) != sorted(_BATCH_FIELDS):  # a new tensor field must travel too
+        raise TypeError(f"RolloutBatch tensors {sorted(extra)} differ from the broadcast's {sorted(_BATCH_FIELDS)}")
+    return torch.cat([getattr(batch, f).reshape(-1).to(torch.float64) for f in _BATCH_FIELDS])
+
+
+def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int) -> RolloutBatch:
+    """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
+    shapes = {"tokens": (B, S), "mask": (B, S), "engine_logprobs": (B, S)}
+    dtypes = {"tokens": torch.long, "group_ids": torch.long, "response_lens": torch.long, "truncated": torch.bool}
+    parts = flat.split([B * S] * 3 + [B] * 4)
+    fields = {f: p.reshape(shapes.get(f, (B,))).to(dtypes.get(f, torch.float32)) for f, p in zip(_BATCH_FIELDS, parts)}
+    return RolloutBatch(**fields, version=version)
+
+
 def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
-    """Ship rank 0's batch to all trainer ranks as tensors."""
+    """Ship rank 0's batch to all trainer ranks as tensors: its shape, then every tensor in
+    one buffer (two collectives, whatever the number of fields)."""
     rank = dist.get_rank()
     meta = torch.zeros(3, dtype=torch.long)
     if rank == src:
@@ -236,21 +269,10 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
         meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version])
     dist.broadcast(meta, src=src)
     B, S, version = (int(x) for x in meta)
-    if rank != src:
-        batch = RolloutBatch(
-            tokens=torch.empty(B, S, dtype=torch.long),
-            mask=torch.empty(B, S),
-            engine_logprobs=torch.empty(B, S),
-            rewards=torch.empty(B),
-            group_ids=torch.empty(B, dtype=torch.long),
-            response_lens=torch.empty(B, dtype=torch.long),
-            truncated=torch.empty(B, dtype=torch.bool),
-            version=version,
-        )
-    assert batch is not None
-    for t in (batch.tokens, batch.mask, batch.engine_logprobs, batch.rewards, batch.group_ids, batch.response_lens):
-        dist.broadcast(t, src=src)
-    tr = batch.truncated.to(torch.uint8)
-    dist.broadcast(tr, src=src)
-    batch.truncated = tr.bool()
-    return batch
+    if rank == src:
+        assert batch is not None
+        dist.broadcast(batch_to_flat(batch), src=src)
+        return batch
+    flat = torch.empty(3 * B * S + 4 * B, dtype=torch.float64)
+    dist.broadcast(flat, src=src)
+    return batch_from_flat(flat, B, S, version)

@@ -115,6 +115,7 @@ class RolloutCollector:
             stats["rollout/truncated_overlong_prompts"] = float(self.prompt_stats.truncated_overlong)
             stats["fleet/restarts"] = float(self.fleet.restarts)
             stats["fleet/reissued_prompts"] = float(self.fleet.reissued_prompts)
+            stats.update(self.fleet.pop_timings())  # this step's generations: fleet, engine, model seconds
             if self.cfg.rollout.colocate:  # the trainer needs the GPUs until the next sync
                 self.fleet.sleep(level=1)
         return broadcast_batch(batch), stats
@@ -175,6 +176,7 @@ class RolloutCollector:
                 top_p=1.0,
                 stop_token_ids=self.tok.eos_ids,
             )
+            self.fleet.pop_timings()  # validation is not part of a step's generation time
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
             # guarded like training rewards: a failing reward scores reward.failed_reward, logged
             rewards, report = self.rewards.score([reward_sample(r, t, 0) for (r, _), t in zip(rows, texts)])

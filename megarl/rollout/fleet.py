@@ -7,13 +7,14 @@ after it is restarted and given the current weights), so a step always completes
 planned number of samples; the event is logged and counted in ``fleet.restarts``.
 
 Engines can die at any other moment too. One found dead before a generation or an update
-(``recover``: process exited or /health silent) is restarted first. During an update
-(begin / load / commit) a connection-level failure (``EngineDead``) does not fail the update:
-the engine is marked down, the others carry on, and when the update commits the dead ones
-are restarted and replay *that* version (or, if the update was rejected, the previous one);
-then every engine must report the same version. A rejection (engine alive, says no) still
-aborts everywhere and raises ``WeightSyncError``. Remote engines (no launch command) cannot
-be restarted: their death is an error naming the engine and its address.
+(``recover``: process exited, or silent on /health when it has not answered for ``fresh_s``)
+is restarted first. During an update (begin / load / commit) a connection-level failure
+(``EngineDead``) does not fail the update: the engine is marked down, the others carry on,
+and when the update commits the dead ones are restarted and replay *that* version (or, if
+the update was rejected, the previous one); then every engine must report the same version.
+A rejection (engine alive, says no) still aborts everywhere and raises ``WeightSyncError``.
+Remote engines (no launch command) cannot be restarted: their death is an error naming the
+engine and its address.
 
 Weight updates go to every engine as begin → load (all engines) → commit (all engines);
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
@@ -72,6 +73,10 @@ class Fleet(WeightUpdates):
         """Private folder the engines read shm weight files from (None: http only)."""
         self._own_staging = False  # made by start_local: removed at shutdown
         self._beating = threading.Event()  # set: the heartbeat thread stops
+        self.timings: dict[str, float] = {}
+        """Seconds of the generations since :meth:`pop_timings` (see there)."""
+        self.fresh_s = 5.0
+        """Seconds an engine's last answer vouches for it (:meth:`recover` skips its /health)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,15 +290,21 @@ class Fleet(WeightUpdates):
 
     def recover(self) -> None:
         """Restart every engine that is down (marked during an update, exited, or silent on
-        /health), bring it to the current version, then check the fleet agrees on it."""
+        /health), bring it to the current version, then check the fleet agrees on it.
+
+        An engine whose process lives and that answered a request less than
+        :attr:`fresh_s` ago is not pinged (it just proved it serves, and named its
+        version): a steady step pays no health round trips. Any other is asked /health."""
         if self._starting:  # engines still loading are not dead: wait for them first
             self.ready()
+        now = time.monotonic()
         for e in self.engines:
-            if e.name in self.down or not e.alive() or e.health(timeout=30) is None:
+            fresh = e.alive() and now - e.answered_at < self.fresh_s and e.served_version is not None
+            if e.name in self.down or not e.alive() or (not fresh and e.health(timeout=30) is None):
                 log.warning("%s (%s) is down; restarting it", e.name, e.address)
                 self.restart(e)
         self.down.clear()
-        served = self.versions()
+        served = [e.served_version if e.served_version is not None else -2 for e in self.engines]
         if len(set(served)) > 1:  # (not checked against self.version: another client may have updated them)
             have = ", ".join(f"{e.name}={v}" for e, v in zip(self.engines, served))
             raise RolloutError(f"engines disagree on the weight version after recovery: {have}")
@@ -327,6 +338,7 @@ class Fleet(WeightUpdates):
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
+        t0 = time.perf_counter()
         self.recover()  # an engine that died while idle is restarted before it is given prompts
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
         versions: list[int] = []
@@ -351,7 +363,7 @@ class Fleet(WeightUpdates):
                     "min_tokens": min_tokens,
                 }
                 try:
-                    return engine, idx, engine.post(routes.GENERATE, body, self.timeout)
+                    return engine, idx, engine.generate(body, self.timeout)
                 except EngineDead as err:
                     return engine, idx, err
 
@@ -364,11 +376,29 @@ class Fleet(WeightUpdates):
                     failed.extend(idx)
                     self.restart(engine)
                     continue
-                versions.append(int(out["version"]))
-                for i, group in zip(idx, out["outputs"]):
+                version, groups, timings = out
+                self._count("engine_s", timings.get("engine_s", 0.0), engine.name)
+                self._count("model_s", timings.get("model_s", 0.0), engine.name)
+                versions.append(version)
+                for i, group in zip(idx, groups):
                     results[i] = group
             todo = failed
+        self.timings["generate_s"] = self.timings.get("generate_s", 0.0) + time.perf_counter() - t0
         return [r for r in results if r is not None], min(versions) if versions else -1
+
+    def _count(self, key: str, seconds: float, engine: str) -> None:
+        self.timings[f"{key}/{engine}"] = self.timings.get(f"{key}/{engine}", 0.0) + seconds
+
+    def pop_timings(self) -> dict[str, float]:
+        """Metrics of the generations since the last call, then reset: ``fleet/generate_s`` (the
+        fleet's wall time, requests included), ``fleet/engine_s`` (inside vLLM's generate, the
+        slowest engine) and ``fleet/model_s`` (its model forward; engines started with
+        MEGARL_ENGINE_TIME_MODEL=1, else 0)."""
+        t, self.timings = self.timings, {}
+        out = {"fleet/generate_s": t.get("generate_s", 0.0)}
+        for key in ("engine_s", "model_s"):
+            out[f"fleet/{key}"] = max([v for k, v in t.items() if k.startswith(key + "/")], default=0.0)
+        return out
 
     @staticmethod
     def _balance(

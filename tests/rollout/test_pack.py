@@ -1,0 +1,66 @@
+"""Packing a round's samples into (B, S) tensors: the batched packer equals a slow row-by-row
+reference on random ragged batches (empty responses included), and the flat buffer that
+``broadcast_batch`` ships restores every tensor exactly."""
+
+import random
+
+import torch
+
+from megarl.rollout.collect import Group, batch_from_flat, batch_to_flat, pack_groups, pack_sequences
+from megarl.rollout.data import PromptRecord
+
+
+def _reference(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:
+    """The obvious loop: one row at a time."""
+    rows = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
+    S = max(len(p) + len(r) for p, r, _, _ in rows)
+    tokens = torch.full((len(rows), S), pad_id, dtype=torch.long)
+    mask, elp = torch.zeros(len(rows), S), torch.zeros(len(rows), S)
+    for b, (p, r, lp, _) in enumerate(rows):
+        tokens[b, : len(p) + len(r)] = torch.tensor(p + r)
+        for j in range(len(r)):
+            mask[b, len(p) - 1 + j] = 1.0
+            elp[b, len(p) - 1 + j] = lp[j]
+    return {"tokens": tokens, "mask": mask, "engine_logprobs": elp}
+
+
+def _groups(rng: random.Random) -> list[Group]:
+    groups = []
+    for _ in range(rng.randrange(1, 6)):
+        prompt = [rng.randrange(300) for _ in range(rng.randrange(1, 12))]
+        samples = []
+        for _ in range(rng.randrange(1, 5)):
+            k = rng.randrange(0, 7)
+            samples.append(([rng.randrange(300) for _ in range(k)], [-rng.random() for _ in range(k)], k == 6))
+        rewards = [rng.random() for _ in samples]
+        groups.append(Group(PromptRecord("q", "a", "f:1"), prompt, samples, ["t"] * len(samples), rewards))
+    return groups
+
+
+def test_pack_groups_equals_row_by_row_reference() -> None:
+    rng = random.Random(0)
+    for _ in range(40):
+        groups = _groups(rng)
+        batch = pack_groups(groups, pad_id=7, version=3)
+        for name, want in _reference(groups, pad_id=7).items():
+            got = getattr(batch, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        rows = [s for g in groups for s in g.samples]
+        assert batch.response_lens.tolist() == [len(ids) for ids, _, _ in rows]
+        assert batch.truncated.tolist() == [tr for _, _, tr in rows]
+        assert batch.group_ids.tolist() == [i for i, g in enumerate(groups) for _ in g.samples]
+        assert batch.rewards.tolist() == torch.tensor([x for g in groups for x in g.rewards]).tolist()
+    tokens, mask = pack_sequences([([1, 2], []), ([3], [4, 5])], pad_id=0)
+    assert tokens.tolist() == [[1, 2, 0], [3, 4, 5]] and mask.tolist() == [[0, 0, 0], [1, 1, 0]]
+
+
+def test_flat_buffer_restores_the_batch_exactly() -> None:
+    rng = random.Random(1)
+    for _ in range(10):
+        batch = pack_groups(_groups(rng), pad_id=0, version=5)
+        batch.tokens[0, 0] = 151_935  # a large vocabulary id survives float64
+        back = batch_from_flat(batch_to_flat(batch), batch.size, batch.tokens.shape[1], 5)
+        for name in ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated"):
+            got, want = getattr(back, name), getattr(batch, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert back.version == 5
