@@ -107,8 +107,14 @@ def test_unequal_micro_batches_sum_to_the_full_loss(mode: str) -> None:
     assert torch.allclose(grad, full_grad, atol=1e-15)
     # the naive per-micro-batch mean would not be the full objective (the test can fail)
     naive = sum(
-        float(algo.aggregate(per_tok[mb.rows, : mb.width], mask[mb.rows, : mb.width], mode=mode,
-                             global_denominator=algo.global_denominator(mode, mask[mb.rows], fixed_normalizer=256.0)))
+        float(
+            algo.aggregate(
+                per_tok[mb.rows, : mb.width],
+                mask[mb.rows, : mb.width],
+                mode=mode,
+                global_denominator=algo.global_denominator(mode, mask[mb.rows], fixed_normalizer=256.0),
+            )
+        )
         for mb in token_budget_split(lengths, 700)
     )
     assert abs(naive - float(full)) > 1e-3

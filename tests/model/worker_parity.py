@@ -117,8 +117,13 @@ denom = algo.global_denominator("token-mean", mask)
 # DP > 1 its micro-batches follow the budget (at DP = 1 the probe refuses the budget)
 prow = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
 pgroups = token_budget_split(lengths[prow], args.max_tokens) if args.max_tokens and dims.dp > 1 else None
-_, gn = train_step(pm, {"tokens": tokens[prow], "mask": mask[prow], "adv": adv[prow], "old": old[prow]},
-                   policy_loss_fn("token-mean", denom), micro_batch_size=args.mbs, groups=pgroups)
+_, gn = train_step(
+    pm,
+    {"tokens": tokens[prow], "mask": mask[prow], "adv": adv[prow], "old": old[prow]},
+    policy_loss_fn("token-mean", denom),
+    micro_batch_size=args.mbs,
+    groups=pgroups,
+)
 total = float(units.sum())
 per_rank = [float(units[r * per : (r + 1) * per].sum()) for r in range(dims.dp)]
 result["probe/global_sq"] = torch.tensor([gn**2])
