@@ -5,6 +5,10 @@ Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:,
 ``logprobs[:, t] = log π(tokens[t+1] | tokens[:t+1])`` and ``mask[:, t] = 1`` iff
 ``tokens[t+1]`` is a response token. The last column is always masked.
 
+Micro-batches are fixed rows at full width, or token-budget groups of rows cut to their
+longest row (``megarl.model.microbatch``; causal attention makes the cut exact); under PP
+the latter send their shapes between stages (megatron's ``variable_seq_lengths``).
+
 Log-probs and entropy are computed vocab-parallel (the logits never leave their TP shard);
 logits are divided by the sampling temperature on both sides (trainer and engine).
 
