@@ -39,21 +39,37 @@ def row_lengths(mask: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B,) long
     return (last + 2).clamp(min=1, max=S).long().cpu()
 
 
-def token_budget_split(lengths: torch.Tensor, max_tokens: int) -> list[MicroBatch]:
-    """Rows sorted by length (longest first, ties by index) packed greedily: a row joins the
-    current micro-batch while ``(rows + 1) × longest ≤ max_tokens``. A row longer than the
-    budget runs alone (config validation keeps the budget ≥ the longest possible row)."""
+def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | None = None) -> list[MicroBatch]:
+    """Rows sorted by length (longest first, ties by index), cut into runs that minimise
+    ``Σ rows × width + overhead × micro-batches`` subject to ``rows × width ≤ max_tokens``.
+
+    ``overhead``: what one more micro-batch costs, in tokens (default: one row of the longest
+    length) — without it the optimum would be one row per micro-batch. Runs of similar lengths
+    waste little padding; a dynamic programme over the cut points finds the best runs exactly,
+    in O(rows × rows per micro-batch). A row longer than the budget runs alone (config
+    validation keeps the budget ≥ the longest possible row)."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens={max_tokens} must be > 0")
     lens = [int(x) for x in lengths]
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= max_tokens:
-            groups[-1].append(i)  # sorted longest first: the group's width is its first row's
-        else:
-            groups.append([i])
-    return [MicroBatch(torch.tensor(sorted(g), dtype=torch.long), lens[g[0]]) for g in groups]
+    ls = [lens[i] for i in order]
+    n = len(ls)
+    over = (ls[0] if ls else 0) if overhead is None else overhead
+    best = [0] + [-1] * n  # best[j]: least cost of the first j sorted rows; cut[j]: its last run's start
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # last run = sorted rows i..j-1, width ls[i]
+            if i < j - 1 and (j - i) * ls[i] > max_tokens:
+                break  # wider and longer runs only cost more tokens
+            c = best[i] + (j - i) * ls[i] + over
+            if best[j] < 0 or c < best[j]:
+                best[j], cut[j] = c, i
+    runs: list[tuple[int, int]] = []
+    j = n
+    while j > 0:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return [MicroBatch(torch.tensor(sorted(order[i:j]), dtype=torch.long), ls[i]) for i, j in reversed(runs)]
 
 
 def balance_rows(lengths: torch.Tensor, parts: int, shares: list[float] | None = None) -> list[torch.Tensor]:

@@ -10,12 +10,28 @@ import pytest
 from megarl.metrics import read_metrics
 from tests.helpers import megarl_train
 
-SETS = ["train.steps=1", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
-        "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
-        "data.num_val=16", "critic.warmup_steps=0", "critic.parallel.tensor_parallel=1",
-        "train.tensorboard=false"]
-COMPARED = ["train/loss", "train/grad_norm", "train/kl_reward", "critic/value_loss", "critic/grad_norm",
-            "rollout/mismatch_abs_logp_mean", "rollout/reward_mean"]
+SETS = [
+    "train.steps=1",
+    "train.eval_every=0",
+    "warm_start.steps=20",
+    "rollout.num_prompts=8",
+    "rollout.samples_per_prompt=4",
+    "parallel.micro_batch_size=8",
+    "data.num_train=2000",
+    "data.num_val=16",
+    "critic.warmup_steps=0",
+    "critic.parallel.tensor_parallel=1",
+    "train.tensorboard=false",
+]
+COMPARED = [
+    "train/loss",
+    "train/grad_norm",
+    "train/kl_reward",
+    "critic/value_loss",
+    "critic/grad_norm",
+    "rollout/mismatch_abs_logp_mean",
+    "rollout/reward_mean",
+]
 
 
 def test_token_budget_step_equals_fixed_rows(tmp_path: Path) -> None:

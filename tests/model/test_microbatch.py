@@ -49,6 +49,29 @@ def test_split_covers_every_row_once_within_the_budget() -> None:
     assert padded_tokens(mbs) < 1.1 * int(lengths.sum())
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_split_is_the_best_cut_of_the_sorted_rows(seed: int) -> None:
+    """The dynamic programme against brute force over every cut of the sorted rows."""
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (9,), generator=g)
+    budget, over = 80, 15
+    ls = sorted(lengths.tolist(), reverse=True)
+
+    def cost(bounds: tuple[int, ...]) -> float:
+        edges = [0, *bounds, len(ls)]
+        runs = [(ls[i], j - i) for i, j in zip(edges, edges[1:])]
+        if any(n > 1 and n * w > budget for w, n in runs):
+            return float("inf")
+        return sum(n * w + over for w, n in runs)
+
+    brute = min(cost(c) for k in range(len(ls)) for c in itertools.combinations(range(1, len(ls)), k))
+    mbs = token_budget_split(lengths, budget, overhead=over)
+    assert padded_tokens(mbs) + over * len(mbs) == brute
+    assert sorted(torch.cat([mb.rows for mb in mbs]).tolist()) == list(range(9))
+
+
 def test_a_row_longer_than_the_budget_runs_alone() -> None:
     mbs = token_budget_split(torch.tensor([50, 10, 10]), 40)
     assert [(mb.rows.tolist(), mb.width) for mb in mbs] == [([0], 50), ([1, 2], 10)]

@@ -75,4 +75,4 @@ def test_update_rows_token_budget() -> None:
     assert all(g.rows.numel() * g.width <= 60 for g in groups)
     mine, every, groups = update_rows(lengths, 2, 60, _dims(2, 1), probed=True)  # type: ignore[arg-type]
     assert mine == slice(4, 8) and every == [slice(0, 4), slice(4, 8)]
-    assert groups is not None and [(g.rows.tolist(), g.width) for g in groups] == [([1, 2], 29), ([0, 3], 6)]
+    assert groups is not None and [(g.rows.tolist(), g.width) for g in groups] == [([1], 29), ([0, 2, 3], 7)]
