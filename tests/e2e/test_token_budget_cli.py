@@ -13,7 +13,7 @@ from tests.helpers import megarl_train
 SETS = [
     "train.steps=1",
     "train.eval_every=0",
-    "warm_start.steps=20",
+    "warm_start.steps=150",  # the demo's: rewards > 0 at step 1 (a signal to compare)
     "rollout.num_prompts=8",
     "rollout.samples_per_prompt=4",
     "parallel.micro_batch_size=8",
@@ -29,8 +29,9 @@ COMPARED = [
     "train/kl_reward",
     "critic/value_loss",
     "critic/grad_norm",
+    "train/engine_logprob_absdiff",
+    "train/clipfrac",
     "rollout/mismatch_abs_logp_mean",
-    "rollout/reward_mean",
 ]
 
 
@@ -41,6 +42,8 @@ def test_token_budget_step_equals_fixed_rows(tmp_path: Path) -> None:
         megarl_train("ppo_cpu.yaml", [*SETS, f"parallel.max_tokens_per_micro_batch={budget}", f"train.run_dir={run}"])
         (steps[name],) = [r for r in read_metrics(run) if "critic/value_loss" in r]
     a, b = steps["fixed"], steps["budget"]
-    assert a["train/grad_norm"] > 0 and a["critic/grad_norm"] > 0
+    for k in ("rollout/prompt_fingerprint", "rollout/tokens", "rollout/reward_mean"):  # the same batch
+        assert a[k] == b[k], k
+    assert a["rollout/reward_mean"] > 0 and a["train/grad_norm"] > 0 and a["critic/grad_norm"] > 0
     for k in COMPARED:
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
