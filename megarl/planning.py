@@ -23,6 +23,7 @@ from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, Step
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe, rescale
+from megarl.model.microbatch import MicroBatch
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
@@ -89,6 +90,12 @@ class Planner:
                 "coordinator.enabled needs data_parallel > 1 or pipeline_parallel = 1 "
                 "(the micro-batch noise estimator needs PP = 1)"
             )
+        if dims.dp == 1 and self.cfg.parallel.max_tokens_per_micro_batch:
+            raise ValueError(
+                "coordinator.enabled with parallel.max_tokens_per_micro_batch needs data_parallel > 1: "
+                "at DP = 1 the noise estimate's small batches are micro-batches, which the budget groups by "
+                "length (not random samples of the batch)"
+            )
         model.probe = GradProbe(dims, microbatch=dims.dp == 1)
 
     def start_probe(self, model: Model, update_index: int) -> bool:
@@ -100,13 +107,27 @@ class Planner:
         return True
 
     def record_probe(
-        self, name: str, model: Model, grad_norm: float, mask: torch.Tensor, mine: slice, every: list[slice], mbs: int
+        self,
+        name: str,
+        model: Model,
+        grad_norm: float,
+        mask: torch.Tensor,
+        mine: slice | torch.Tensor,
+        every: list[slice] | list[torch.Tensor],
+        micro_batches: int | list[MicroBatch],
     ) -> float:
-        """Turn the probe's reading of this update into ModelGradStats; returns its cost, s."""
+        """Turn the probe's reading of this update into ModelGradStats; returns its cost, s.
+
+        ``mine`` / ``every``: this and every DP rank's rows of ``mask``; ``micro_batches``: the
+        fixed micro-batch size, or this rank's token-budget micro-batches (rows of ``mine``)."""
         model.probe.active = False
         units = mask.sum(1) if self.unit == "tokens" else (mask.sum(1) > 0).float()  # per row
         rank_units = [float(units[sl].sum()) for sl in every]
-        mb_units = [float(u.sum()) for u in units[mine].split(mbs)]
+        local = units[mine]
+        if isinstance(micro_batches, int):
+            mb_units = [float(u.sum()) for u in local.split(micro_batches)]
+        else:
+            mb_units = [float(local[mb.rows].sum()) for mb in micro_batches]
         self._grads.append(grad_stats(name, model.probe, grad_norm, self.unit, rank_units, mb_units))
         return float(model.probe.seconds)
 

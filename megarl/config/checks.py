@@ -112,7 +112,32 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
             cfg.warm_start.batch_size,
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
+    _token_budget(cfg, dp)
     _validate_critic_layout(cfg, world_size)
+
+
+def _token_budget(cfg: RunConfig, dp: int) -> None:
+    """parallel.max_tokens_per_micro_batch: every row fits, and the grad probe keeps random parts."""
+    p, r = cfg.parallel, cfg.rollout
+    budget = p.max_tokens_per_micro_batch
+    if not budget:
+        return
+    longest = r.max_prompt_len + r.max_response_len
+    if budget < longest:
+        fail(
+            "parallel.max_tokens_per_micro_batch",
+            budget,
+            f"must be 0 (off) or >= rollout.max_prompt_len + max_response_len = {longest} (one whole row)",
+        )
+    critic_dp = cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
+    if cfg.coordinator.enabled and min(dp, critic_dp) == 1:
+        fail(
+            "parallel.max_tokens_per_micro_batch",
+            budget,
+            "needs DP > 1 (actor and critic) with coordinator.enabled: at DP = 1 the noise estimate's "
+            "small batches are micro-batches, which the token budget groups by length (not random "
+            "samples of the batch, so tr(Σ) would be biased); use 0 or more DP ranks",
+        )
 
 
 def _rollout(cfg: RunConfig, m: ModelConfig) -> None:
@@ -251,6 +276,7 @@ def _positive(cfg: RunConfig) -> None:
                 "save_every",
                 "min_response_len",
                 "logprob_micro_batch_size",
+                "max_tokens_per_micro_batch",
                 "max_tasks_per_worker",
                 "worker_memory_mb",
                 "kv_channels",

@@ -83,6 +83,13 @@ class ParallelConfig:
     logprob_micro_batch_size: int = 0
     """Rows per micro-batch of the forward-only passes (old/reference log-probs, values);
     no activations are kept, so it can be larger than micro_batch_size. 0 = micro_batch_size."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one micro-batch, tokens (rows × the group's longest row, padding
+    included); 0 = off (fixed micro_batch_size rows padded to the batch's longest). When set,
+    each DP rank's rows (balanced over DP by tokens) are grouped by length and cut to their
+    own longest row, in training and forward-only passes; micro_batch_size and
+    logprob_micro_batch_size then only fix how the batch divides. Must be ≥
+    rollout.max_prompt_len + max_response_len (the longest row runs alone)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron distributed optimizer)."""
 

@@ -5,6 +5,10 @@ Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:,
 ``logprobs[:, t] = log π(tokens[t+1] | tokens[:t+1])`` and ``mask[:, t] = 1`` iff
 ``tokens[t+1]`` is a response token. The last column is always masked.
 
+Micro-batches are fixed rows at full width, or token-budget groups of rows cut to their
+longest row (``megarl.model.microbatch``; causal attention makes the cut exact); under PP
+the latter send their shapes between stages (megatron's ``variable_seq_lengths``).
+
 Log-probs and entropy are computed vocab-parallel (the logits never leave their TP shard);
 logits are divided by the sampling temperature on both sides (trainer and engine).
 
@@ -18,6 +22,7 @@ are computed for language models on the global layout only (actor, reference), w
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.model.builder import Model
+from megarl.model.microbatch import MicroBatch, balance_rows, take, token_budget_split
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, logits_or_values) -> (loss already divided by its global denominator, stats)."""
@@ -114,7 +120,14 @@ def _run_schedule(
     # this model's groups, never megatron's globals (which describe the actor's layout)
     groups: dict[str, Any] = {"pg_collection": dims.pgs}
     if dims.pp > 1:
-        groups["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=model.config)
+        config = model.config
+        if len({tuple(mb["tokens"].shape) for mb in mbs}) > 1:
+            # token-budget micro-batches differ in shape: megatron's p2p then sends each
+            # tensor's shape before the tensor (``variable_seq_lengths``); only this call's
+            # communicator sees the flag, the model's config stays as built
+            config = copy.copy(config)
+            config.variable_seq_lengths = True
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=config)
     fb = get_forward_backward_func(pp_size=dims.pp, vp_size=None)
     return fb(  # type: ignore[no-any-return]
         forward_step_func=forward_step,
@@ -139,32 +152,50 @@ def forward_logprobs(
     micro_batch_size: int,
     temperature: float,
     with_entropy: bool = False,
+    lengths: torch.Tensor | None = None,
+    max_tokens: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (B, S) (and entropy) of ``tokens`` under ``model``; no grad.
 
     Computed on the last PP stage and broadcast over the pipeline group, so every rank
-    returns the same tensors.
+    returns the same tensors. With ``max_tokens`` and the rows' ``lengths``
+    (``megarl.model.microbatch.row_lengths``) the pass runs in token-budget micro-batches and
+    positions at or beyond a row's length are 0.
     """
     dims = model.dims
 
     def fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = model_logits(model, logits)
-        out = {"logprobs": vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), temperature)}
+        labels = mb["labels"] if "labels" in mb else labels_of(mb["tokens"])  # a cut row keeps its next token
+        out = {"logprobs": vocab_parallel_logprobs(logits, labels, temperature)}
         if with_entropy:
             out["entropy"] = vocab_parallel_entropy(logits, temperature, dims.tp_group)
         return out
 
-    return _forward_collect(model, tokens, micro_batch_size, fn, ["logprobs"] + (["entropy"] if with_entropy else []))
+    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    if max_tokens and lengths is not None:
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys)
+    return _forward_collect(model, tokens, micro_batch_size, fn, keys)
 
 
-def forward_values(model: Model, tokens: torch.Tensor, *, micro_batch_size: int) -> torch.Tensor:
+def forward_values(
+    model: Model,
+    tokens: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    lengths: torch.Tensor | None = None,
+    max_tokens: int = 0,
+) -> torch.Tensor:
     """Critic values (B, S): ``values[:, t] = V(tokens[:, :t+1])``, the state before token t+1.
 
-    Each DP rank of the model's layout computes its B / DP rows; every rank returns all B."""
+    Each DP rank of the model's layout computes its B / DP rows; every rank returns all B.
+    ``lengths`` / ``max_tokens``: token-budget micro-batches, as in :func:`forward_logprobs`."""
 
     def fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"values": out[..., 0].float()}
 
+    if max_tokens and lengths is not None:
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, ["values"])["values"]
     return _forward_collect(model, tokens, micro_batch_size, fn, ["values"], split_dp=True)["values"]
 
 
@@ -213,6 +244,55 @@ def _forward_collect(
     return result
 
 
+def _forward_collect_budget(
+    model: Model,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    max_tokens: int,
+    fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
+    keys: list[str],
+) -> dict[str, torch.Tensor]:
+    """:func:`_forward_collect` in token-budget micro-batches: DP ranks take token-balanced
+    rows (when there are at least DP rows), run them grouped by length and cut to each
+    group's width; the outputs go back to their rows and full width (0 beyond a row's
+    length, so the result does not depend on the grouping), are broadcast over the pipeline
+    and all-gathered over DP."""
+    dims = model.dims
+    B, S = tokens.shape
+    split = dims.dp > 1 and B >= dims.dp
+    parts = balance_rows(lengths, dims.dp) if split else [torch.arange(B)]
+    mine = parts[dims.dp_rank] if split else parts[0]
+    local = {"tokens": tokens[mine], "labels": labels_of(tokens[mine])}
+    plan = token_budget_split(lengths[mine], max_tokens)
+
+    def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
+        return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
+
+    model.module.eval()
+    with torch.no_grad():
+        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, forward_only=True)
+    most = max(int(p.numel()) for p in parts)  # all_gather needs equal shapes: pad each rank's rows
+    result: dict[str, torch.Tensor] = {}
+    for k in keys:
+        t = torch.zeros((most, S), dtype=torch.float32, device=tokens.device)
+        if dims.is_last_stage:
+            for mb, d in zip(plan, store, strict=True):
+                t[mb.rows, : mb.width] = d[k].float()
+        if dims.pp > 1:
+            src = dist.get_process_group_ranks(dims.pp_group)[-1]
+            dist.broadcast(t, src=src, group=dims.pp_group)
+        full = torch.zeros((B, S), dtype=torch.float32, device=tokens.device)
+        if split:
+            gathered = [torch.empty_like(t) for _ in range(dims.dp)]
+            dist.all_gather(gathered, t, group=dims.dp_group)
+            for rows, g in zip(parts, gathered, strict=True):
+                full[rows] = g[: rows.numel()]
+        else:
+            full[mine] = t[: mine.numel()]
+        result[k] = full * (torch.arange(S, device=full.device) < lengths.to(full.device)[:, None])
+    return result
+
+
 def train_step(
     model: Model,
     batch: dict[str, torch.Tensor],
@@ -221,8 +301,12 @@ def train_step(
     micro_batch_size: int,
     lr: float | None = None,
     value_model: bool = False,
+    groups: list[MicroBatch] | None = None,
 ) -> tuple[dict[str, float], float]:
     """One optimizer step over ``batch`` (this DP rank's rows). Returns (stats, grad_norm).
+
+    Micro-batches: consecutive ``micro_batch_size`` rows at full width, or the given
+    ``groups`` (token-budget micro-batches, ``megarl.model.microbatch``), each cut to its width.
 
     ``loss_fn`` returns a loss already divided by its global denominator; stats are summed
     over micro-batches here and over DP ranks (all-reduce) — so stats must be sums too
@@ -234,7 +318,7 @@ def train_step(
         loss, stats = loss_fn(mb, model_logits(model, out) if not value_model else out)
         return loss, torch.tensor(1), {k: v.detach() for k, v in stats.items()}
 
-    mbs = micro_batches(batch, micro_batch_size)
+    mbs = micro_batches(batch, micro_batch_size) if groups is None else [take(batch, mb) for mb in groups]
     model.module.train()
     model.module.zero_grad_buffer()  # type: ignore[operator]
     model.optimizer.zero_grad()

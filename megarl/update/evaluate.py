@@ -3,9 +3,12 @@ values — split over DP ranks (``megarl.model.forward``), plus the train/infere
 
 from __future__ import annotations
 
+import torch
+
 from megarl.config import RunConfig
 from megarl.model.builder import Model
 from megarl.model.forward import forward_logprobs, forward_values
+from megarl.model.microbatch import row_lengths
 from megarl.types import PolicyEval, RolloutBatch
 
 
@@ -20,13 +23,24 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
 
     out = PolicyEval()
     mbs = fwd_mbs(actor)
+    # token budget: rows grouped by length and cut to it (values beyond a row's last response
+    # position come back as 0; every consumer reads them under the mask)
+    lengths, budget = row_lengths(batch.mask), p.max_tokens_per_micro_batch
+
+    def logprobs(model: Model) -> torch.Tensor:
+        return forward_logprobs(
+            model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget
+        )["logprobs"]
+
     if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None:
-        out.old_logprobs = forward_logprobs(actor, batch.tokens, micro_batch_size=mbs, temperature=temp)["logprobs"]
+        out.old_logprobs = logprobs(actor)
     if a.kl_coef > 0:
         assert ref is not None
-        out.ref_logprobs = forward_logprobs(ref, batch.tokens, micro_batch_size=mbs, temperature=temp)["logprobs"]
+        out.ref_logprobs = logprobs(ref)
     if critic is not None:
-        out.old_values = forward_values(critic, batch.tokens, micro_batch_size=fwd_mbs(critic))
+        out.old_values = forward_values(
+            critic, batch.tokens, micro_batch_size=fwd_mbs(critic), lengths=lengths, max_tokens=budget
+        )
     return out
 
 

@@ -3,8 +3,9 @@ critic, each on its own layout; the planner measures the first update of each ro
 grad probes (later PPO epochs reuse the samples and would bias the noise estimate low).
 
 Loss normalisers are global (``algo.global_denominator`` over the whole mini-batch), so each
-DP rank's share of rows — equal, or the coordinator's uneven ``dp_shares`` — sums to the
-full-batch objective.
+DP rank's share of rows — equal, the coordinator's uneven ``dp_shares``, or balanced by tokens
+with ``parallel.max_tokens_per_micro_batch`` — and each micro-batch, of any size or width,
+sums to the full-batch objective.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.forward import train_step
+from megarl.model.microbatch import row_lengths
 from megarl.planning import Planner
 from megarl.types import Advantages, LossStats, PolicyEval, RolloutBatch
-from megarl.update.rows import dp_rows
+from megarl.update.rows import update_rows
 
 
 class PolicyUpdater:
@@ -29,7 +31,7 @@ class PolicyUpdater:
     def __call__(
         self, batch: RolloutBatch, adv: Advantages, ev: PolicyEval, plan: StepPlan, step: int
     ) -> dict[str, float]:
-        a, mbs = self.cfg.algo, self.cfg.parallel.micro_batch_size
+        a, mbs, budget = self.cfg.algo, self.cfg.parallel.micro_batch_size, self.cfg.parallel.max_tokens_per_micro_batch
         lr, critic_lr = plan.lr["actor"], plan.lr.get("critic", self.cfg.critic.lr)
         rows = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs, **adv.rows(), **ev.rows()}
         update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
@@ -43,6 +45,7 @@ class PolicyUpdater:
                 denom = algo.global_denominator(
                     a.loss_agg, mini["mask"], fixed_normalizer=float(self.cfg.rollout.max_response_len)
                 )
+                lengths = row_lengths(mini["mask"])
                 for name, model, loss_fn, model_lr, is_value, acc in (
                     (
                         "actor",
@@ -59,8 +62,8 @@ class PolicyUpdater:
                     # the plan's uneven DP shares are the actor's ranks; a critic on its own
                     # layout splits its rows equally over its DP ranks
                     shares = plan.dp_shares if model.dims is self.dims else None
-                    mine, every = dp_rows(per, mbs, model.dims, shares)
                     measuring = self.planner.start_probe(model, n_updates)
+                    mine, every, groups = update_rows(lengths, mbs, budget, model.dims, shares, probed=measuring)
                     stats, gnorm = train_step(
                         model,
                         {k: v[mine] for k, v in mini.items()},
@@ -68,10 +71,13 @@ class PolicyUpdater:
                         micro_batch_size=mbs,
                         lr=model_lr,
                         value_model=is_value,
+                        groups=groups,
                     )
                     acc.add(stats, gnorm)
                     if measuring:
-                        probe_s[name] = self.planner.record_probe(name, model, gnorm, mini["mask"], mine, every, mbs)
+                        probe_s[name] = self.planner.record_probe(
+                            name, model, gnorm, mini["mask"], mine, every, mbs if groups is None else groups
+                        )
                 n_updates += 1
         out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}
         out.update({f"coord/probe_s/{name}": s for name, s in probe_s.items()})  # the probe's own cost

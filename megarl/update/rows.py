@@ -1,8 +1,11 @@
-"""Which rows of a global batch a data-parallel rank trains on."""
+"""Which rows of a global batch a data-parallel rank trains on, and in which micro-batches."""
 
 from __future__ import annotations
 
+import torch
+
 from megarl.distributed import ParallelDims
+from megarl.model.microbatch import MicroBatch, balance_rows, token_budget_split
 
 
 def dp_rows(
@@ -23,3 +26,30 @@ def dp_rows(
     starts = [sum(counts[:i]) for i in range(dp)]
     slices = [slice(s, s + c) for s, c in zip(starts, counts, strict=True)]
     return slices[dims.dp_rank], slices
+
+
+def update_rows(
+    lengths: torch.Tensor,  # (n,) long, columns each row needs (microbatch.row_lengths)
+    micro_batch_size: int,
+    max_tokens: int,
+    dims: ParallelDims,
+    shares: list[float] | None = None,
+    probed: bool = False,
+) -> tuple[slice | torch.Tensor, list[slice] | list[torch.Tensor], list[MicroBatch] | None]:
+    """(this rank's rows, every rank's rows, its micro-batches) of one mini-batch.
+
+    ``max_tokens = 0``: :func:`dp_rows` and fixed micro-batches (None). Otherwise token-budget
+    micro-batches over rows balanced by tokens (∝ ``shares``) — except when a grad probe
+    measures the update (``probed``): the noise estimate treats each DP rank's rows as a
+    random sample of the batch, which a length-balanced split is not, so the rows stay the
+    plan's contiguous ones and only the micro-batches follow the budget."""
+    n = int(lengths.numel())
+    if not max_tokens:
+        mine, every = dp_rows(n, micro_batch_size, dims, shares)
+        return mine, every, None
+    if probed:
+        mine, every = dp_rows(n, micro_batch_size, dims, shares)
+        return mine, every, token_budget_split(lengths[mine], max_tokens)
+    parts = balance_rows(lengths, dims.dp, shares if dims.dp > 1 else None)
+    rows = parts[dims.dp_rank]
+    return rows, parts, token_budget_split(lengths[rows], max_tokens)

@@ -98,6 +98,14 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(model={"kv_channels": -1}), 1, "model.kv_channels=-1 must be a positive integer"),
         (_cfg(parallel={"logprob_micro_batch_size": 48}), 1,
          "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128"),
+        (_cfg(parallel={"max_tokens_per_micro_batch": 20}), 1,
+         "parallel.max_tokens_per_micro_batch=20 must be 0 .off. or >= rollout.max_prompt_len . max_response_len = 36"),
+        (_cfg(parallel={"max_tokens_per_micro_batch": -1}), 1, "parallel.max_tokens_per_micro_batch=-1 must be a positive"),
+        (_cfg(parallel={"max_tokens_per_micro_batch": 256}, coordinator={"enabled": True}), 1,
+         "parallel.max_tokens_per_micro_batch=256 needs DP > 1 .actor and critic. with coordinator.enabled"),
+        (_cfg(parallel={"max_tokens_per_micro_batch": 256, "micro_batch_size": 4}, coordinator={"enabled": True},
+              algo={"name": "ppo", "advantage": "gae"}, critic={"parallel.tensor_parallel": 2}), 2,
+         "parallel.max_tokens_per_micro_batch=256 needs DP > 1 .actor and critic."),
     ],
 )
 def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:

@@ -1,5 +1,7 @@
 """TP / PP / DP layouts match the TP=1 run: log-probs, loss, grad norm and one optimizer
-step, all within fp32 tolerance; and TP=1 matches transformers (the independent oracle)."""
+step, all within fp32 tolerance; and TP=1 matches transformers (the independent oracle).
+Token-budget micro-batches (``*_budget``: unequal micro-batches cut to their longest row, DP
+rows balanced by tokens) match the fixed-row TP=1 run in every layout too."""
 
 from pathlib import Path
 
@@ -19,7 +21,13 @@ LAYOUTS = {  # name: (nproc, extra args)
     "dp2_distopt": (2, ["--dist-opt"]),
     "tp1_mbs16": (1, ["--mbs", "16"]),
     "tp2_unfused": (2, ["--tp", "2", "--attention", "unfused"]),  # megatron's attention vs the SDPA default
+    # token budget (rows 10-18 tokens long of S=20): 2-4 rows per micro-batch, each its own width
+    "tp1_budget": (1, ["--max-tokens", "40"]),
+    "dp2_budget": (2, ["--max-tokens", "40"]),
+    "tp2_budget": (2, ["--tp", "2", "--max-tokens", "64"]),
+    "pp2_budget": (2, ["--pp", "2", "--max-tokens", "40"]),  # varying p2p shapes between stages
 }
+BUDGET = ["tp1_budget", "dp2_budget", "tp2_budget", "pp2_budget"]
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -56,8 +64,20 @@ def test_layout_matches_tp1(results: dict, layout: str) -> None:
     assert (a["entropy"] - b["entropy"]).abs().max().item() < 5e-6
 
 
+@pytest.mark.parametrize("layout", BUDGET)
+def test_budget_forward_matches_fixed_rows(results: dict, layout: str) -> None:
+    """Forward-only passes in token-budget micro-batches: log-probs, entropy and critic values
+    equal the fixed-row pass at every position a row has (scattered back to row order), 0 beyond."""
+    a, b = results["tp1"], results[layout]
+    assert torch.equal(a["lengths"], b["lengths"]) and a["lengths"].min() < a["tokens"].shape[1]
+    inside = torch.arange(a["tokens"].shape[1])[None] < a["lengths"][:, None]
+    for k in ("logprobs", "entropy", "critic/values0", "critic/values1"):
+        assert (a[k] - b[k])[inside].abs().max().item() < 5e-6, k
+        assert b[k][~inside].abs().max().item() == 0.0, k
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", "tp2_unfused"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", "tp2_unfused", *BUDGET])
 def test_step_invariant_to_layout_and_split(results: dict, layout: str, mode: str) -> None:
     """Same global batch, different TP/PP/DP/micro-batch split -> same loss, grad norm and
     updated weights, for every loss-aggregation mode (global denominators)."""
@@ -77,11 +97,12 @@ def test_modes_differ(results: dict) -> None:
     assert len({round(v, 6) for v in losses.values()}) == len(MODES), losses
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", *BUDGET])
 def test_critic_value_head_matches_tp1(results: dict, layout: str) -> None:
     a, b = results["tp1"], results[layout]
-    for k in ("critic/values0", "critic/values1"):
-        assert (a[k] - b[k]).abs().max().item() < 5e-6, k
+    if layout not in BUDGET:  # (budget passes: test_budget_forward_matches_fixed_rows)
+        for k in ("critic/values0", "critic/values1"):
+            assert (a[k] - b[k]).abs().max().item() < 5e-6, k
     assert abs(a["critic/loss"].item() - b["critic/loss"].item()) < 1e-6
     assert abs(a["critic/grad_norm"].item() - b["critic/grad_norm"].item()) < 1e-5
     assert (a["critic/values1"] - a["critic/values0"]).abs().max().item() > 1e-4  # the step moved values
@@ -108,9 +129,11 @@ def test_grad_probe_matches_brute_force(results: dict) -> None:
     halves, parts = tp1["probe/brute_half_sq"], tp1["probe/brute_part_sq"]
     assert torch.allclose(dp2["probe/rank_sq"], halves, rtol=1e-5), (dp2["probe/rank_sq"], halves)
     assert torch.allclose(tp1["probe/mb_sq"], parts, rtol=1e-5), (tp1["probe/mb_sq"], parts)
-    for layout in ("tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"):
+    for layout in ("tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", *BUDGET):
         assert abs(results[layout]["probe/global_sq"].item() / tp1["probe/global_sq"].item() - 1) < 1e-5, layout
     assert torch.allclose(results["dp2_distopt"]["probe/rank_sq"], halves, rtol=1e-5)
+    # a measured update keeps contiguous DP rows; its micro-batches may follow the budget
+    assert torch.allclose(results["dp2_budget"]["probe/rank_sq"], halves, rtol=1e-5)
     if "probe/mb_sq" in results["tp2"]:  # TP-sharded params summed over the TP group
         assert torch.allclose(results["tp2"]["probe/mb_sq"], parts, rtol=1e-5)
     assert halves.min() > tp1["probe/global_sq"].item()  # small batches are noisier

@@ -1,5 +1,8 @@
 """torchrun worker: load an HF model into a TP/PP/DP layout, compute log-probs, take one
-optimizer step with a fixed GRPO loss, and save log-probs + updated HF weights (rank 0)."""
+optimizer step with a fixed GRPO loss, and save log-probs + updated HF weights (rank 0).
+
+``--max-tokens N``: token-budget micro-batches (rows balanced over DP by tokens, grouped by
+length, cut to each group's longest row) for every pass, against the same fixed-row run."""
 
 import argparse
 import dataclasses
@@ -24,6 +27,7 @@ from megarl.model.forward import (  # noqa: E402
     vocab_parallel_logprobs,
 )
 from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
+from megarl.model.microbatch import balance_rows, row_lengths, token_budget_split  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
@@ -35,6 +39,7 @@ ap.add_argument("--agg", default="token-mean")
 ap.add_argument("--dist-opt", action="store_true")
 ap.add_argument("--critic-steps", type=int, default=0)
 ap.add_argument("--attention", default="sdpa")
+ap.add_argument("--max-tokens", type=int, default=0)
 args = ap.parse_args()
 
 dims = init_distributed(args.tp, args.pp, seed=7)
@@ -59,11 +64,20 @@ rewards = torch.rand(B, generator=g)
 group_ids = torch.arange(B) // 4
 adv = algo.grpo_advantages(rewards, group_ids)
 
-lp = forward_logprobs(model, tokens, micro_batch_size=args.mbs, temperature=1.0, with_entropy=True)
+lengths = row_lengths(mask)
+budget = {"lengths": lengths, "max_tokens": args.max_tokens}
+lp = forward_logprobs(model, tokens, micro_batch_size=args.mbs, temperature=1.0, with_entropy=True, **budget)
 per = B // dims.dp
 rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+groups = None
+if args.max_tokens:  # rows balanced over DP by tokens, micro-batches by the budget
+    rows = balance_rows(lengths, dims.dp)[dims.dp_rank]
+    groups = token_budget_split(lengths[rows], args.max_tokens)
+    sizes = torch.tensor([[g.rows.numel(), g.width] for g in groups])
+    print(f"dp_rank={dims.dp_rank} rows={rows.tolist()} micro-batches (rows, width)={sizes.tolist()}")
+    assert len({(int(n), int(w)) for n, w in sizes}) > 1, "the test needs unequal micro-batches"
 old = lp["logprobs"].clone()
-result = {"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens}
+result = {"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens, "lengths": lengths}
 weights = {}
 
 
@@ -84,7 +98,7 @@ for mode in algo.LOSS_AGG_MODES:
         load_hf_tensors(m, adapter, hf)
     denom = algo.global_denominator(mode, mask, fixed_normalizer=16.0)
     batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
-    stats, gnorm = train_step(m, batch, policy_loss_fn(mode, denom), micro_batch_size=args.mbs)
+    stats, gnorm = train_step(m, batch, policy_loss_fn(mode, denom), micro_batch_size=args.mbs, groups=groups)
     result[f"{mode}/loss"] = torch.tensor([stats["loss"]])
     result[f"{mode}/grad_norm"] = torch.tensor([gnorm])
     sd = hf_state_dict(m, adapter)
@@ -99,8 +113,17 @@ load_hf_tensors(pm, adapter, hf)
 pm.probe = GradProbe(dims, microbatch=dims.dp == 1 and dims.pp == 1)
 pm.probe.start()
 denom = algo.global_denominator("token-mean", mask)
-_, gn = train_step(pm, {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]},
-                   policy_loss_fn("token-mean", denom), micro_batch_size=args.mbs)
+# a measured update keeps contiguous DP rows (megarl.update.rows.update_rows); with a budget at
+# DP > 1 its micro-batches follow the budget (at DP = 1 the probe refuses the budget)
+prow = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+pgroups = token_budget_split(lengths[prow], args.max_tokens) if args.max_tokens and dims.dp > 1 else None
+_, gn = train_step(
+    pm,
+    {"tokens": tokens[prow], "mask": mask[prow], "adv": adv[prow], "old": old[prow]},
+    policy_loss_fn("token-mean", denom),
+    micro_batch_size=args.mbs,
+    groups=pgroups,
+)
 total = float(units.sum())
 per_rank = [float(units[r * per : (r + 1) * per].sum()) for r in range(dims.dp)]
 result["probe/global_sq"] = torch.tensor([gn**2])
@@ -131,7 +154,7 @@ with torch.no_grad():
         else:
             p.copy_(src[name])
 critic.optimizer.reload_model_params()
-v0 = forward_values(critic, tokens, micro_batch_size=args.mbs)
+v0 = forward_values(critic, tokens, micro_batch_size=args.mbs, **budget)
 returns = torch.rand(B, S, generator=g)
 denom = algo.global_denominator("token-mean", mask)
 
@@ -143,8 +166,8 @@ def value_loss_fn(mb, out):
 
 
 vbatch = {"tokens": tokens[rows], "mask": mask[rows], "old_values": v0[rows], "returns": returns[rows]}
-vstats, vnorm = train_step(critic, vbatch, value_loss_fn, micro_batch_size=args.mbs, value_model=True)
-v1 = forward_values(critic, tokens, micro_batch_size=args.mbs)
+vstats, vnorm = train_step(critic, vbatch, value_loss_fn, micro_batch_size=args.mbs, value_model=True, groups=groups)
+v1 = forward_values(critic, tokens, micro_batch_size=args.mbs, **budget)
 # Value loss on a fixed batch keeps falling over further steps (value targets held fixed).
 fixed = {**vbatch, "old_values": v1[rows], "returns": rewards[:, None].expand(B, S)[rows]}
 
@@ -157,7 +180,7 @@ def fixed_loss_fn(mb, out):
 
 losses = []
 for _ in range(args.critic_steps):
-    st, _ = train_step(critic, fixed, fixed_loss_fn, micro_batch_size=args.mbs, value_model=True)
+    st, _ = train_step(critic, fixed, fixed_loss_fn, micro_batch_size=args.mbs, value_model=True, groups=groups)
     losses.append(st["loss"])
 result["critic/fixed_batch_losses"] = torch.tensor(losses or [0.0])
 result.update({"critic/values0": v0, "critic/values1": v1, "critic/loss": torch.tensor([vstats["loss"]]),

@@ -57,3 +57,22 @@ def test_records_expose_only_present_tensors() -> None:
         "old_logprobs", "ref_logprobs", "old_values"}
     assert set(Advantages(adv=t, mask=t).rows()) == {"adv", "mask"}
     assert set(Advantages(adv=t, mask=t, returns=t).rows()) == {"adv", "mask", "returns"}
+
+
+def test_update_rows_token_budget() -> None:
+    """Budget off: today's rows and fixed micro-batches. On: rows balanced over DP by tokens and
+    grouped by length — unless a grad probe measures the update, which keeps the plan's
+    contiguous DP rows (its noise estimate needs them to be samples of the batch)."""
+    from megarl.update.rows import update_rows
+
+    lengths = torch.tensor([30, 4, 5, 28, 6, 29, 7, 3])
+    off = update_rows(lengths, 2, 0, _dims(2, 0))  # type: ignore[arg-type]
+    assert off == (slice(0, 4), [slice(0, 4), slice(4, 8)], None)
+    mine, every, groups = update_rows(lengths, 2, 60, _dims(2, 1))  # type: ignore[arg-type]
+    assert [int(lengths[r].sum()) for r in every] == [55, 57]  # contiguous halves: 67 / 45
+    assert torch.equal(mine, every[1]) and groups is not None
+    assert sorted(int(mine[r]) for g in groups for r in g.rows) == sorted(mine.tolist())
+    assert all(g.rows.numel() * g.width <= 60 for g in groups)
+    mine, every, groups = update_rows(lengths, 2, 60, _dims(2, 1), probed=True)  # type: ignore[arg-type]
+    assert mine == slice(4, 8) and every == [slice(0, 4), slice(4, 8)]
+    assert groups is not None and [(g.rows.tolist(), g.width) for g in groups] == [([1], 29), ([0, 2, 3], 7)]
