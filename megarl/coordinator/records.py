@@ -8,7 +8,7 @@ flows back before the next one. Units are stated on every field: batches in resp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megarl.coordinator.noise import GradAverage
@@ -30,6 +30,9 @@ class ModelGradStats:
     """Samples behind each entry of local_sq_norms, in `batch_unit`."""
     global_sq_norm: float
     """|G|² of the all-reduced (or accumulated) gradient of the whole mini-batch."""
+    dof: float | None = None
+    """Degrees of freedom of this step's estimate; None = len(local_sq_norms) - 1 (parts
+    that are independent, e.g. whole GRPO groups, see `noise.parts_dof`)."""
     batch_unit: BatchUnit = "responses"
     """What the loss averages over: "responses" (sequence-mean) or "tokens" (token-mean)."""
     source: GradSource = "dp"
@@ -37,10 +40,6 @@ class ModelGradStats:
     grad_average: GradAverage = "samples"
     """How the global gradient weights the parts: "samples" (true sample mean) or "ranks"
     (mean of per-part means); see `noise.dp_estimates`."""
-    precond_local_sq_norms: list[float] | None = None
-    """Like local_sq_norms for the Adam-preconditioned gradient g/(sqrt(v̂)+eps), or None."""
-    precond_global_sq_norm: float | None = None
-    """Like global_sq_norm for the Adam-preconditioned gradient, or None."""
 
 
 @dataclass(kw_only=True)
@@ -51,12 +50,18 @@ class StepTimings:
     """Rollout generation time, seconds."""
     train_s: float
     """Training (all mini-batches / PPO epochs) time, seconds."""
+    logprobs_s: float = 0.0
+    """Old-policy / reference log-prob and value forward passes over the rollout, seconds
+    (linear in the batch, modelled like training)."""
     other_s: float = 0.0
-    """Everything else in the step (scoring, ref log-probs, weight sync), seconds."""
+    """Everything else in the step (scoring, advantages, weight sync), seconds."""
     rollout_responses: int
     """Responses generated this step (prompts x samples_per_prompt after any filtering)."""
     rollout_tokens: int
     """Generated (response) tokens this step."""
+    signal_responses: int | None = None
+    """Responses in groups with reward signal (advantages not all zero); None = all. The
+    gradient statistics count only these, so the noise scale is in responses with signal."""
     rank_train_s: list[float] | None = None
     """Per-DP-rank compute seconds of training, excluding waits in collectives, or None."""
     rank_train_samples: list[float] | None = None
@@ -64,12 +69,17 @@ class StepTimings:
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
-        for name in ("generate_s", "train_s", "other_s"):
+        for name in ("generate_s", "logprobs_s", "train_s", "other_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"StepTimings.{name}={value} must be finite and >= 0 seconds")
         if self.rollout_responses <= 0:
             raise ValueError(f"StepTimings.rollout_responses={self.rollout_responses} must be > 0")
+        if self.signal_responses is not None and not 0 <= self.signal_responses <= self.rollout_responses:
+            raise ValueError(
+                f"StepTimings.signal_responses={self.signal_responses} must be in [0, "
+                f"rollout_responses={self.rollout_responses}]"
+            )
         if self.rollout_tokens < 0:
             raise ValueError(f"StepTimings.rollout_tokens={self.rollout_tokens} must be >= 0")
 
@@ -94,6 +104,9 @@ class StepPlan:
     """Noise scale per model in responses (None while unresolved)."""
     reason: str
     """Why this batch was chosen."""
+    adam_v_scale: dict[str, float] = field(default_factory=dict)
+    """Per model: factor for Adam's second moments before this step's update (a batch
+    change; see `coordinator.adam_v_scale`); models not named keep theirs."""
 
     @property
     def batch_responses(self) -> int:
@@ -116,4 +129,5 @@ class StepPlan:
             predicted_goodput=None if d["predicted_goodput"] is None else float(d["predicted_goodput"]),
             b_noise={k: None if v is None else float(v) for k, v in d["b_noise"].items()},
             reason=str(d["reason"]),
+            adam_v_scale={k: float(v) for k, v in d.get("adam_v_scale", {}).items()},
         )

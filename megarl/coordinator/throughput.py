@@ -143,21 +143,34 @@ class Ema:
 
 
 class StepTimeModel:
-    """Step time t(B) = t_generate(B) + t_train(B) + t_other, B in responses per step.
+    """Step time t(B) = t_generate(B) + t_logprobs(B) + t_train(B) + t_other, B in responses.
 
-    `generate` and `train` are `LinearTimeModel`s over responses; `other` (scoring,
-    reference log-probs, weight sync not inside the two timers) is a bias-corrected EMA,
-    treated as batch-independent. Tokens per response are tracked to report generation
+    `generate`, `logprobs` (the old-policy / reference / value forward passes over the whole
+    rollout, linear in B like training) and `train` are `LinearTimeModel`s over responses;
+    `other` (scoring, advantages, weight sync) is a bias-corrected EMA, treated as
+    batch-independent. Counting the log-prob phase as constant would make large batches look
+    cheaper per response than they are and bias the goodput argmax high (for t = α + β·B,
+    B* = √(α·B_noise/β): moving a linear cost into α raises α and lowers β). Tokens per response are tracked to report generation
     tokens/s and to convert a token-unit noise scale to responses.
     """
 
     def __init__(self, *, window: int = 32, prior_fixed_fraction: float = 0.3, ema_beta: float = 0.9):
         self.generate = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
+        self.logprobs = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self.train = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self._other = Ema(ema_beta)
         self._tokens_per_response = Ema(ema_beta)
 
-    def observe(self, *, responses: int, tokens: int, generate_s: float, train_s: float, other_s: float) -> None:
+    def observe(
+        self,
+        *,
+        responses: int,
+        tokens: int,
+        generate_s: float,
+        train_s: float,
+        other_s: float,
+        logprobs_s: float = 0.0,
+    ) -> None:
         """Record one step's phase times for a rollout of `responses` responses."""
         if responses <= 0:
             raise ValueError(f"rollout_responses={responses} must be > 0")
@@ -166,6 +179,7 @@ class StepTimeModel:
         if not other_s >= 0:
             raise ValueError(f"other_s={other_s} must be >= 0")
         self.generate.observe(responses, generate_s)
+        self.logprobs.observe(responses, logprobs_s)
         self.train.observe(responses, train_s)
         self._other.update(other_s)
         self._tokens_per_response.update(tokens / responses)
@@ -183,7 +197,7 @@ class StepTimeModel:
     def predict(self, b: float) -> float:
         """Predicted seconds per step with b responses."""
         other = self._other.value or 0.0
-        return self.generate.predict(b) + self.train.predict(b) + other
+        return self.generate.predict(b) + self.logprobs.predict(b) + self.train.predict(b) + other
 
     def throughput(self, b: float) -> float:
         """Predicted responses per second at batch b."""
@@ -203,6 +217,7 @@ class StepTimeModel:
         """JSON-serialisable state."""
         return {
             "generate": self.generate.state_dict(),
+            "logprobs": self.logprobs.state_dict(),
             "train": self.train.state_dict(),
             "other": self._other.state_dict(),
             "tokens_per_response": self._tokens_per_response.state_dict(),
@@ -211,6 +226,7 @@ class StepTimeModel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output."""
         self.generate.load_state_dict(state["generate"])
+        self.logprobs.load_state_dict(state["logprobs"])
         self.train.load_state_dict(state["train"])
         self._other.load_state_dict(state["other"])
         self._tokens_per_response.load_state_dict(state["tokens_per_response"])
