@@ -265,6 +265,7 @@ def _positive(cfg: RunConfig) -> None:
                 "max_tasks_per_worker",
                 "worker_memory_mb",
                 "kv_channels",
+                "lr_reference_batch",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

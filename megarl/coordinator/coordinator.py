@@ -50,8 +50,8 @@ __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats
 STATE_VERSION = 2
 """2: degrees-of-freedom weighted noise EMAs, log-prob time model, signal fraction."""
 
-_GradUpdate = tuple[str, BatchUnit, tuple[float, float], float]
-"""(model, batch unit, (|G|², tr Σ), degrees of freedom)."""
+_GradUpdate = tuple[str, BatchUnit, tuple[float, float], float, float]
+"""(model, batch unit, (|G|², tr Σ), degrees of freedom, signal fraction)."""
 
 
 class Coordinator:
@@ -68,7 +68,7 @@ class Coordinator:
         self._last_switch_step: int | None = None
         self._settled = False  # the first decision (jump to the argmax) was taken
         self._noise: dict[str, NoiseScaleEstimator] = {}
-        self._signal = Ema(config.ema_beta)  # fraction of responses with reward signal
+        self._signal: dict[str, Ema] = {}  # per model: fraction of responses its parts count
         self._units: dict[str, BatchUnit] = {}
         self._time = StepTimeModel(
             window=config.time_window,
@@ -90,9 +90,10 @@ class Coordinator:
         updates = self._grad_updates(grads)
         timings.validate()
         rank_tput = self._rank_throughputs(step, timings)
-        for model, unit, plain, dof in updates:
+        for model, unit, plain, dof, signal in updates:
             self._units[model] = unit
             self._estimator(model).update(*plain, dof=dof)
+            self._signal.setdefault(model, Ema(self.config.ema_beta)).update(signal)
         self._time.observe(
             responses=timings.rollout_responses,
             tokens=timings.rollout_tokens,
@@ -101,8 +102,7 @@ class Coordinator:
             train_s=timings.train_s,
             other_s=timings.other_s,
         )
-        signal = timings.rollout_responses if timings.signal_responses is None else timings.signal_responses
-        self._signal.update(signal / timings.rollout_responses)
+
         for ema, x in zip(self._rank_tput, rank_tput, strict=True) if rank_tput else ():
             ema.update(x)
         self._last_step = step
@@ -114,7 +114,7 @@ class Coordinator:
         return self._noise[model]
 
     def _grad_updates(self, grads: list[ModelGradStats]) -> list[_GradUpdate]:
-        """Per model: (name, unit, (|G|², tr Σ), degrees of freedom); no mutation."""
+        """Per model: (name, unit, (|G|², tr Σ), degrees of freedom, signal fraction); no mutation."""
         out: list[_GradUpdate] = []
         seen: set[str] = set()
         for g in grads:
@@ -142,7 +142,10 @@ class Coordinator:
             for name, value in (("|G|^2", plain[0]), ("tr(Sigma)", plain[1])):
                 if not math.isfinite(value):
                     raise ValueError(f"model {g.model!r}: non-finite {name} estimate {value}")
-            out.append((g.model, g.batch_unit, plain, dof))
+            signal = 1.0 if g.signal_fraction is None else g.signal_fraction
+            if not 0.0 < signal <= 1.0:
+                raise ValueError(f"model {g.model!r}: signal_fraction={g.signal_fraction} must be in (0, 1]")
+            out.append((g.model, g.batch_unit, plain, dof, signal))
         return out
 
     def _rank_throughputs(self, step: int, t: StepTimings) -> list[float]:
@@ -173,10 +176,9 @@ class Coordinator:
         """The raw estimator for `model` (in the model's batch unit, signal samples), if observed."""
         return self._noise.get(model)
 
-    @property
-    def signal_fraction(self) -> float:
-        """Smoothed fraction of responses in groups with reward signal (1 before any step)."""
-        f = self._signal.value
+    def signal_fraction(self, model: str) -> float:
+        """Smoothed fraction of responses `model`'s parts count (1 before any step)."""
+        f = self._signal[model].value if model in self._signal else None
         return 1.0 if f is None else f
 
     # -------------------------------------------------------------------- plan
@@ -186,7 +188,7 @@ class Coordinator:
         if b is None:
             return None
         r = self._to_responses(model, b * self.config.noise_calibration)
-        return None if r is None else r / max(self.signal_fraction, 1e-6)
+        return None if r is None else r / self.signal_fraction(model)
 
     def _to_responses(self, model: str, value: float) -> float | None:
         """Convert a per-sample quantity in the model's unit (B or tr Σ) to responses."""
@@ -325,10 +327,10 @@ class Coordinator:
             out[f"coord/g2/{m}"] = nan if est.g2 is None else est.g2
             out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
             out[f"coord/noise_dof/{m}"] = est.dof
+            out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
         b = self._prompts * self.run.samples_per_prompt
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)
-        out["coord/signal_fraction"] = self.signal_fraction
         plan = self._plan
         for m in sorted(self.run.lr_ref):
             out[f"coord/lr/{m}"] = plan.lr[m] if plan is not None else self._lr(m, b)
@@ -355,7 +357,7 @@ class Coordinator:
             "settled": self._settled,
             "units": dict(self._units),
             "noise": {m: e.state_dict() for m, e in self._noise.items()},
-            "signal": self._signal.state_dict(),
+            "signal": {m: e.state_dict() for m, e in self._signal.items()},
             "time": self._time.state_dict(),
             "rank_tput": [e.state_dict() for e in self._rank_tput],
             "plan": None if self._plan is None else self._plan.to_dict(),
@@ -388,7 +390,9 @@ class Coordinator:
         self._noise = {}
         for m, s in state["noise"].items():
             self._estimator(m).load_state_dict(s)
-        self._signal.load_state_dict(state["signal"])
+        self._signal = {}
+        for m, s in state["signal"].items():
+            self._signal.setdefault(m, Ema(self.config.ema_beta)).load_state_dict(s)
         self._time.load_state_dict(state["time"])
         for e, s in zip(self._rank_tput, state["rank_tput"], strict=True):
             e.load_state_dict(s)

@@ -33,6 +33,10 @@ class ModelGradStats:
     dof: float | None = None
     """Degrees of freedom of this step's estimate; None = len(local_sq_norms) - 1 (parts
     that are independent, e.g. whole GRPO groups, see `noise.parts_dof`)."""
+    signal_fraction: float | None = None
+    """Fraction of the step's responses the parts count: the policy loss has gradient only
+    where the advantage is non-zero, so the actor's parts count responses of groups with
+    reward signal; None = all (e.g. a value loss)."""
     batch_unit: BatchUnit = "responses"
     """What the loss averages over: "responses" (sequence-mean) or "tokens" (token-mean)."""
     source: GradSource = "dp"
@@ -59,9 +63,6 @@ class StepTimings:
     """Responses generated this step (prompts x samples_per_prompt after any filtering)."""
     rollout_tokens: int
     """Generated (response) tokens this step."""
-    signal_responses: int | None = None
-    """Responses in groups with reward signal (advantages not all zero); None = all. The
-    gradient statistics count only these, so the noise scale is in responses with signal."""
     rank_train_s: list[float] | None = None
     """Per-DP-rank compute seconds of training, excluding waits in collectives, or None."""
     rank_train_samples: list[float] | None = None
@@ -75,11 +76,6 @@ class StepTimings:
                 raise ValueError(f"StepTimings.{name}={value} must be finite and >= 0 seconds")
         if self.rollout_responses <= 0:
             raise ValueError(f"StepTimings.rollout_responses={self.rollout_responses} must be > 0")
-        if self.signal_responses is not None and not 0 <= self.signal_responses <= self.rollout_responses:
-            raise ValueError(
-                f"StepTimings.signal_responses={self.signal_responses} must be in [0, "
-                f"rollout_responses={self.rollout_responses}]"
-            )
         if self.rollout_tokens < 0:
             raise ValueError(f"StepTimings.rollout_tokens={self.rollout_tokens} must be >= 0")
 
