@@ -121,7 +121,11 @@ def _cfg(**sections: dict) -> RunConfig:
             1,
             "coordinator.noise_kind='adam' must be 'plain': the 'adam' .preconditioned. noise scale needs",
         ),
-        (_cfg(coordinator={"lr_reference_batch": -1}), 1, "coordinator.lr_reference_batch=-1 must be a positive integer"),
+        (
+            _cfg(coordinator={"lr_reference_batch": -1}),
+            1,
+            "coordinator.lr_reference_batch=-1 must be a positive integer",
+        ),
         (
             _cfg(parallel={"logprob_micro_batch_size": 48}),
             1,
