@@ -105,7 +105,8 @@ def test_critic_value_loss_falls_on_fixed_batch(results: dict) -> None:
 def test_grad_probe_matches_brute_force(results: dict) -> None:
     """The coordinator's inputs: a DP rank's local mean-gradient |ḡ_r|² (probe, before the
     all-reduce, TP/PP-summed) equals the gradient of that rank's rows alone; micro-batch
-    norms (DP = 1 fallback) equal each micro-batch alone; |G|² is the full-batch norm."""
+    norms (every micro-batch of every DP rank, gathered) equal each micro-batch alone; |G|²
+    is the full-batch norm."""
     tp1, dp2 = results["tp1"], results["dp2"]
     halves, parts = tp1["probe/brute_half_sq"], tp1["probe/brute_part_sq"]
     assert torch.allclose(dp2["probe/rank_sq"], halves, rtol=1e-5), (dp2["probe/rank_sq"], halves)
@@ -113,6 +114,8 @@ def test_grad_probe_matches_brute_force(results: dict) -> None:
     for layout in ("tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16"):
         assert abs(results[layout]["probe/global_sq"].item() / tp1["probe/global_sq"].item() - 1) < 1e-5, layout
     assert torch.allclose(results["dp2_distopt"]["probe/rank_sq"], halves, rtol=1e-5)
+    # every micro-batch of both DP ranks, gathered: the same parts as one rank's micro-batches
+    assert torch.allclose(dp2["probe/mb_sq"], parts, rtol=1e-5), (dp2["probe/mb_sq"], parts)
     if "probe/mb_sq" in results["tp2"]:  # TP-sharded params summed over the TP group
         assert torch.allclose(results["tp2"]["probe/mb_sq"], parts, rtol=1e-5)
     assert halves.min() > tp1["probe/global_sq"].item()  # small batches are noisier
