@@ -150,7 +150,7 @@ class Planner:
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
         other = sum(v for k, v in times.items() if k not in ("generate", "update", "logprobs"))
         # every rank must plan identically: use rank 0's clock
-        t = torch.tensor([times["generate"], times["update"], other, times["logprobs"]], dtype=torch.float64)
+        t = torch.tensor([times["generate"], times["update"], other, times.get("logprobs", 0.0)], dtype=torch.float64)
         dist.broadcast(t, src=0)
         # each DP rank's own update time (shares follow measured per-rank throughput)
         mine = torch.tensor([times["update"]], dtype=torch.float64)
