@@ -111,14 +111,14 @@ class Planner:
         model: Model,
         grad_norm: float,
         mask: torch.Tensor,
-        mine: slice,
         every: list[slice],
         mbs: int,
         adv: torch.Tensor | None = None,
     ) -> float:
         """Turn the probe's reading of this update into ModelGradStats; returns its cost, s.
 
-        ``mask``: (B, S) the mini-batch's loss mask; ``adv``: its advantages ((B, S) or (B,))
+        ``mask``: (B, S) the mini-batch's loss mask; ``every``: each DP rank's rows of it;
+        ``adv``: its advantages ((B, S) or (B,))
         for a policy loss, whose rows with zero advantage carry no gradient, None for a loss
         where every row counts (value loss)."""
         model.probe.active = False

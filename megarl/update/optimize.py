@@ -76,7 +76,7 @@ class PolicyUpdater:
                     acc.add(stats, gnorm)
                     if measuring:
                         probe_s[name] = self.planner.record_probe(
-                            name, model, gnorm, mini["mask"], mine, every, mbs, None if is_value else mini["adv"]
+                            name, model, gnorm, mini["mask"], every, mbs, None if is_value else mini["adv"]
                         )
                 n_updates += 1
         out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}
