@@ -39,8 +39,8 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
 
 def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> None:
     """Actor TP2 with the critic on TP1 × DP2 (its own groups): the coordinator's probe reads
-    every micro-batch of the critic's 2 DP ranks (16 rows each, micro-batch 8: 4 parts, 3 dof),
-    gathered over the critic's DP group."""
+    every micro-batch of the critic's 2 DP ranks (one mini-batch of 32 rows: 16 per rank,
+    micro-batch 8: 4 parts, 3 dof), gathered over the critic's DP group."""
     import math
 
     run = tmp_path / "run"
@@ -54,6 +54,7 @@ def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> No
         "data.num_train=2000",
         "data.num_val=16",
         "critic.warmup_steps=1",
+        "algo.mini_batches=1",
         "critic.parallel.tensor_parallel=1",
         "coordinator.enabled=true",
         "coordinator.adapt=false",
