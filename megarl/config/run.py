@@ -78,7 +78,7 @@ class CoordinatorConfig:
     """On a batch change, scale Adam's second moments by the predicted change of E[g²]
     (docs/COORDINATOR.md §3), so the first updates at the new batch match the plan."""
     time_window: int = 32
-    """Observations kept by each step-time least-squares fit, steps."""
+    """Latest times kept per batch size by each step-time least-squares fit, steps."""
     prior_fixed_fraction: float = 0.3
     """Assumed batch-independent fraction of phase time until two batch sizes were seen."""
 
