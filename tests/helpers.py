@@ -19,20 +19,11 @@ def torchrun(script: str | Path, nproc: int, args: list[str], timeout: int = 600
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["PYTHONWARNINGS"] = "ignore"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        )
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -46,14 +37,11 @@ def train_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def megarl_train(
-    config: str, sets: list[str], timeout: int = 600, check: bool = True
-) -> subprocess.CompletedProcess[str]:
+def megarl_train(config: str, sets: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``megarl train`` to completion (torchrun ranks + engines, as a user would); by
     default assert it exited 0, showing the tail of its output when it did not."""
-    proc = subprocess.run(
-        train_cmd(config, sets), env=train_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    proc = subprocess.run(train_cmd(config, sets), env=train_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -78,21 +66,10 @@ def tiny_hf_model(
     import torch
 
     torch.manual_seed(seed)
-    common: dict[str, Any] = dict(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        rope_theta=10000.0,
-    )
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, rope_theta=10000.0)
     common.update(extra or {})
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -158,47 +135,31 @@ def tiny_hf_tokenizer(path: Path, style: str = "chatml", vocab: int = 300) -> Pa
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
     rng = random.Random(0)
     words = ["what", "is", "the", "sum", "of", "and", "answer", "user", "assistant", "system", "please", "add"]
-    corpus = [
-        " ".join(rng.choice(words) for _ in range(8)) + f" {rng.randrange(100)}+{rng.randrange(100)}="
-        for _ in range(400)
-    ]
+    corpus = [" ".join(rng.choice(words) for _ in range(8)) + f" {rng.randrange(100)}+{rng.randrange(100)}="
+              for _ in range(400)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     path.mkdir(parents=True, exist_ok=True)
     if style == "chatml":
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
-        )
-        gen = {
-            "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-            "pad_token_id": tok.token_to_id("<|endoftext|>"),
-        }
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       chat_template=CHATML_TEMPLATE)
+        gen = {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+               "pad_token_id": tok.token_to_id("<|endoftext|>")}
     else:
         bos = tok.token_to_id("<|begin_of_text|>")
-        tok.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
-                ),
-            ]
-        )
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<|begin_of_text|>",
-            eos_token="<|end_of_text|>",
-            chat_template=LLAMA3_TEMPLATE,
-        )
-        gen = {"bos_token_id": bos, "eos_token_id": [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]}
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]),
+        ])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                       eos_token="<|end_of_text|>", chat_template=LLAMA3_TEMPLATE)
+        gen = {"bos_token_id": bos,
+               "eos_token_id": [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]}
     fast.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return path

@@ -154,9 +154,7 @@ def _data_case(tmp_path: Path, case: str) -> tuple[str, str]:
         ), f"data error: data.source: prompt file {tmp_path}/none.jsonl does not exist"
     if case == "extension":
         (tmp_path / "p.csv").write_text("prompt,answer\n1+1=,2\n")
-        return str(
-            tmp_path / "p.csv"
-        ), "unsupported prompt file type '.csv' (use .jsonl, .parquet or a datasets save_to_disk folder)"
+        return str(tmp_path / "p.csv"), "unsupported prompt file type '.csv' (use .jsonl, .parquet or a datasets save_to_disk folder)"
     if case == "missing_field":
         return _jsonl(p, _rows(5) + ['{"prompt": "2+2="}']), f"{p}:6: missing field 'answer' (data.answer_key"
     if case == "wrong_type":
@@ -275,9 +273,7 @@ def test_convert_refuses_with_one_line(capfd: pytest.CaptureFixture[str], tmp_pa
     hf.mkdir()
     if kind == "gpt2":
         _gpt2(hf)
-        message = (
-            f"convert error: {hf}/config.json: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3)"
-        )
+        message = f"convert error: {hf}/config.json: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3)"
     elif kind == "mistral":
         _mistral(hf)
         message = f"convert error: {hf}/config.json: model_type 'mistral' is not supported"

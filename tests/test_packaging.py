@@ -21,17 +21,11 @@ def test_gpu_extra_resolves_with_the_project_pins(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     # the project's runtime pins + the extra, as `pip install .[gpu]` would ask for them
     reqs = [*meta["dependencies"], *gpu]
-    proc = subprocess.run(
-        [str(env / "bin/python"), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), *reqs],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = subprocess.run([str(env / "bin/python"), "-m", "pip", "install", "--dry-run", "--quiet",
+                           "--report", str(report), *reqs], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    chosen = {
-        i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
-        for i in json.loads(report.read_text())["install"]
-    }
+    chosen = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+              for i in json.loads(report.read_text())["install"]}
     assert chosen["torch"].split("+")[0] == torch_pin.split("==")[1]
     for dep in gpu:
         name, version = dep.split("==")

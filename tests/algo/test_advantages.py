@@ -109,7 +109,10 @@ def ref_whiten(x: list[list[float]], mask: torch.Tensor, eps: float = 1e-8):
     vals = [x[i][t] for i in range(mask.shape[0]) for t in _valid_idx(mask, i)]
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals) + eps)
-    return [[(x[i][t] - mean) / std if mask[i, t] else 0.0 for t in range(mask.shape[1])] for i in range(mask.shape[0])]
+    return [
+        [(x[i][t] - mean) / std if mask[i, t] else 0.0 for t in range(mask.shape[1])]
+        for i in range(mask.shape[0])
+    ]
 
 
 def ref_gae(rew, val, mask, gamma: float, lam: float):
@@ -129,7 +132,9 @@ def ref_gae(rew, val, mask, gamma: float, lam: float):
 
 
 def _assert_close(out: torch.Tensor, expected, tol: float = 1e-9) -> None:
-    torch.testing.assert_close(out.to(torch.float64), torch.tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
+    torch.testing.assert_close(
+        out.to(torch.float64), torch.tensor(expected, dtype=torch.float64), atol=tol, rtol=0
+    )
 
 
 # ------------------------------------------------------------------ outcome estimators
@@ -276,8 +281,12 @@ def test_compute_advantages_dispatch() -> None:
         result = compute_advantages(name, mask=mask, rewards=rewards, group_ids=gid)
         torch.testing.assert_close(result.advantages, expected, msg=name)
         assert result.returns is None
-    gae = compute_advantages("gae", mask=mask, rewards=rewards, group_ids=gid, values=val, gamma=0.9, lam=0.7)
-    adv, ret = gae_advantages(sequence_to_last_token(rewards, mask), val, mask, gamma=0.9, lam=0.7, whiten=True)
+    gae = compute_advantages(
+        "gae", mask=mask, rewards=rewards, group_ids=gid, values=val, gamma=0.9, lam=0.7
+    )
+    adv, ret = gae_advantages(
+        sequence_to_last_token(rewards, mask), val, mask, gamma=0.9, lam=0.7, whiten=True
+    )
     torch.testing.assert_close(gae.advantages, adv)
     assert gae.returns is not None
     torch.testing.assert_close(gae.returns, ret)

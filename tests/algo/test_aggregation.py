@@ -84,11 +84,15 @@ def test_split_sum_equals_full_value_and_grad(seed: int, mode: str, k: int) -> N
     local = [denominator_stats(mask[p]) for p in parts]
     tokens = sum(s["tokens"] for s in local)
     seqs = sum(s["seqs"] for s in local)
-    denom_reduced = make_denominator(mode, tokens=tokens, seqs=seqs, fixed_normalizer=FIXED_NORMALIZER)
+    denom_reduced = make_denominator(
+        mode, tokens=tokens, seqs=seqs, fixed_normalizer=FIXED_NORMALIZER
+    )
     assert denom_reduced == denom
     total = torch.zeros((), dtype=torch.float64)
     for p in parts:
-        part = aggregate(_per_token_loss(w_split, x[p]), mask[p], mode=mode, global_denominator=denom)
+        part = aggregate(
+            _per_token_loss(w_split, x[p]), mask[p], mode=mode, global_denominator=denom
+        )
         part.backward()  # gradients accumulate across micro-batches
         total = total + part.detach()
 
@@ -132,7 +136,9 @@ def test_denominators_and_errors() -> None:
     assert global_denominator("seq-mean-token-sum", mask) == 2.0
     assert global_denominator("seq-mean-token-sum-norm", mask, fixed_normalizer=8) == 16.0
     assert make_denominator("token-mean", tokens=0, seqs=0) == 1.0
-    empty = aggregate(torch.ones(2, 3), torch.zeros(2, 3), mode="token-mean", global_denominator=1.0)
+    empty = aggregate(
+        torch.ones(2, 3), torch.zeros(2, 3), mode="token-mean", global_denominator=1.0
+    )
     assert empty.item() == 0.0
     with pytest.raises(ValueError, match="needs fixed_normalizer"):
         make_denominator("seq-mean-token-sum-norm", tokens=4, seqs=2)

@@ -48,7 +48,9 @@ def test_policy_loss_and_grad_match_loop(seed, cl, ch, dual, use_w) -> None:
     g = torch.Generator().manual_seed(seed + 99)
     w = torch.rand(new.shape, generator=g, dtype=torch.float64) * 2 if use_w else None
     lp = new.clone().requires_grad_(True)
-    loss, stats = policy_loss(lp, old, adv, mask, clip_low=cl, clip_high=ch, dual_clip=dual, tis_weights=w)
+    loss, stats = policy_loss(
+        lp, old, adv, mask, clip_low=cl, clip_high=ch, dual_clip=dual, tis_weights=w
+    )
     loss.sum().backward()
     assert lp.grad is not None
     n_valid, n_clip, n_low, n_high, n_dual = 0, 0, 0, 0, 0
@@ -184,7 +186,9 @@ def test_tis_weights_match_loop(seed: int) -> None:
             if mask[i, j]:
                 diffs.append(d)
                 capped += math.exp(d) > 2.0
-    assert stats["mean_abs_logp_diff"].item() == pytest.approx(sum(abs(d) for d in diffs) / len(diffs), rel=1e-6)
+    assert stats["mean_abs_logp_diff"].item() == pytest.approx(
+        sum(abs(d) for d in diffs) / len(diffs), rel=1e-6
+    )
     assert stats["max_ratio"].item() == pytest.approx(math.exp(20.0), rel=1e-6)  # clamped
     assert stats["capped_frac"].item() == pytest.approx(capped / len(diffs))
     assert not weights.requires_grad

@@ -19,7 +19,9 @@ def _inputs(seed: int, b: int = 5, t: int = 7) -> tuple[torch.Tensor, torch.Tens
 
 
 def _valid(x: torch.Tensor, mask: torch.Tensor) -> list[float]:
-    return [float(x[i, j]) for i in range(x.shape[0]) for j in range(x.shape[1]) if bool(mask[i, j])]
+    return [
+        float(x[i, j]) for i in range(x.shape[0]) for j in range(x.shape[1]) if bool(mask[i, j])
+    ]
 
 
 @pytest.mark.parametrize("seed", range(4))

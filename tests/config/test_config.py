@@ -46,9 +46,7 @@ def test_examples_load_and_validate(tmp_path: Path) -> None:
 
 
 def test_overrides_are_typed() -> None:
-    cfg = load_config(
-        None, ["train.steps=7", "optim.lr=3e-4", "train.tensorboard=false", "rollout.engine_addresses=a:1,b:2"]
-    )
+    cfg = load_config(None, ["train.steps=7", "optim.lr=3e-4", "train.tensorboard=false", "rollout.engine_addresses=a:1,b:2"])
     assert cfg.train.steps == 7 and cfg.optim.lr == 3e-4 and cfg.train.tensorboard is False
     assert cfg.rollout.engine_addresses == ["a:1", "b:2"]
 
@@ -76,24 +74,13 @@ def _cfg(**sections: dict) -> RunConfig:
 @pytest.mark.parametrize(
     ("cfg", "world", "message"),
     [
-        (
-            _cfg(parallel={"tensor_parallel": 3}),
-            3,
-            "parallel.tensor_parallel=3 does not divide model.num_attention_heads=4",
-        ),
+        (_cfg(parallel={"tensor_parallel": 3}), 3, "parallel.tensor_parallel=3 does not divide model.num_attention_heads=4"),
         (_cfg(parallel={"tensor_parallel": 4}), 4, "does not divide model.num_query_groups=2"),
         (_cfg(parallel={"pipeline_parallel": 3}), 3, "parallel.pipeline_parallel=3 does not divide model.num_layers=2"),
         (_cfg(parallel={"tensor_parallel": 2}), 3, "does not divide the trainer world size 3"),
-        (
-            _cfg(rollout={"num_prompts": 3, "samples_per_prompt": 2}),
-            1,
-            "must be divisible by DP=1 × parallel.micro_batch_size=8",
-        ),
-        (
-            _cfg(parallel={"micro_batch_size": 4}, rollout={"num_prompts": 2, "samples_per_prompt": 2}),
-            2,
-            "must be divisible by DP=2",
-        ),
+        (_cfg(rollout={"num_prompts": 3, "samples_per_prompt": 2}), 1, "must be divisible by DP=1 × parallel.micro_batch_size=8"),
+        (_cfg(parallel={"micro_batch_size": 4}, rollout={"num_prompts": 2, "samples_per_prompt": 2}), 2,
+         "must be divisible by DP=2"),
         (_cfg(rollout={"max_prompt_len": 100, "max_response_len": 100}), 1, "exceeds model.max_position_embeddings"),
         (_cfg(model={"num_query_groups": 3}), 1, "model.num_query_groups=3 must divide model.num_attention_heads=4"),
         (_cfg(train={"steps": -1}), 1, "train.steps=-1 must be a positive integer"),
@@ -102,18 +89,11 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(rollout={"engine_lease_s": 5}), 1, "rollout.engine_lease_s=5.0 must be 0 .off. or >= 15 s"),
         (_cfg(data={"reward": "bleu"}), 1, "data.reward='bleu' is not a built-in reward .answer_prefix, arithmetic"),
         (_cfg(reward={"fn": "bleu"}), 1, r"reward.fn\[0\]='bleu' is not a built-in reward"),
-        (
-            _cfg(reward={"fn": "math,exact_match", "weights": "1"}),
-            1,
-            "reward.weights=.1.0. has 1 entries, reward.fn has 2",
-        ),
+        (_cfg(reward={"fn": "math,exact_match", "weights": "1"}), 1, "reward.weights=.1.0. has 1 entries, reward.fn has 2"),
         (_cfg(reward={"fn": "math", "timeout_s": 0}), 1, "reward.timeout_s=0.0 must be > 0 seconds"),
         (_cfg(reward={"workers": 0}), 1, "reward.workers=0 must be a positive integer"),
-        (
-            _cfg(model={"arch": "qwen2", "kv_channels": 64}),
-            1,
-            "model.kv_channels=64 arch=qwen2 needs head_dim × num_attention_heads = hidden_size=128",
-        ),
+        (_cfg(model={"arch": "qwen2", "kv_channels": 64}), 1,
+         "model.kv_channels=64 arch=qwen2 needs head_dim × num_attention_heads = hidden_size=128"),
         (_cfg(model={"arch": "qwen3", "linear_bias": True}), 1, "model.linear_bias=True is a Llama option"),
         (_cfg(model={"kv_channels": -1}), 1, "model.kv_channels=-1 must be a positive integer"),
         (
@@ -121,16 +101,9 @@ def _cfg(**sections: dict) -> RunConfig:
             1,
             "coordinator.noise_kind='adam' must be 'plain': the 'adam' .preconditioned. noise scale needs",
         ),
-        (
-            _cfg(coordinator={"lr_reference_batch": -1}),
-            1,
-            "coordinator.lr_reference_batch=-1 must be a positive integer",
-        ),
-        (
-            _cfg(parallel={"logprob_micro_batch_size": 48}),
-            1,
-            "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128",
-        ),
+        (_cfg(coordinator={"lr_reference_batch": -1}), 1, "coordinator.lr_reference_batch=-1 must be a positive integer"),
+        (_cfg(parallel={"logprob_micro_batch_size": 48}), 1,
+         "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128"),
     ],
 )
 def test_inconsistent_sizes(cfg: RunConfig, world: int, message: str) -> None:
@@ -151,11 +124,8 @@ def test_weight_sync_transport_and_colocate_fields() -> None:
     cfg = load_config(None, ["weight_sync.transport=http", "rollout.colocate=false"])
     assert cfg.weight_sync.transport == "http"
     validate(cfg, 1)
-    with pytest.raises(
-        ConfigError,
-        match=r"weight_sync.transport='tcp' must be one of \['auto', 'shm', 'http', "
-        r"'nccl', 'cuda_ipc'\]",
-    ):
+    with pytest.raises(ConfigError, match=r"weight_sync.transport='tcp' must be one of \['auto', 'shm', 'http', "
+                                          r"'nccl', 'cuda_ipc'\]"):
         load_config(None, ["weight_sync.transport=tcp"])
     with pytest.raises(ConfigError, match="rollout.colocate='sometimes' must be a bool"):
         load_config(None, ["rollout.colocate=sometimes"])
@@ -178,48 +148,22 @@ R3 = {"num_prompts": 3, "samples_per_prompt": 8}  # 24 responses: the actor's DP
 @pytest.mark.parametrize(
     ("cfg", "world", "message"),
     [
-        (
-            _cfg(algo=PPO, rollout=R3, critic={"parallel.tensor_parallel": 3}),
-            3,
-            "critic.parallel.tensor_parallel=3 does not divide model.num_attention_heads=4",
-        ),
-        (
-            _cfg(algo=PPO, critic={"parallel.tensor_parallel": 4}),
-            4,
-            "critic.parallel.tensor_parallel=4 does not divide model.num_query_groups=2",
-        ),
-        (
-            _cfg(algo=PPO, rollout=R3, model={"num_layers": 2}, critic={"parallel.pipeline_parallel": 3}),
-            3,
-            "critic.parallel.pipeline_parallel=3 does not divide model.num_layers=2",
-        ),
-        (
-            _cfg(algo=PPO, rollout=R3, critic={"parallel.pipeline_parallel": 2}),
-            3,
-            "critic.parallel='TP×PP=1×2' does not divide the trainer world size 3",
-        ),
+        (_cfg(algo=PPO, rollout=R3, critic={"parallel.tensor_parallel": 3}), 3,
+         "critic.parallel.tensor_parallel=3 does not divide model.num_attention_heads=4"),
+        (_cfg(algo=PPO, critic={"parallel.tensor_parallel": 4}), 4,
+         "critic.parallel.tensor_parallel=4 does not divide model.num_query_groups=2"),
+        (_cfg(algo=PPO, rollout=R3, model={"num_layers": 2}, critic={"parallel.pipeline_parallel": 3}), 3,
+         "critic.parallel.pipeline_parallel=3 does not divide model.num_layers=2"),
+        (_cfg(algo=PPO, rollout=R3, critic={"parallel.pipeline_parallel": 2}), 3,
+         "critic.parallel='TP×PP=1×2' does not divide the trainer world size 3"),
         # actor TP2 (DP1) splits 16 responses; the critic's DP2 × micro-batch 16 does not
-        (
-            _cfg(
-                algo=PPO,
-                parallel={"tensor_parallel": 2, "micro_batch_size": 16},
-                rollout={"num_prompts": 4, "samples_per_prompt": 4},
-                critic={"parallel.tensor_parallel": 1},
-            ),
-            2,
-            "rollout.num_prompts×samples_per_prompt=16 must be divisible by the critic's DP=2 × parallel.micro_batch_size=16",
-        ),
+        (_cfg(algo=PPO, parallel={"tensor_parallel": 2, "micro_batch_size": 16}, rollout={"num_prompts": 4, "samples_per_prompt": 4},
+              critic={"parallel.tensor_parallel": 1}), 2,
+         "rollout.num_prompts×samples_per_prompt=16 must be divisible by the critic's DP=2 × parallel.micro_batch_size=16"),
         (_cfg(critic={"parallel.tensor_parallel": 2}), 2, "critic.parallel='TP=2, PP=0' needs algo.name='ppo'"),
-        (
-            _cfg(algo=PPO, coordinator={"enabled": True}, critic={"parallel.pipeline_parallel": 2}),
-            2,
-            "critic.parallel.pipeline_parallel=2 with coordinator.enabled needs the critic's DP > 1 or PP = 1",
-        ),
-        (
-            _cfg(algo=PPO, critic={"parallel.tensor_parallel": -1}),
-            1,
-            "critic.parallel.tensor_parallel=-1 must be a positive integer",
-        ),
+        (_cfg(algo=PPO, coordinator={"enabled": True}, critic={"parallel.pipeline_parallel": 2}), 2,
+         "critic.parallel.pipeline_parallel=2 with coordinator.enabled needs the critic's DP > 1 or PP = 1"),
+        (_cfg(algo=PPO, critic={"parallel.tensor_parallel": -1}), 1, "critic.parallel.tensor_parallel=-1 must be a positive integer"),
     ],
 )
 def test_critic_layout_errors_name_the_field(cfg: RunConfig, world: int, message: str) -> None:

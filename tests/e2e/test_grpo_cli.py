@@ -18,18 +18,10 @@ from tests.helpers import ROOT, megarl_train
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("grpo") / "run"
-    sets = [
-        "train.steps=4",
-        "train.eval_every=2",
-        "warm_start.steps=20",
-        "rollout.num_prompts=8",
-        "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
-        "rollout.samples_per_prompt=4",
-        "parallel.micro_batch_size=16",
-        "data.num_train=2000",
-        "data.num_val=32",
-        f"train.run_dir={run}",
-    ]
+    sets = ["train.steps=4", "train.eval_every=2", "warm_start.steps=20", "rollout.num_prompts=8",
+            "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
+            "data.num_val=32", f"train.run_dir={run}"]
     proc = megarl_train("grpo_cpu.yaml", sets)
     (run / "stdout.log").write_text(proc.stdout + proc.stderr)
     return run
@@ -42,19 +34,9 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
     # every step sampled with the weights pushed after the previous step
     assert [r["rollout/policy_version"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
-        for key in (
-            "timing/step/generate",
-            "timing/step/logprobs",
-            "timing/step/update",
-            "timing/step/sync",
-            "train/kl",
-            "train/lr",
-            "train/loss",
-            "train/grad_norm",
-            "sync/integrity_max_abs_diff",
-            "rollout/responses",
-            "rollout/reward_failures",
-        ):
+        for key in ("timing/step/generate", "timing/step/logprobs", "timing/step/update", "timing/step/sync",
+                    "train/kl", "train/lr", "train/loss", "train/grad_norm", "sync/integrity_max_abs_diff",
+                    "rollout/responses", "rollout/reward_failures"):
             assert key in r, key
         assert r["rollout/responses"] == 32
         assert r["sync/integrity_max_abs_diff"] < 1e-3
@@ -89,27 +71,13 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
     """Dynamic sampling (refill to the planned batch), overlong soft penalty + filter, TIS,
     clip-higher, Dr.GRPO advantages and aggregation, all wired through one real run."""
     run = tmp_path / "run"
-    sets = [
-        "train.steps=3",
-        "train.eval_every=0",
-        "warm_start.steps=40",
-        "rollout.num_prompts=8",
-        "coordinator.enabled=false",
-        "rollout.samples_per_prompt=4",
-        "parallel.micro_batch_size=16",
-        "data.num_train=2000",
-        "data.num_val=16",
-        "algo.dynamic_sampling=true",
-        "algo.max_sampling_rounds=3",
-        "algo.overlong_buffer_len=2",
-        "algo.overlong_filter=true",
-        "algo.tis_cap=2.0",
-        "algo.clip_high=0.28",
-        "algo.advantage=drgrpo",
-        "algo.loss_agg=seq-mean-token-sum-norm",
-        "train.tensorboard=false",
-        f"train.run_dir={run}",
-    ]
+    sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=40", "rollout.num_prompts=8",
+            "coordinator.enabled=false",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
+            "data.num_val=16", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
+            "algo.overlong_buffer_len=2", "algo.overlong_filter=true", "algo.tis_cap=2.0", "algo.clip_high=0.28",
+            "algo.advantage=drgrpo", "algo.loss_agg=seq-mean-token-sum-norm", "train.tensorboard=false",
+            f"train.run_dir={run}"]
     megarl_train("grpo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "rollout/reward_mean" in r]
     assert len(steps) == 3
@@ -136,7 +104,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from transformers import AutoModelForCausalLM
 from megarl.rollout.tokenizer import Tokenizer
-hf = "{run_dir / "hf_final"}"
+hf = "{run_dir / 'hf_final'}"
 tok = Tokenizer(hf + "/tokenizer.model")
 ids = tok.encode("7+5=")
 llm = LLM(model=hf, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -150,9 +118,8 @@ g = m.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token
 print("RESULT", json.dumps({{"vllm": v, "hf": g}}))
 """
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT ", 1)[1])
     n = len(res["vllm"])

@@ -9,19 +9,9 @@ from tests.helpers import megarl_train
 
 def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    sets = [
-        "train.steps=4",
-        "train.eval_every=0",
-        "warm_start.steps=20",
-        "rollout.num_prompts=8",
-        "rollout.samples_per_prompt=4",
-        "parallel.micro_batch_size=8",
-        "data.num_train=2000",
-        "data.num_val=16",
-        "critic.warmup_steps=2",
-        "train.tensorboard=false",
-        f"train.run_dir={run}",
-    ]
+    sets = ["train.steps=4", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
+            "data.num_val=16", "critic.warmup_steps=2", "train.tensorboard=false", f"train.run_dir={run}"]
     megarl_train("ppo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -44,24 +34,11 @@ def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> No
     import math
 
     run = tmp_path / "run"
-    sets = [
-        "train.steps=3",
-        "train.eval_every=0",
-        "warm_start.steps=20",
-        "rollout.num_prompts=8",
-        "rollout.samples_per_prompt=4",
-        "parallel.micro_batch_size=8",
-        "data.num_train=2000",
-        "data.num_val=16",
-        "critic.warmup_steps=1",
-        "algo.mini_batches=1",
-        "critic.parallel.tensor_parallel=1",
-        "coordinator.enabled=true",
-        "coordinator.adapt=false",
-        "coordinator.min_prompts=8",
-        "train.tensorboard=false",
-        f"train.run_dir={run}",
-    ]
+    sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
+            "data.num_val=16", "critic.warmup_steps=1", "algo.mini_batches=1", "critic.parallel.tensor_parallel=1",
+            "coordinator.enabled=true", "coordinator.adapt=false", "coordinator.min_prompts=8",
+            "train.tensorboard=false", f"train.run_dir={run}"]
     megarl_train("ppo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

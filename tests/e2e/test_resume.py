@@ -17,37 +17,14 @@ from safetensors.torch import load_file
 from tests.helpers import ROOT, megarl_train, train_cmd, train_env
 
 # coordinator off: its batch choices follow wall-clock timings, so two runs would differ
-COMMON = [
-    "coordinator.enabled=false",
-    "warm_start.steps=20",
-    "rollout.num_prompts=8",
-    "rollout.samples_per_prompt=4",
-    "data.num_train=2000",
-    "data.num_val=16",
-    "train.tensorboard=false",
-    "train.eval_every=0",
-]
-KEYS = [
-    "rollout/reward_mean",
-    "rollout/prompt_fingerprint",
-    "rollout/tokens",
-    "train/loss",
-    "train/grad_norm",
-    "train/kl",
-    "critic/value_loss",
-    "train/kl_coef",
-]
+COMMON = ["coordinator.enabled=false", "warm_start.steps=20", "rollout.num_prompts=8", "rollout.samples_per_prompt=4", "data.num_train=2000",
+          "data.num_val=16", "train.tensorboard=false", "train.eval_every=0"]
+KEYS = ["rollout/reward_mean", "rollout/prompt_fingerprint", "rollout/tokens", "train/loss", "train/grad_norm",
+        "train/kl", "critic/value_loss", "train/kl_coef"]
 GRPO = ("grpo_cpu.yaml", ["parallel.micro_batch_size=16"])
-PPO_DISTOPT = (
-    "ppo_cpu.yaml",
-    [
-        "parallel.tensor_parallel=1",
-        "parallel.data_parallel=2",
-        "parallel.use_distributed_optimizer=true",
-        "parallel.micro_batch_size=4",
-        "critic.warmup_steps=1",
-    ],
-)
+PPO_DISTOPT = ("ppo_cpu.yaml", ["parallel.tensor_parallel=1", "parallel.data_parallel=2",
+                                "parallel.use_distributed_optimizer=true", "parallel.micro_batch_size=4",
+                                "critic.warmup_steps=1"])
 
 
 def _run(config: str, sets: list[str]) -> str:
@@ -90,11 +67,8 @@ def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup) -> None:
     assert "resumed from" in log and "at step 2" in log
     if "train.async_save=true" in extra:  # periodic saves were staged, written in the background
         assert "writing in the background" in log and "committed" in log
-        blocked = [
-            r["timing/checkpoint_blocked_s"]
-            for r in map(json.loads, (parts / "metrics.jsonl").open())
-            if "timing/checkpoint_blocked_s" in r
-        ]
+        blocked = [r["timing/checkpoint_blocked_s"] for r in map(json.loads, (parts / "metrics.jsonl").open())
+                   if "timing/checkpoint_blocked_s" in r]
         assert len(blocked) == 4
     _assert_same_run(full, parts, 4)
 
@@ -104,15 +78,8 @@ def test_preempted_by_signal_then_resumed(tmp_path: Path) -> None:
     full, pre = tmp_path / "full", tmp_path / "pre"
     sets = [*COMMON, *extra, "train.steps=40", "rollout.num_prompts=4"]
     _run(config, [*sets, f"train.run_dir={full}"])
-    proc = subprocess.Popen(
-        train_cmd(config, [*sets, f"train.run_dir={pre}"]),
-        env=train_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen(train_cmd(config, [*sets, f"train.run_dir={pre}"]), env=train_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     metrics = pre / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
@@ -135,24 +102,17 @@ def test_resume_fails_clearly_on_other_model_shape(tmp_path: Path) -> None:
     config, extra = GRPO
     run = tmp_path / "run"
     _run(config, [*COMMON, *extra, "train.steps=1", f"train.run_dir={run}"])
-    proc = subprocess.run(
-        train_cmd(config, [*COMMON, *extra, "train.steps=2", "model.hidden_size=64", f"train.run_dir={run}"]),
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    proc = subprocess.run(train_cmd(config, [*COMMON, *extra, "train.steps=2", "model.hidden_size=64",
+                                        f"train.run_dir={run}"]), env=train_env(), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
     assert proc.returncode != 0
     assert "hidden_size" in proc.stdout + proc.stderr
     assert torch.isfinite(torch.tensor(1.0))
 
 
 # actor TP2 (megatron's global groups), critic TP1 × DP2 on its own groups (critic.parallel)
-PPO_CRITIC_LAYOUT = (
-    "ppo_cpu.yaml",
-    ["critic.parallel.tensor_parallel=1", "parallel.micro_batch_size=8", "critic.warmup_steps=1"],
-)
+PPO_CRITIC_LAYOUT = ("ppo_cpu.yaml", ["critic.parallel.tensor_parallel=1", "parallel.micro_batch_size=8",
+                                      "critic.warmup_steps=1"])
 
 
 def test_ppo_critic_on_its_own_layout_resumes_exactly(tmp_path: Path) -> None:

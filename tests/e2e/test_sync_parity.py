@@ -8,22 +8,10 @@ import pytest
 from tests.helpers import ROOT, read_json, torchrun
 
 WORKER = ROOT / "tests/e2e/worker_sync_parity.py"
-TINY = [
-    "model.max_position_embeddings=64",
-    "rollout.num_prompts=4",
-    "rollout.samples_per_prompt=4",
-    "rollout.max_response_len=6",
-    "rollout.max_prompt_len=12",
-    "warm_start.steps=30",
-    "warm_start.batch_size=32",
-    "parallel.micro_batch_size=8",
-    "train.steps=3",
-    "optim.lr=1e-3",
-    "data.num_train=2000",
-    "data.num_val=16",
-    "train.tensorboard=false",
-    "rollout.num_engines=2",
-]
+TINY = ["model.max_position_embeddings=64", "rollout.num_prompts=4", "rollout.samples_per_prompt=4",
+        "rollout.max_response_len=6", "rollout.max_prompt_len=12", "warm_start.steps=30", "warm_start.batch_size=32",
+        "parallel.micro_batch_size=8", "train.steps=3", "optim.lr=1e-3", "data.num_train=2000", "data.num_val=16",
+        "train.tensorboard=false", "rollout.num_engines=2"]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ NUM_VAL = 8
 # Calls are numbered across worker processes with an O_APPEND counter file: each call appends one
 # byte and the offset after its write is its own number. Validation at the start makes calls
 # 1..NUM_VAL, so the failures below land in step 1.
-REWARD = f"""
+REWARD = f'''
 import json, os, time
 from pathlib import Path
 
@@ -41,7 +41,7 @@ def reward(response, prompt, answer, extra):
     if n in ({NUM_VAL} + 5, {NUM_VAL} + 9):
         time.sleep(300)
     return 1.0 if response.strip() == answer else 0.0
-"""
+'''
 
 
 @pytest.mark.slow
@@ -50,21 +50,10 @@ def test_user_reward_that_hangs_and_crashes_does_not_stop_the_run(tmp_path: Path
     rdir.mkdir()
     (rdir / "score.py").write_text(textwrap.dedent(REWARD))
     run = tmp_path / "run"
-    sets = [
-        "train.steps=2",
-        "train.eval_every=0",
-        "warm_start.steps=0",
-        "coordinator.enabled=false",
-        "rollout.num_prompts=4",
-        "rollout.samples_per_prompt=4",
-        "parallel.micro_batch_size=8",
-        "data.num_train=200",
-        f"data.num_val={NUM_VAL}",
-        f"train.run_dir={run}",
-        f"reward.fn={rdir}/score.py:reward",
-        "reward.timeout_s=3",
-        "reward.workers=2",
-    ]
+    sets = ["train.steps=2", "train.eval_every=0", "warm_start.steps=0", "coordinator.enabled=false",
+            "rollout.num_prompts=4", "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8",
+            "data.num_train=200", f"data.num_val={NUM_VAL}", f"train.run_dir={run}",
+            f"reward.fn={rdir}/score.py:reward", "reward.timeout_s=3", "reward.workers=2"]
     proc = megarl_train("grpo_cpu.yaml", sets, timeout=900)
     out = proc.stdout + proc.stderr
     (run / "stdout.log").write_text(out)
@@ -77,8 +66,6 @@ def test_user_reward_that_hangs_and_crashes_does_not_stop_the_run(tmp_path: Path
     seen = [json.loads(x) for x in (rdir / "seen.jsonl").read_text().splitlines()]
     assert sorted(s["n"] for s in seen) == list(range(1, 2 * NUM_VAL + 2 * 16 + 1))  # val, 2 steps, val
     for s in seen:
-        a, op, b = (
-            s["prompt"].rstrip("=").partition("+") if "+" in s["prompt"] else s["prompt"].rstrip("=").partition("-")
-        )
+        a, op, b = s["prompt"].rstrip("=").partition("+") if "+" in s["prompt"] else s["prompt"].rstrip("=").partition("-")
         assert s["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b)) and s["extra"] == {}
         assert not any(t in s["response"] for t in ("<s>", "</s>", "<pad>", "<unk>")), s["response"]

@@ -33,9 +33,8 @@ try:
     prompts = [tr.tok.encode(r.prompt) for r in tr.rollouts.val_rows[:8]]
     # 1) engine samples + logprobs vs trainer logprobs of the same tokens
     batch, _ = tr.rollouts.collect(999, 8, 4)
-    lp = forward_logprobs(
-        tr.actor, batch.tokens, micro_batch_size=cfg.parallel.micro_batch_size, temperature=cfg.rollout.temperature
-    )["logprobs"]
+    lp = forward_logprobs(tr.actor, batch.tokens, micro_batch_size=cfg.parallel.micro_batch_size,
+                          temperature=cfg.rollout.temperature)["logprobs"]
     m = batch.mask.bool()
     result["sampled_logprob_max_abs_diff"] = float((lp[m] - batch.engine_logprobs[m]).abs().max())
     result["sampled_tokens"] = int(m.sum())
@@ -44,14 +43,8 @@ try:
     # 2) greedy: engine vs Megatron reference decoding
     ours = greedy_generate(tr.actor, prompts, cfg.rollout.max_response_len, tr.tok.eos_id)
     if tr.dims.is_rank0:
-        outs, _ = tr.fleet.generate(
-            prompts,
-            n=1,
-            max_tokens=cfg.rollout.max_response_len,
-            temperature=0.0,
-            top_p=1.0,
-            stop_token_ids=[tr.tok.eos_id],
-        )
+        outs, _ = tr.fleet.generate(prompts, n=1, max_tokens=cfg.rollout.max_response_len, temperature=0.0,
+                                    top_p=1.0, stop_token_ids=[tr.tok.eos_id])
         result["engine_greedy"] = [o[0]["token_ids"] for o in outs]
         result["engine_versions"] = tr.fleet.versions()
         result["trainer_greedy"] = ours

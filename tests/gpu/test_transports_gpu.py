@@ -49,40 +49,24 @@ def trainer(tmp_path_factory: pytest.TempPathFactory):
     new_dir = base / "hf_new"
     new_dir.mkdir()
     shutil.copy(hf / "config.json", new_dir / "config.json")
-    save_file(
-        {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}, str(new_dir / "model.safetensors")
-    )
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()},
+              str(new_dir / "model.safetensors"))
     dims = init_distributed(1, 1, seed=0)
     hf_cfg, tensors = read_hf_folder(new_dir)
     mcfg = model_config_from_hf(hf_cfg, ModelConfig())
     model = build_gpt(mcfg, ParallelConfig(), dims, trainable=False)
     adapter = LlamaQwen2Adapter(mcfg)
     load_hf_tensors(model, adapter, tensors)
-    yield {
-        "base": base,
-        "old": str(hf / "model.safetensors"),
-        "new": str(new_dir / "model.safetensors"),
-        "hf": hf,
-        "model": model,
-        "adapter": adapter,
-    }
+    yield {"base": base, "old": str(hf / "model.safetensors"), "new": str(new_dir / "model.safetensors"),
+           "hf": hf, "model": model, "adapter": adapter}
     shutdown()
 
 
 def _fleet(t: dict, name: str, visible: str, sleep_mode: bool) -> Fleet:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", visible)
-        return Fleet.start_local(
-            t["hf"],
-            1,
-            1,
-            0.25,
-            t["base"] / name,
-            seed=0,
-            request_timeout_s=300,
-            start_timeout_s=600,
-            sleep_mode=sleep_mode,
-        )
+        return Fleet.start_local(t["hf"], 1, 1, 0.25, t["base"] / name, seed=0, request_timeout_s=300,
+                                 start_timeout_s=600, sleep_mode=sleep_mode)
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, tor
         d = base / name
         d.mkdir()
         torchrun(WORKER, nproc, ["--hf", str(hf), "--out", str(d), *extra])
-        out[name] = {
-            **load_file(str(d / "result.safetensors")),
-            **{f"w:{k}": v for k, v in load_file(str(d / "updated.safetensors")).items()},
-        }
+        out[name] = {**load_file(str(d / "result.safetensors")),
+                     **{f"w:{k}": v for k, v in load_file(str(d / "updated.safetensors")).items()}}
     out["hf"] = {"dir": hf}  # type: ignore[dict-item]
     return out
 

@@ -40,12 +40,8 @@ args = ap.parse_args()
 dims = init_distributed(args.tp, args.pp, seed=7)
 hf_cfg, hf = read_hf_folder(args.hf)
 mcfg = model_config_from_hf(hf_cfg, ModelConfig(attention=args.attention))
-pcfg = ParallelConfig(
-    tensor_parallel=args.tp,
-    pipeline_parallel=args.pp,
-    micro_batch_size=args.mbs,
-    use_distributed_optimizer=args.dist_opt,
-)
+pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, micro_batch_size=args.mbs,
+                      use_distributed_optimizer=args.dist_opt)
 # adam_eps well above fp32 gradient noise: with eps=1e-8 the first Adam step is ~lr·sign(g),
 # which turns 1e-9 reduction-order differences in tiny gradients into lr-sized ones.
 OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-4)
@@ -103,12 +99,8 @@ load_hf_tensors(pm, adapter, hf)
 pm.probe = GradProbe(dims, microbatch=dims.pp == 1)
 pm.probe.start()
 denom = algo.global_denominator("token-mean", mask)
-_, gn = train_step(
-    pm,
-    {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]},
-    policy_loss_fn("token-mean", denom),
-    micro_batch_size=args.mbs,
-)
+_, gn = train_step(pm, {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]},
+                   policy_loss_fn("token-mean", denom), micro_batch_size=args.mbs)
 total = float(units.sum())
 per_rank = [float(units[r * per : (r + 1) * per].sum()) for r in range(dims.dp)]
 result["probe/global_sq"] = torch.tensor([gn**2])
@@ -126,12 +118,8 @@ if dims.dp == 1 and dims.pp == 1:
             fm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
             load_hf_tensors(fm, adapter, hf)
             d = algo.global_denominator("token-mean", mask[sl])
-            _, g2 = train_step(
-                fm,
-                {"tokens": tokens[sl], "mask": mask[sl], "adv": adv[sl], "old": old[sl]},
-                policy_loss_fn("token-mean", d),
-                micro_batch_size=min(args.mbs, size),
-            )
+            _, g2 = train_step(fm, {"tokens": tokens[sl], "mask": mask[sl], "adv": adv[sl], "old": old[sl]},
+                               policy_loss_fn("token-mean", d), micro_batch_size=min(args.mbs, size))
             norms.append(g2**2)
         result[f"probe/brute_{name}_sq"] = torch.tensor(norms)
 
@@ -174,14 +162,8 @@ for _ in range(args.critic_steps):
     st, _ = train_step(critic, fixed, fixed_loss_fn, micro_batch_size=args.mbs, value_model=True)
     losses.append(st["loss"])
 result["critic/fixed_batch_losses"] = torch.tensor(losses or [0.0])
-result.update(
-    {
-        "critic/values0": v0,
-        "critic/values1": v1,
-        "critic/loss": torch.tensor([vstats["loss"]]),
-        "critic/grad_norm": torch.tensor([vnorm]),
-    }
-)
+result.update({"critic/values0": v0, "critic/values1": v1, "critic/loss": torch.tensor([vstats["loss"]]),
+               "critic/grad_norm": torch.tensor([vnorm])})
 
 if dims.is_rank0:
     from safetensors.torch import save_file

@@ -28,16 +28,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     hf = tiny_hf_model(base / "hf", vocab=64)
     weights = load_file(str(hf / "model.safetensors"))
     (hf / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in weights.items()}))
-    f = Fleet.start_local(
-        hf,
-        num_engines=2,
-        engine_tp=1,
-        kv_cache_gb=0.25,
-        log_dir=base / "logs",
-        seed=0,
-        request_timeout_s=120,
-        start_timeout_s=300,
-    )
+    f = Fleet.start_local(hf, num_engines=2, engine_tp=1, kv_cache_gb=0.25, log_dir=base / "logs", seed=0,
+                          request_timeout_s=120, start_timeout_s=300)
     f.update_weights(1, [_staged(f, hf / "model.safetensors")])
     yield f, hf, weights, f.staging_dir  # engines read weight files only from their staging folder
     f.shutdown()
@@ -68,30 +60,20 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
     assert len(per_engine) == 2
     a, b = (torch.tensor(x[0]) for x in per_engine)
     assert a.shape == (6,) and torch.allclose(a, b, atol=1e-6)
-    outs, version = f.generate(
-        PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2], seeds=list(range(len(PROMPTS)))
-    )
+    outs, version = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
+                               seeds=list(range(len(PROMPTS))))
     assert version == 1 and len(outs) == len(PROMPTS) and all(len(g) == 3 for g in outs)
     # same seeds -> same samples, whichever engine served each prompt (load balancing is invisible)
-    again, _ = f.generate(
-        PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2], seeds=list(range(len(PROMPTS)))
-    )
+    again, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
+                          seeds=list(range(len(PROMPTS))))
     assert [[s["token_ids"] for s in g] for g in outs] == [[s["token_ids"] for s in g] for g in again]
     # unseeded (rollout.seeded=false): the engines' RNG, so two calls differ
     u1, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
     u2, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
     assert [[s["token_ids"] for s in g] for g in u1] != [[s["token_ids"] for s in g] for g in u2]
     # min_tokens: EOS (id 2, stop token here) is suppressed until 5 tokens, so every response has 5
-    eos_stop, _ = f.generate(
-        PROMPTS,
-        n=3,
-        max_tokens=5,
-        temperature=1.0,
-        top_p=1.0,
-        stop_token_ids=[2, 7],
-        seeds=list(range(len(PROMPTS))),
-        min_tokens=5,
-    )
+    eos_stop, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2, 7],
+                             seeds=list(range(len(PROMPTS))), min_tokens=5)
     assert all(len(s["token_ids"]) == 5 for g in eos_stop for s in g)
 
 
@@ -136,9 +118,8 @@ def test_engine_killed_mid_generation_is_restarted(fleet) -> None:
     result: dict = {}
 
     def run() -> None:
-        result["out"] = f.generate(
-            prompts, n=2, max_tokens=48, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True
-        )
+        result["out"] = f.generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=1.0, stop_token_ids=[],
+                                   ignore_eos=True)
 
     t = threading.Thread(target=run)
     t.start()
@@ -169,27 +150,12 @@ def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_pat
     """Seeded requests that overflow the KV cache: waves instead of vLLM preemption (which
     crashes the CPU build on seeded requests), same samples as an engine with a big cache."""
     f, hf, _, _ = fleet
-    small = Fleet.start_local(
-        hf,
-        num_engines=1,
-        engine_tp=1,
-        kv_cache_gb=0.002,
-        log_dir=tmp_path,
-        seed=0,
-        request_timeout_s=120,
-        start_timeout_s=300,
-    )
+    small = Fleet.start_local(hf, num_engines=1, engine_tp=1, kv_cache_gb=0.002, log_dir=tmp_path, seed=0,
+                              request_timeout_s=120, start_timeout_s=300)
     try:
         small.update_weights(1, [_staged(small, hf / "model.safetensors")])
-        kw = dict(
-            n=3,
-            max_tokens=20,
-            temperature=1.0,
-            top_p=1.0,
-            stop_token_ids=[],
-            ignore_eos=True,
-            seeds=list(range(len(PROMPTS))),
-        )
+        kw = dict(n=3, max_tokens=20, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True,
+                  seeds=list(range(len(PROMPTS))))
         got, _ = small.generate(PROMPTS, **kw)
         want, _ = f.generate(PROMPTS, **kw)
         assert [[s["token_ids"] for s in g] for g in got] == [[s["token_ids"] for s in g] for g in want]
@@ -203,14 +169,8 @@ def test_http_bytes_rejected_by_name_and_old_version_serves(fleet) -> None:
     before = f.logprobs([SEQ], temperature=1.0)
     name = "model.layers.2.self_attn.k_proj.weight"
     cases = [
-        (
-            {name: weights[name][:-1].contiguous()},
-            "'" + name.replace(".", r"\.") + r"' has shape \[63, 128\], engine expects \[64, 128\]",
-        ),
-        (
-            {"model.norm.weight": torch.full_like(weights["model.norm.weight"], float("inf"))},
-            r"model\.norm\.weight.*NaN/Inf",
-        ),
+        ({name: weights[name][:-1].contiguous()}, "'" + name.replace(".", r"\.") + r"' has shape \[63, 128\], engine expects \[64, 128\]"),
+        ({"model.norm.weight": torch.full_like(weights["model.norm.weight"], float("inf"))}, r"model\.norm\.weight.*NaN/Inf"),
         ({"lm_head.bias": torch.zeros(64)}, r"'lm_head\.bias' in the request body is not a weight of this model"),
         ({"model.norm.weight": weights["model.norm.weight"].to(torch.int32)}, r"model\.norm\.weight.*dtype int32"),
     ]
@@ -228,11 +188,8 @@ def test_http_bytes_rejected_by_name_and_old_version_serves(fleet) -> None:
     with pytest.raises(WeightSyncError, match=r"load for version 4 without begin \(staged: None\)"):
         f.load_bytes(4, save({"model.norm.weight": weights["model.norm.weight"]}))
     # the body must be declared binary: a JSON client cannot smuggle a pickle or a path here
-    req = urllib.request.Request(
-        f"http://{f.engines[0].address}/weights/load_bytes?version=5",
-        data=b"{}",
-        headers={"Content-Type": "application/json", **auth_header(f.engines[0].token)},
-    )
+    req = urllib.request.Request(f"http://{f.engines[0].address}/weights/load_bytes?version=5", data=b"{}",
+                                 headers={"Content-Type": "application/json", **auth_header(f.engines[0].token)})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 409 and b"expects Content-Type application/octet-stream" in info.value.read()
@@ -255,21 +212,9 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path, monkeypat
     monkeypatch.setenv(TOKEN_ENV, f.engines[0].token)
     monkeypatch.setenv(STAGING_ENV, str(f.staging_dir))
     try:
-        torchrun(
-            ROOT / "tests/rollout/worker_http_sync.py",
-            2,
-            [
-                "--hf",
-                str(folder),
-                "--addresses",
-                ",".join(e.address for e in f.engines),
-                "--version",
-                "10",
-                "--out",
-                str(out),
-            ],
-            timeout=600,
-        )
+        torchrun(ROOT / "tests/rollout/worker_http_sync.py", 2,
+                 ["--hf", str(folder), "--addresses", ",".join(e.address for e in f.engines), "--version", "10",
+                  "--out", str(out)], timeout=600)
         res = json.loads(out.read_text())
         http, shm, nan = res["http"], res["shm"], res["nan"]
         assert (http["transport"], shm["transport"]) == ("http", "shm")

@@ -54,9 +54,6 @@ def test_records_expose_only_present_tensors() -> None:
     t = torch.zeros(2, 3)
     assert set(PolicyEval(old_logprobs=t).rows()) == {"old_logprobs"}
     assert set(PolicyEval(old_logprobs=t, ref_logprobs=t, old_values=t).rows()) == {
-        "old_logprobs",
-        "ref_logprobs",
-        "old_values",
-    }
+        "old_logprobs", "ref_logprobs", "old_values"}
     assert set(Advantages(adv=t, mask=t).rows()) == {"adv", "mask"}
     assert set(Advantages(adv=t, mask=t, returns=t).rows()) == {"adv", "mask", "returns"}

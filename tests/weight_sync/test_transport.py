@@ -37,11 +37,8 @@ def test_resolve_transport(requested: str, addresses: list[str], started_locally
 
 @pytest.mark.parametrize("requested", ["shm", "cuda_ipc"])
 def test_host_bound_transports_refuse_remote_engines(requested: str) -> None:
-    with pytest.raises(
-        ConfigError,
-        match=rf"weight_sync.transport='{requested}' needs every engine on this host, "
-        rf"but \['192.0.2.7:8100'\] are not",
-    ):
+    with pytest.raises(ConfigError, match=rf"weight_sync.transport='{requested}' needs every engine on this host, "
+                                          rf"but \['192.0.2.7:8100'\] are not"):
         resolve_transport(requested, ["127.0.0.1:1", REMOTE], started_locally=False)
 
 
