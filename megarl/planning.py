@@ -5,7 +5,9 @@ shares) — fixed by config, or chosen by :class:`megarl.coordinator.Coordinator
 gradient-noise statistics that the grad probes (``megarl.model.grad_stats``) measured on the
 first mini-batch of the previous rollout and from the step's own phase timings. The planner
 owns the probes: it attaches them to the trained models, switches them on for the update it
-measures, and turns what they saw into :class:`ModelGradStats`. The LR schedule
+measures, and turns what they saw into :class:`ModelGradStats` — parts are the micro-batches
+of every DP rank (PP = 1) or the DP ranks, counting only responses with reward signal for the
+policy loss (docs/COORDINATOR.md §1). The LR schedule
 (:func:`lr_at`: warm-up, cosine) multiplies the planned LR, so the two compose.
 """
 
@@ -23,7 +25,6 @@ from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, Step
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe, rescale
-from megarl.model.microbatch import MicroBatch
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
@@ -57,6 +58,7 @@ class Planner:
                 batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
                 dp_size=dp,
                 lr_ref={m: self.lr_ref[m] for m in models},
+                b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
             )
             self.coord = Coordinator(c, run)
 
@@ -81,7 +83,8 @@ class Planner:
 
     def attach_probe(self, model: Model) -> None:
         """Give ``model`` a grad probe when the coordinator measures noise (no-op otherwise):
-        DP ranks are the small batches, or micro-batches when DP = 1 (which needs PP = 1)."""
+        the small batches are the micro-batches of every DP rank (PP = 1, and with DP > 1 only
+        when ``coordinator.microbatch_parts``), else the DP ranks."""
         if self.coord is None:
             return
         dims = model.dims
@@ -90,13 +93,17 @@ class Planner:
                 "coordinator.enabled needs data_parallel > 1 or pipeline_parallel = 1 "
                 "(the micro-batch noise estimator needs PP = 1)"
             )
-        if dims.dp == 1 and self.cfg.parallel.max_tokens_per_micro_batch:
+        budget = bool(self.cfg.parallel.max_tokens_per_micro_batch)
+        if dims.dp == 1 and budget:
             raise ValueError(
                 "coordinator.enabled with parallel.max_tokens_per_micro_batch needs data_parallel > 1: "
                 "at DP = 1 the noise estimate's small batches are micro-batches, which the budget groups by "
                 "length (not random samples of the batch)"
             )
-        model.probe = GradProbe(dims, microbatch=dims.dp == 1)
+        # with a budget, micro-batches are grouped by length: only whole DP ranks are random parts
+        model.probe = GradProbe(
+            dims, microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts)
+        )
 
     def start_probe(self, model: Model, update_index: int) -> bool:
         """Switch ``model``'s probe on for this update if it is measured: the first update of
@@ -112,23 +119,31 @@ class Planner:
         model: Model,
         grad_norm: float,
         mask: torch.Tensor,
-        mine: slice | torch.Tensor,
-        every: list[slice] | list[torch.Tensor],
-        micro_batches: int | list[MicroBatch],
+        every: list[slice],
+        mbs: int,
+        adv: torch.Tensor | None = None,
     ) -> float:
         """Turn the probe's reading of this update into ModelGradStats; returns its cost, s.
 
-        ``mine`` / ``every``: this and every DP rank's rows of ``mask``; ``micro_batches``: the
-        fixed micro-batch size, or this rank's token-budget micro-batches (rows of ``mine``)."""
+        ``mask``: (B, S) the mini-batch's loss mask; ``every``: each DP rank's rows of it;
+        ``adv``: its advantages ((B, S) or (B,))
+        for a policy loss, whose rows with zero advantage carry no gradient, None for a loss
+        where every row counts (value loss)."""
         model.probe.active = False
         units = mask.sum(1) if self.unit == "tokens" else (mask.sum(1) > 0).float()  # per row
-        rank_units = [float(units[sl].sum()) for sl in every]
-        local = units[mine]
-        if isinstance(micro_batches, int):
-            mb_units = [float(u.sum()) for u in local.split(micro_batches)]
+        answered = mask.sum(1) > 0
+        signal = answered if adv is None else answered & ((adv * mask).abs().sum(1) > 0 if adv.dim() == 2 else adv != 0)
+        if model.probe.microbatch:
+            parts = model.probe.gather_microbatches() if model.dims.dp > 1 else model.probe.mb_sq
+            rows = [r for sl in every for r in _chunks(sl, mbs)]
         else:
-            mb_units = [float(local[mb.rows].sum()) for mb in micro_batches]
-        self._grads.append(grad_stats(name, model.probe, grad_norm, self.unit, rank_units, mb_units))
+            parts, rows = model.probe.gather_local(), every
+        if len(parts) != len(rows):
+            raise RuntimeError(f"grad probe of {name!r} saw {len(parts)} parts, expected {len(rows)}")
+        source = "microbatch" if model.probe.microbatch else "dp"
+        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source)
+        if stats is not None:
+            self._grads.append(stats)
         return float(model.probe.seconds)
 
     # ------------------------------------------------------------------ phase 6
@@ -140,9 +155,10 @@ class Planner:
         grads, self._grads = self._grads, []
         if self.coord is None:
             return
-        other = sum(v for k, v in times.items() if k not in ("generate", "update"))
+        # the log-prob forward passes are linear in B: their own term of t(B), not a constant
+        other = sum(v for k, v in times.items() if k not in ("generate", "update", "logprobs"))
         # every rank must plan identically: use rank 0's clock
-        t = torch.tensor([times["generate"], times["update"], other], dtype=torch.float64)
+        t = torch.tensor([times["generate"], times["update"], other, times.get("logprobs", 0.0)], dtype=torch.float64)
         dist.broadcast(t, src=0)
         # each DP rank's own update time (shares follow measured per-rank throughput)
         mine = torch.tensor([times["update"]], dtype=torch.float64)
@@ -154,6 +170,7 @@ class Planner:
             generate_s=float(t[0]),
             train_s=float(t[1]),
             other_s=float(t[2]),
+            logprobs_s=float(t[3]),
             rollout_responses=batch_size,
             rollout_tokens=batch_tokens,
             rank_train_s=[float(x) for x in gathered] if dims.dp > 1 else None,
@@ -171,22 +188,44 @@ class Planner:
             self.coord.load_state_dict(state)
 
 
+def _chunks(sl: slice, mbs: int) -> list[slice]:
+    """The micro-batches ``train_step`` cuts ``sl`` into (the last may be short)."""
+    start, stop = sl.start or 0, sl.stop
+    return [slice(a, min(a + mbs, stop)) for a in range(start, stop, mbs)]
+
+
 def grad_stats(
-    name: str, probe: GradProbe, grad_norm: float, unit: str, rank_units: list[float], mb_units: list[float]
-) -> ModelGradStats:
-    """ModelGradStats from a probe: DP ranks as the small batches, or (DP = 1) micro-batches."""
-    total = float(sum(rank_units))
-    if len(rank_units) > 1:
-        parts, units, source = probe.gather_local(), rank_units, "dp"
-    else:
-        parts, units, source = probe.mb_sq, mb_units, "microbatch"
-        if len(parts) != len(units):
-            raise RuntimeError(f"grad probe saw {len(parts)} micro-batches, expected {len(units)}")
+    name: str,
+    parts: list[float],
+    rows: list[slice],
+    units: torch.Tensor,
+    signal: torch.Tensor,
+    grad_norm: float,
+    unit: str,
+    source: str,
+) -> ModelGradStats | None:
+    """ModelGradStats over the parts' units with signal; None when fewer than 2 parts have any.
+
+    The loss is divided by D, all units of the mini-batch, so a part's gradient is
+    (n/D)·ḡ_part over its n units with signal (rows without signal add no gradient), and the
+    step's gradient is (D_s/D)·Ḡ over the D_s units with signal: both are rescaled to means
+    over units with signal (× (D/n)², × (D/D_s)²). Parts without signal are left out (their
+    norm is ~0 and says nothing about the noise); ``signal_fraction`` tells the coordinator
+    which share of the rollout's responses the estimate counts. ``source``: "microbatch" or
+    "dp", what the parts are.
+    """
+    total = float(units.sum())
+    part_units = [float((units[r] * signal[r]).sum()) for r in rows]
+    kept = [(s, n) for s, n in zip(parts, part_units, strict=True) if n > 0]
+    signal_units = sum(n for _, n in kept)
+    if len(kept) < 2 or signal_units <= 0:
+        return None
     return ModelGradStats(
         model=name,
-        local_sq_norms=[rescale(s, n, total) for s, n in zip(parts, units)],
-        local_batches=units,
-        global_sq_norm=grad_norm**2,
+        local_sq_norms=[rescale(s, n, total) for s, n in kept],
+        local_batches=[n for _, n in kept],
+        global_sq_norm=rescale(grad_norm**2, signal_units, total),
+        signal_fraction=float(signal.sum()) / len(signal),  # of all the mini-batch's responses
         batch_unit=unit,  # type: ignore[arg-type]
         source=source,  # type: ignore[arg-type]
         grad_average="samples",

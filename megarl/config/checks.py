@@ -196,6 +196,17 @@ def _coordinator(cfg: RunConfig) -> None:
             cfg.optim.clip_grad,
             "must be > 0 with coordinator.enabled (its grad norm is reused)",
         )
+    if c.noise_kind != "plain":
+        fail(
+            "coordinator.noise_kind",
+            c.noise_kind,
+            "must be 'plain': the 'adam' (preconditioned) noise scale needs every part's gradient "
+            "divided by Adam's sqrt(v)+eps, which the trainer does not measure (docs/COORDINATOR.md §1)",
+        )
+    if c.lr_reference_batch < 0:
+        fail(
+            "coordinator.lr_reference_batch", c.lr_reference_batch, "must be >= 0 responses (0 = the configured batch)"
+        )
     if c.enabled and not c.min_prompts <= r.num_prompts <= c.max_prompts:
         fail(
             "rollout.num_prompts",
@@ -280,6 +291,7 @@ def _positive(cfg: RunConfig) -> None:
                 "max_tasks_per_worker",
                 "worker_memory_mb",
                 "kv_channels",
+                "lr_reference_batch",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

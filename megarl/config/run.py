@@ -43,26 +43,42 @@ class CoordinatorConfig:
     """Ratio between neighbouring candidate prompt counts (> 1)."""
     min_gain: float = 0.05
     """Switch only if predicted goodput improves by more than this fraction (hysteresis)."""
-    warmup_steps: int = 10
-    """Observed steps before the first batch change, steps."""
-    cooldown_steps: int = 5
+    warmup_steps: int = 1
+    """Observed steps before the first batch change, steps (see also min_dof)."""
+    min_dof: float = 6.0
+    """Degrees of freedom (parts - 1, summed over steps) the noise estimate needs before the
+    first batch change; the first change then goes straight to the goodput optimum."""
+    cooldown_steps: int = 3
     """Steps after a change before the next one, steps."""
     ema_beta: float = 0.9
-    """EMA decay per step of |G|², tr(Σ), per-rank throughput and timings."""
+    """EMA decay per step of |G|², tr(Σ) (each step weighted by its degrees of freedom),
+    per-rank throughput and timings."""
     band_z: float = 2.0
-    """Width of the reported B_noise band in (approximate) standard errors."""
+    """Width of the B_noise band in (approximate) standard errors; the batch is kept while it
+    lies between the goodput optima at the band's two ends (hysteresis)."""
     lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
-    """How LR follows the batch from (b_ref = initial batch, lr_ref = optim.lr / critic.lr)."""
+    """How LR follows the batch from (lr_reference_batch, lr_ref = optim.lr / critic.lr);
+    surge: Adam's optimum rises then falls in B, peaking at B_noise (docs/COORDINATOR.md §3)."""
+    lr_reference_batch: int = 0
+    """Responses per step at which optim.lr / critic.lr were validated; every planned LR scales
+    from it (0 = the configured batch, rollout.num_prompts × samples_per_prompt)."""
     lr_min: float = 0.0
     """Lower clip of every planned LR."""
     lr_max: float = 1.0e-2
     """Upper clip of every planned LR."""
-    noise_kind: Literal["plain", "adam"] = "plain"
-    """Which noise scale drives decisions (adam: preconditioned gradients)."""
+    noise_kind: str = "plain"
+    """Which noise scale drives decisions; only "plain" (raw gradients). "adam"
+    (preconditioned gradients) is rejected: nothing measures them (docs/COORDINATOR.md §1)."""
     noise_calibration: float = 1.0
     """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
+    microbatch_parts: bool = True
+    """Noise parts = every micro-batch on every DP rank (needs PP = 1; one grad-buffer copy per
+    micro-batch of the measured update); False = one part per DP rank."""
+    adam_rescale: bool = True
+    """On a batch change, scale Adam's second moments by the predicted change of E[g²]
+    (docs/COORDINATOR.md §3), so the first updates at the new batch match the plan."""
     time_window: int = 32
-    """Observations kept by each step-time least-squares fit, steps."""
+    """Latest times kept per batch size by each step-time least-squares fit, steps."""
     prior_fixed_fraction: float = 0.3
     """Assumed batch-independent fraction of phase time until two batch sizes were seen."""
 

@@ -28,19 +28,17 @@ from megarl.coordinator.lr_rules import (
     surge_rule,
 )
 from megarl.coordinator.noise import (
-    KIND_ADAM,
-    KIND_PLAIN,
     NoiseScaleEstimator,
     dp_estimates,
     microbatch_estimates,
+    parts_dof,
     two_batch_estimates,
 )
+from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, optimum_band
 from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
 
 __all__ = [
-    "KIND_ADAM",
-    "KIND_PLAIN",
     "LR_RULES",
     "BatchChoice",
     "BatchGrid",
@@ -54,6 +52,7 @@ __all__ = [
     "StepPlan",
     "StepTimeModel",
     "StepTimings",
+    "adam_v_scale",
     "adascale_gain",
     "adascale_sqrt_rule",
     "apply_lr_rule",
@@ -62,8 +61,12 @@ __all__ = [
     "dp_estimates",
     "efficiency",
     "goodput",
+    "hold_or_move",
+    "jump",
     "linear_rule",
     "microbatch_estimates",
+    "optimum_band",
+    "parts_dof",
     "sqrt_rule",
     "surge_lr_max",
     "surge_rule",

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.goodput import BatchGrid
 from megarl.coordinator.lr_rules import LR_RULES
-from megarl.coordinator.noise import KIND_ADAM, KIND_PLAIN
 
 
 @dataclass(kw_only=True)
@@ -29,7 +28,8 @@ class CoordinatorRun:
     lr_ref: dict[str, float] = field(default_factory=dict)
     """Per model: learning rate tuned at b_ref; every observed model must have one."""
     b_ref: dict[str, float] = field(default_factory=dict)
-    """Per model: batch (responses per step) at which lr_ref was tuned; default initial."""
+    """Per model: batch (responses per step) at which lr_ref was tuned
+    (`CoordinatorConfig.lr_reference_batch`); default the initial batch."""
     batch_models: list[str] | None = None
     """Models whose noise scale decides the batch; None means every observed model."""
 
@@ -72,8 +72,13 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"ema_beta={s.ema_beta} must be in [0, 1)")
     if not s.band_z > 0:
         raise ValueError(f"band_z={s.band_z} must be > 0")
-    if s.noise_kind not in (KIND_PLAIN, KIND_ADAM):
-        raise ValueError(f"noise_kind={s.noise_kind!r} must be 'plain' or 'adam'")
+    if s.noise_kind != "plain":
+        raise ValueError(
+            f"noise_kind={s.noise_kind!r} must be 'plain': the Adam-preconditioned noise scale is "
+            "not measured by the trainer (docs/COORDINATOR.md §1)"
+        )
+    if not s.min_dof >= 0:
+        raise ValueError(f"min_dof={s.min_dof} must be >= 0 degrees of freedom")
     if not s.noise_calibration > 0:
         raise ValueError(f"noise_calibration={s.noise_calibration} must be > 0")
     if s.lr_rule not in LR_RULES:

@@ -4,15 +4,20 @@ Each step the trainer reports, per trained model, the squared norms of the rank-
 gradients and of the all-reduced gradient (`ModelGradStats`), and the phase timings
 (`StepTimings`). The coordinator turns them into:
 
-1. a noise scale per model, B_simple = EMA(tr Σ)/EMA(|G|²) (`noise.py`, McCandlish et al.
-   2018), converted to **responses** (the batch unit of the plan; a token-unit estimate is
-   divided by the smoothed tokens per response);
-2. a step-time model t(B) = t_gen(B) + t_train(B) + t_other (`throughput.py`);
+1. a noise scale per model, B_simple = EMA(tr Σ)/EMA(|G|²) with each step weighted by its
+   degrees of freedom (`noise.py`, McCandlish et al. 2018), converted to **responses** (the
+   batch unit of the plan: a token-unit estimate is divided by the smoothed tokens per
+   response, and an estimate over responses with reward signal by the smoothed fraction f
+   of such responses — B responses carry f·B useful ones, so B_noise = B_noise,signal/f);
+2. a step-time model t(B) = t_gen(B) + t_logprobs(B) + t_train(B) + t_other (`throughput.py`);
 3. the prompt count maximising goodput(B) = B/t(B)·(B_noise + B0)/(B_noise + B) on a
-   geometric grid, with hysteresis (`goodput.py`, Pollux OSDI'21). With several models the
-   smallest B_noise decides (the most batch-sensitive model);
-4. a learning rate per model from its reference (b_ref, lr_ref) and the planned batch
-   (`lr_rules.py`), clipped to [lr_min, lr_max];
+   geometric grid (`goodput.py`, Pollux OSDI'21): a first jump straight to the argmax once the
+   estimate has `min_dof` degrees of freedom, then a hold while the batch lies inside the
+   band of optima of the B_noise band (`policy.py`). With several models the smallest
+   B_noise decides (the most batch-sensitive model);
+4. a learning rate per model from its reference (b_ref = `lr_reference_batch`, lr_ref) and
+   the planned batch (`lr_rules.py`), clipped to [lr_min, lr_max], and on a batch change the
+   factor for Adam's second moments (`policy.adam_v_scale`);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
    (responses/s), so that ranks finish together.
 
@@ -33,25 +38,20 @@ from typing import Any
 
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun, grid, validate
-from megarl.coordinator.goodput import choose_batch, goodput
+from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
-from megarl.coordinator.noise import (
-    KIND_ADAM,
-    KIND_PLAIN,
-    NoiseKind,
-    NoiseScaleEstimator,
-    dp_estimates,
-    microbatch_estimates,
-)
+from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
+from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats", "StepPlan", "StepTimings"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: degrees-of-freedom weighted noise EMAs, log-prob time model, signal fraction."""
 
-_GradUpdate = tuple[str, BatchUnit, tuple[float, float], tuple[float, float] | None]
-"""(model, batch unit, (|G|², tr Σ), preconditioned (|G|², tr Σ) or None)."""
+_GradUpdate = tuple[str, BatchUnit, tuple[float, float], float, float]
+"""(model, batch unit, (|G|², tr Σ), degrees of freedom, signal fraction)."""
 
 
 class Coordinator:
@@ -66,8 +66,9 @@ class Coordinator:
         self._observed = 0
         self._prompts = run.initial_prompts
         self._last_switch_step: int | None = None
+        self._settled = False  # the first decision (jump to the argmax) was taken
         self._noise: dict[str, NoiseScaleEstimator] = {}
-        self._noise_adam: dict[str, NoiseScaleEstimator] = {}
+        self._signal: dict[str, Ema] = {}  # per model: fraction of responses its parts count
         self._units: dict[str, BatchUnit] = {}
         self._time = StepTimeModel(
             window=config.time_window,
@@ -89,30 +90,31 @@ class Coordinator:
         updates = self._grad_updates(grads)
         timings.validate()
         rank_tput = self._rank_throughputs(step, timings)
-        for model, unit, plain, adam in updates:
+        for model, unit, plain, dof, signal in updates:
             self._units[model] = unit
-            self._estimator(self._noise, model, KIND_PLAIN).update(*plain)
-            if adam is not None:
-                self._estimator(self._noise_adam, model, KIND_ADAM).update(*adam)
+            self._estimator(model).update(*plain, dof=dof)
+            self._signal.setdefault(model, Ema(self.config.ema_beta)).update(signal)
         self._time.observe(
             responses=timings.rollout_responses,
             tokens=timings.rollout_tokens,
             generate_s=timings.generate_s,
+            logprobs_s=timings.logprobs_s,
             train_s=timings.train_s,
             other_s=timings.other_s,
         )
+
         for ema, x in zip(self._rank_tput, rank_tput, strict=True) if rank_tput else ():
             ema.update(x)
         self._last_step = step
         self._observed += 1
 
-    def _estimator(self, table: dict[str, NoiseScaleEstimator], model: str, kind: NoiseKind) -> NoiseScaleEstimator:
-        if model not in table:
-            table[model] = NoiseScaleEstimator(self.config.ema_beta, kind, self.config.band_z)
-        return table[model]
+    def _estimator(self, model: str) -> NoiseScaleEstimator:
+        if model not in self._noise:
+            self._noise[model] = NoiseScaleEstimator(self.config.ema_beta, self.config.band_z)
+        return self._noise[model]
 
     def _grad_updates(self, grads: list[ModelGradStats]) -> list[_GradUpdate]:
-        """Per model: (name, unit, (|G|², tr Σ), preconditioned pair or None); no mutation."""
+        """Per model: (name, unit, (|G|², tr Σ), degrees of freedom, signal fraction); no mutation."""
         out: list[_GradUpdate] = []
         seen: set[str] = set()
         for g in grads:
@@ -134,23 +136,16 @@ class Coordinator:
                 raise ValueError(f"model {g.model!r}: source={g.source!r} must be 'dp' or 'microbatch'")
             estimate = dp_estimates if g.source == "dp" else microbatch_estimates
             plain = estimate(g.local_sq_norms, g.local_batches, g.global_sq_norm, grad_average=g.grad_average)
-            adam: tuple[float, float] | None = None
-            if g.precond_local_sq_norms is not None and g.precond_global_sq_norm is not None:
-                adam = estimate(
-                    g.precond_local_sq_norms,
-                    g.local_batches,
-                    g.precond_global_sq_norm,
-                    grad_average=g.grad_average,
-                )
-            elif self.config.noise_kind == KIND_ADAM:
-                raise ValueError(
-                    "noise_kind='adam' needs precond_local_sq_norms and precond_global_sq_norm "
-                    f"for model {g.model!r}; got None"
-                )
+            dof = parts_dof(len(g.local_sq_norms)) if g.dof is None else g.dof
+            if not (dof > 0 and math.isfinite(dof)):
+                raise ValueError(f"model {g.model!r}: dof={g.dof} must be finite and > 0")
             for name, value in (("|G|^2", plain[0]), ("tr(Sigma)", plain[1])):
                 if not math.isfinite(value):
                     raise ValueError(f"model {g.model!r}: non-finite {name} estimate {value}")
-            out.append((g.model, g.batch_unit, plain, adam))
+            signal = 1.0 if g.signal_fraction is None else g.signal_fraction
+            if not 0.0 < signal <= 1.0:
+                raise ValueError(f"model {g.model!r}: signal_fraction={g.signal_fraction} must be in (0, 1]")
+            out.append((g.model, g.batch_unit, plain, dof, signal))
         return out
 
     def _rank_throughputs(self, step: int, t: StepTimings) -> list[float]:
@@ -177,20 +172,23 @@ class Coordinator:
             out.append(n / sec)
         return out
 
-    def noise_estimator(self, model: str, kind: NoiseKind = KIND_PLAIN) -> NoiseScaleEstimator | None:
-        """The raw estimator of `kind` for `model` (in the model's batch unit), if observed."""
-        return (self._noise_adam if kind == KIND_ADAM else self._noise).get(model)
+    def noise_estimator(self, model: str) -> NoiseScaleEstimator | None:
+        """The raw estimator for `model` (in the model's batch unit, signal samples), if observed."""
+        return self._noise.get(model)
+
+    def signal_fraction(self, model: str) -> float:
+        """Smoothed fraction of responses `model`'s parts count (1 before any step)."""
+        f = self._signal[model].value if model in self._signal else None
+        return 1.0 if f is None else f
 
     # -------------------------------------------------------------------- plan
-    def _decision_estimator(self, model: str) -> NoiseScaleEstimator | None:
-        """The estimator of kind `config.noise_kind` for `model` (None if never observed)."""
-        table = self._noise_adam if self.config.noise_kind == KIND_ADAM else self._noise
-        return table.get(model)
-
-    def _b_noise_responses(self, model: str, est: NoiseScaleEstimator | None) -> float | None:
-        """Calibrated B_simple of `est` in responses (None while unresolved)."""
-        b = est.b_simple if est is not None else None
-        return None if b is None else self._to_responses(model, b * self.config.noise_calibration)
+    def _b_noise_responses(self, model: str, b: float | None) -> float | None:
+        """Calibrated batch-like quantity `b` of `model` (B_simple or a band end) in responses
+        of the whole rollout (None while unresolved; inf stays inf)."""
+        if b is None:
+            return None
+        r = self._to_responses(model, b * self.config.noise_calibration)
+        return None if r is None else r / self.signal_fraction(model)
 
     def _to_responses(self, model: str, value: float) -> float | None:
         """Convert a per-sample quantity in the model's unit (B or tr Σ) to responses."""
@@ -199,28 +197,42 @@ class Coordinator:
         tpr = self._time.tokens_per_response
         return None if not tpr else value / tpr
 
-    def _decision_b_noise(self) -> float | None:
+    def _decision_model(self) -> str | None:
+        """The model whose B_noise decides (the smallest); None until every one is resolved."""
         models = self.run.batch_models or sorted(self._noise)
-        values = [self._b_noise_responses(m, self._decision_estimator(m)) for m in models]
-        known = [v for v in values if v is not None]
-        return min(known) if known and len(known) == len(values) else None
+        values = {m: self._b_noise_responses(m, e.b_simple if (e := self._noise.get(m)) else None) for m in models}
+        known = {m: v for m, v in values.items() if v is not None}
+        if not known or len(known) != len(values):
+            return None
+        return min(known, key=lambda m: known[m])
+
+    def _decision_b_noise(self) -> float | None:
+        m = self._decision_model()
+        return None if m is None else self._b_noise_responses(m, self._noise[m].b_simple)
+
+    def _band_responses(self, model: str) -> tuple[float, float] | None:
+        band = self._noise[model].band() if model in self._noise else None
+        if band is None:
+            return None
+        lo, hi = (self._b_noise_responses(model, x) for x in band)
+        return None if lo is None or hi is None else (lo, hi)
 
     def _lr(self, model: str, b: int) -> float:
         cfg = self.config
         lr_ref = self.run.lr_ref[model]
         if not cfg.adapt:
             return lr_ref
-        est = self._decision_estimator(model)
+        est = self._noise.get(model)
         g2 = est.g2 if est is not None else None
         tr = est.tr_sigma if est is not None else None
-        tr_resp = None if tr is None else self._to_responses(model, tr * cfg.noise_calibration)
+        tr_resp = None if tr is None else self._b_noise_responses(model, tr)
         inputs = LrInputs(
             b=float(b),
             b_ref=float(self.run.b_ref.get(model, self.run.initial_batch)),
             lr_ref=lr_ref,
             g2=g2 if tr_resp is not None else None,
             tr_sigma=tr_resp,
-            b_noise=self._b_noise_responses(model, est),
+            b_noise=self._b_noise_responses(model, est.b_simple if est is not None else None),
         )
         return apply_lr_rule(cfg.lr_rule, inputs, lr_min=cfg.lr_min, lr_max=cfg.lr_max)
 
@@ -242,14 +254,22 @@ class Coordinator:
             return cur, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
         if self._last_switch_step is not None and step - self._last_switch_step < cfg.cooldown_steps:
             return cur, f"cooldown (changed at step {self._last_switch_step})"
-        if b_noise is None:
+        model = self._decision_model()
+        if b_noise is None or model is None:
             return cur, "keep: noise scale not resolved yet"
         if not self._time.ready:
             return cur, "keep: no timings yet"
-        choice = choose_batch(
-            self.grid, b_noise, self._time, cur, min_gain=cfg.min_gain, b0=float(self.run.initial_batch)
-        )
-        return choice.num_prompts, choice.reason
+        b0 = float(self.run.initial_batch)
+        if not self._settled:
+            dof = self._noise[model].dof
+            if dof < cfg.min_dof:
+                return cur, f"keep: noise estimate has {dof:.3g} degrees of freedom < min_dof={cfg.min_dof:g}"
+            self._settled = True
+            d = jump(self.grid, b_noise, self._time, cur, b0)
+        else:
+            band = self._band_responses(model)
+            d = hold_or_move(self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0)
+        return d.prompts, d.reason
 
     def next_plan(self) -> StepPlan:
         """Plan for step last_observed + 1 (cached: repeated calls return the same plan)."""
@@ -257,11 +277,15 @@ class Coordinator:
         if self._plan is not None and self._plan.step == step:
             return self._plan
         b_noise = self._decision_b_noise()
+        old = self._prompts * self.run.samples_per_prompt
         prompts, reason = self._choose(step, b_noise)
+        b = prompts * self.run.samples_per_prompt
+        v_scale: dict[str, float] = {}
         if prompts != self._prompts:
             self._prompts = prompts
             self._last_switch_step = step
-        b = prompts * self.run.samples_per_prompt
+            if self.config.adam_rescale:
+                v_scale = {m: adam_v_scale(old, b, self._model_b_noise(m)) for m in sorted(self.run.lr_ref)}
         predicted: float | None = None
         if b_noise is not None and self._time.ready:
             predicted = goodput(float(b), b_noise, float(self.run.initial_batch), self._time.predict(b))
@@ -272,45 +296,46 @@ class Coordinator:
             lr={m: self._lr(m, b) for m in sorted(self.run.lr_ref)},
             dp_shares=self._dp_shares(),
             predicted_goodput=predicted,
-            b_noise={m: self._b_noise_responses(m, self._decision_estimator(m)) for m in sorted(self._noise)},
+            b_noise={m: self._model_b_noise(m) for m in sorted(self._noise)},
             reason=reason,
+            adam_v_scale=v_scale,
         )
         return self._plan
+
+    def _model_b_noise(self, model: str) -> float | None:
+        est = self._noise.get(model)
+        return self._b_noise_responses(model, est.b_simple if est is not None else None)
 
     # ----------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, float]:
         """Scalars for the metrics path; unknown values are NaN, unbounded ones inf.
 
-        Noise keys use the decision estimator (`noise_kind`); b_noise* are in responses,
-        g2/tr_sigma in the model's own batch unit; lr, batch and goodput_pred (B0-equivalent
-        responses/s, B0 = initial batch) describe the latest plan.
+        b_noise* are in responses of the whole rollout, g2/tr_sigma in the model's own batch
+        unit (samples with reward signal); noise_dof is the estimate's discounted degrees of
+        freedom; lr, batch and goodput_pred (B0-equivalent responses/s, B0 = initial batch)
+        describe the latest plan.
         """
         nan = math.nan
         out: dict[str, float] = {}
-        scale = self.config.noise_calibration
         for m in sorted(self._noise):
-            est = self._decision_estimator(m)
-            bn = self._b_noise_responses(m, est)
-            band = est.band() if est is not None else None
-            lo = None if band is None else self._to_responses(m, band[0] * scale)
-            hi = None if band is None else self._to_responses(m, band[1] * scale)
-            g2 = est.g2 if est is not None else None
-            tr = est.tr_sigma if est is not None else None
+            est = self._noise[m]
+            bn = self._model_b_noise(m)
+            band = self._band_responses(m)
             out[f"coord/b_noise/{m}"] = nan if bn is None else bn
-            out[f"coord/b_noise_low/{m}"] = nan if lo is None else lo
-            out[f"coord/b_noise_high/{m}"] = nan if hi is None else hi
-            out[f"coord/g2/{m}"] = nan if g2 is None else g2
-            out[f"coord/tr_sigma/{m}"] = nan if tr is None else tr
-            other = self._noise_adam if self.config.noise_kind == KIND_PLAIN else self._noise
-            if m in other:
-                bo = self._b_noise_responses(m, other[m])
-                out[f"coord/b_noise_{other[m].kind}/{m}"] = nan if bo is None else bo
+            out[f"coord/b_noise_low/{m}"] = nan if band is None else band[0]
+            out[f"coord/b_noise_high/{m}"] = nan if band is None else band[1]
+            out[f"coord/g2/{m}"] = nan if est.g2 is None else est.g2
+            out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
+            out[f"coord/noise_dof/{m}"] = est.dof
+            out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
         b = self._prompts * self.run.samples_per_prompt
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)
         plan = self._plan
         for m in sorted(self.run.lr_ref):
             out[f"coord/lr/{m}"] = plan.lr[m] if plan is not None else self._lr(m, b)
+            if plan is not None and m in plan.adam_v_scale:
+                out[f"coord/adam_v_scale/{m}"] = plan.adam_v_scale[m]
         pg = plan.predicted_goodput if plan is not None else None
         out["coord/goodput_pred"] = nan if pg is None else pg
         tpr = self._time.tokens_per_response
@@ -329,9 +354,10 @@ class Coordinator:
             "observed": self._observed,
             "prompts": self._prompts,
             "last_switch_step": self._last_switch_step,
+            "settled": self._settled,
             "units": dict(self._units),
             "noise": {m: e.state_dict() for m, e in self._noise.items()},
-            "noise_adam": {m: e.state_dict() for m, e in self._noise_adam.items()},
+            "signal": {m: e.state_dict() for m, e in self._signal.items()},
             "time": self._time.state_dict(),
             "rank_tput": [e.state_dict() for e in self._rank_tput],
             "plan": None if self._plan is None else self._plan.to_dict(),
@@ -340,7 +366,11 @@ class Coordinator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output into a coordinator built with the same config."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"coordinator state version {state.get('version')!r}, expected {STATE_VERSION}")
+            raise ValueError(
+                f"coordinator state version {state.get('version')!r}, expected {STATE_VERSION} "
+                "(version 1 checkpoints predate the degrees-of-freedom weighted estimator: "
+                "resume with train.resume=never or coordinator.enabled=false)"
+            )
         if len(state["rank_tput"]) != self.run.dp_size:
             raise ValueError(
                 f"coordinator state has {len(state['rank_tput'])} DP ranks, config dp_size={self.run.dp_size}"
@@ -350,6 +380,7 @@ class Coordinator:
         self._prompts = int(state["prompts"])
         lss = state["last_switch_step"]
         self._last_switch_step = None if lss is None else int(lss)
+        self._settled = bool(state["settled"])
         units: dict[str, BatchUnit] = {}
         for m, u in state["units"].items():
             if u not in ("responses", "tokens"):
@@ -358,10 +389,10 @@ class Coordinator:
         self._units = units
         self._noise = {}
         for m, s in state["noise"].items():
-            self._estimator(self._noise, m, KIND_PLAIN).load_state_dict(s)
-        self._noise_adam = {}
-        for m, s in state["noise_adam"].items():
-            self._estimator(self._noise_adam, m, KIND_ADAM).load_state_dict(s)
+            self._estimator(m).load_state_dict(s)
+        self._signal = {}
+        for m, s in state["signal"].items():
+            self._signal.setdefault(m, Ema(self.config.ema_beta)).load_state_dict(s)
         self._time.load_state_dict(state["time"])
         for e, s in zip(self._rank_tput, state["rank_tput"], strict=True):
             e.load_state_dict(s)

@@ -25,13 +25,18 @@ Units: a "sample" is whatever the loss averages over — a response when the los
 sequence-averaged, a token when it is token-averaged (then B_simple is in tokens). The
 callers must pass batches in that unit; the coordinator converts to responses.
 
-Adam-preconditioned variant: the trainer may also report squared norms of the gradient
-scaled element-wise by 1/(sqrt(v̂)+eps) (Adam's second-moment estimate). Because the
-preconditioner is a fixed linear map P for one step, P·G_B is the mean of the P·g_i, so the
-algebra above holds verbatim with G → P·G and Σ → P·Σ·Pᵀ. The estimator is the same object;
-only its `kind` label ("adam" instead of "plain") differs. Merrill et al. 2025
-(arXiv 2505.23971) report that under Adam the plain proxy can underestimate the critical
-batch; the preconditioned one is closer to what Adam actually sees.
+Degrees of freedom: with K parts the tr(Σ) estimate is, in effect, a variance over K parts
+(K - 1 degrees of freedom, the whole-batch mean being fitted); `parts_dof` counts them and the
+estimator weights each step by them (see `NoiseScaleEstimator`).
+
+Parts must be independent: a GRPO advantage is centred on its group's mean, so responses of
+one group are negatively correlated; a part holding whole groups keeps the parts independent,
+a part that splits groups does not (the trainer's micro-batches hold whole groups when the
+micro-batch size is a multiple of the group size, docs/COORDINATOR.md §1).
+
+No Adam-preconditioned variant: it would need every part's gradient divided element-wise by
+√v̂+ε, i.e. Adam's (sharded) second moments read at each micro-batch boundary, which the
+trainer does not do; `coordinator.noise_kind` therefore accepts only "plain".
 
 Invariants: all functions are pure, take Python floats and return Python floats; nothing
 here knows about processes or torch.distributed.
@@ -44,13 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-NoiseKind = Literal["plain", "adam"]
 GradAverage = Literal["samples", "ranks"]
-
-KIND_PLAIN: NoiseKind = "plain"
-"""Estimator fed with raw gradient norms."""
-KIND_ADAM: NoiseKind = "adam"
-"""Estimator fed with norms of Adam-preconditioned gradients g/(sqrt(v̂)+eps)."""
 
 
 def two_batch_estimates(g2_small: float, b_small: float, g2_big: float, b_big: float) -> tuple[float, float]:
@@ -166,42 +165,63 @@ def microbatch_estimates(
     return dp_estimates(micro_sq_norms, micro_batches, step_sq_norm, grad_average=grad_average)
 
 
-def _ema_weight_sq_sum(beta: float, t: int) -> float:
-    """Σ w_k² of the normalised weights of a bias-corrected EMA after t updates.
-
-    w_k = (1-β)β^k/(1-β^t), k = 0..t-1  ⇒  Σ w_k² = (1-β)(1+β^t) / ((1+β)(1-β^t)).
-    Its inverse is the EMA's effective number of samples.
-    """
-    if beta == 0.0:
-        return 1.0
-    bt = beta**t
-    return (1.0 - beta) * (1.0 + bt) / ((1.0 + beta) * (1.0 - bt))
+def parts_dof(parts: int) -> float:
+    """Degrees of freedom of a two-batch estimate from `parts` independent parts: parts - 1."""
+    if parts < 2:
+        raise ValueError(f"need at least 2 parts for a noise estimate, got {parts}")
+    return float(parts - 1)
 
 
 @dataclass
 class _Moments:
-    """Bias-corrected EMA of x and x² (Adam-style: raw/(1-β^t))."""
+    """Weighted EMA sums: Σ β^age·w·x, Σ β^age·w·x², Σ β^age·w and Σ (β^age·w)²."""
 
     m1: float = 0.0
     m2: float = 0.0
+    w: float = 0.0
+    w2: float = 0.0
 
-    def update(self, x: float, beta: float) -> None:
-        self.m1 = beta * self.m1 + (1.0 - beta) * x
-        self.m2 = beta * self.m2 + (1.0 - beta) * x * x
+    def update(self, x: float, weight: float, beta: float) -> None:
+        self.m1 = beta * self.m1 + weight * x
+        self.m2 = beta * self.m2 + weight * x * x
+        self.w = beta * self.w + weight
+        self.w2 = beta * beta * self.w2 + weight * weight
+
+    @property
+    def mean(self) -> float:
+        return self.m1 / self.w
+
+    def stderr(self) -> float | None:
+        """Standard error of `mean` for independent values with variance ∝ 1/weight.
+
+        With normalised weights u_k = w_k/Σw the mean's variance is s²·Σu_k² (s² the
+        per-unit-weight variance estimated from the same sums, reliability-weights form).
+        """
+        if self.w <= 0.0:
+            return None
+        u2 = self.w2 / (self.w * self.w)  # Σ u_k², 1/effective number of steps
+        if u2 >= 1.0 - 1e-12:
+            return None
+        mean = self.mean
+        var = max(self.m2 / self.w - mean * mean, 0.0) / (1.0 - u2)
+        return math.sqrt(var * u2)
 
 
 class NoiseScaleEstimator:
     """Smoothed |G|², tr(Σ) and B_simple = EMA(tr Σ)/EMA(|G|²) with an approximate band.
 
-    EMAs are bias-corrected like Adam's moments (raw/(1-β^t)), so the first update returns
-    the first value exactly. B_simple is None while EMA(|G|²) <= 0 (the signal is not yet
-    resolved: the noise scale is effectively unbounded, and claiming a number would be
-    wrong); it is clamped to 0 when EMA(tr Σ) <= 0 (no measurable noise).
+    Each step's (|G|², tr Σ) enters with weight β^age·dof, dof = its parts' degrees of freedom
+    (`parts_dof`): the per-step estimates are unbiased and their variance falls ~1/dof, so
+    weighting by dof is the inverse-variance (minimum-variance) combination, and a step from
+    2 parts (1 dof) counts a seventh of one from 8 parts. The weighted mean Σβ^a·w·x / Σβ^a·w
+    needs no bias correction (with equal weights it equals Adam's raw/(1-β^t)), so the first
+    update returns the first value exactly. B_simple is None while EMA(|G|²) <= 0 (the signal
+    is not yet resolved: the noise scale is effectively unbounded, and claiming a number
+    would be wrong); it is clamped to 0 when EMA(tr Σ) <= 0 (no measurable noise).
 
-    Band (approximate, documented as such): the same EMAs of x² give a reliability-weighted
-    variance s² of the per-step values, and the variance of a bias-corrected EMA of
-    independent values is s²·Σw² (see `_ema_weight_sq_sum`). With se_T, se_G the standard
-    errors of EMA(tr Σ) and EMA(|G|²) the band is the corner interval
+    Band (approximate, documented as such): the same weighted sums of x² give the spread of
+    the per-step values and hence the standard errors se_T, se_G of EMA(tr Σ) and EMA(|G|²)
+    (`_Moments.stderr`). The band is the corner interval
 
         low  = max(0, T - z·se_T) / (G + z·se_G),
         high = (T + z·se_T) / (G - z·se_G)   (inf when G - z·se_G <= 0).
@@ -212,40 +232,39 @@ class NoiseScaleEstimator:
     confidence interval.
     """
 
-    def __init__(self, beta: float = 0.95, kind: NoiseKind = KIND_PLAIN, z: float = 2.0):
+    def __init__(self, beta: float = 0.95, z: float = 2.0):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta={beta} must be in [0, 1)")
-        if kind not in (KIND_PLAIN, KIND_ADAM):
-            raise ValueError(f"kind={kind!r} must be {KIND_PLAIN!r} or {KIND_ADAM!r}")
         if not z > 0:
             raise ValueError(f"z={z} must be > 0")
         self.beta = beta
-        self.kind: NoiseKind = kind
         self.z = z
         self.steps = 0
+        self.dof = 0.0
+        """Discounted degrees of freedom behind the estimate, Σ β^age·dof."""
         self._g2 = _Moments()
         self._tr = _Moments()
 
-    def update(self, g2: float, tr_sigma: float) -> None:
-        """Add one step's (|G|², tr Σ) estimate (either may be negative)."""
+    def update(self, g2: float, tr_sigma: float, dof: float = 1.0) -> None:
+        """Add one step's (|G|², tr Σ) estimate (either may be negative) made with `dof`."""
         if not (math.isfinite(g2) and math.isfinite(tr_sigma)):
             raise ValueError(f"non-finite noise statistics: g2={g2}, tr_sigma={tr_sigma}")
+        if not (dof > 0 and math.isfinite(dof)):
+            raise ValueError(f"dof={dof} must be finite and > 0")
         self.steps += 1
-        self._g2.update(g2, self.beta)
-        self._tr.update(tr_sigma, self.beta)
-
-    def _correction(self) -> float:
-        return 1.0 - self.beta**self.steps
+        self._g2.update(g2, dof, self.beta)
+        self._tr.update(tr_sigma, dof, self.beta)
+        self.dof = self._g2.w
 
     @property
     def g2(self) -> float | None:
-        """Bias-corrected EMA of |G|² (None before the first update)."""
-        return self._g2.m1 / self._correction() if self.steps else None
+        """Weighted EMA of |G|² (None before the first update)."""
+        return self._g2.mean if self.steps else None
 
     @property
     def tr_sigma(self) -> float | None:
-        """Bias-corrected EMA of tr(Σ) (None before the first update)."""
-        return self._tr.m1 / self._correction() if self.steps else None
+        """Weighted EMA of tr(Σ) (None before the first update)."""
+        return self._tr.mean if self.steps else None
 
     @property
     def b_simple(self) -> float | None:
@@ -255,23 +274,13 @@ class NoiseScaleEstimator:
             return None
         return max(tr, 0.0) / g2
 
-    def _stderr(self, m: _Moments) -> float | None:
-        if self.steps < 2:
-            return None
-        c = self._correction()
-        mean, mean_sq = m.m1 / c, m.m2 / c
-        w2 = _ema_weight_sq_sum(self.beta, self.steps)
-        if w2 >= 1.0:
-            return None
-        # Reliability-weights unbiased variance: (E_w[x²] - E_w[x]²) / (1 - Σw²).
-        var = max(mean_sq - mean * mean, 0.0) / (1.0 - w2)
-        return math.sqrt(var * w2)
-
     def band(self) -> tuple[float, float] | None:
         """(low, high) approximate z-sigma band on B_simple; None before 2 updates."""
         g2, tr = self.g2, self.tr_sigma
-        se_g, se_t = self._stderr(self._g2), self._stderr(self._tr)
-        if g2 is None or tr is None or se_g is None or se_t is None:
+        if g2 is None or tr is None or self.steps < 2:
+            return None
+        se_g, se_t = self._g2.stderr(), self._tr.stderr()
+        if se_g is None or se_t is None:
             return None
         lo_den = g2 + self.z * se_g
         hi_den = g2 - self.z * se_g
@@ -295,21 +304,18 @@ class NoiseScaleEstimator:
         """JSON-serialisable state (finite floats, ints and strings only)."""
         return {
             "beta": self.beta,
-            "kind": self.kind,
             "z": self.z,
             "steps": self.steps,
-            "g2": [self._g2.m1, self._g2.m2],
-            "tr": [self._tr.m1, self._tr.m2],
+            "g2": [self._g2.m1, self._g2.m2, self._g2.w, self._g2.w2],
+            "tr": [self._tr.m1, self._tr.m2, self._tr.w, self._tr.w2],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output; beta and kind must match this estimator's."""
-        if float(state["beta"]) != self.beta or state["kind"] != self.kind:
-            raise ValueError(
-                f"noise estimator state has beta={state['beta']}, kind={state['kind']!r}; "
-                f"this estimator has beta={self.beta}, kind={self.kind!r}"
-            )
+        """Restore `state_dict()` output; beta must match this estimator's."""
+        if float(state["beta"]) != self.beta:
+            raise ValueError(f"noise estimator state has beta={state['beta']}; this estimator has beta={self.beta}")
         self.z = float(state["z"])
         self.steps = int(state["steps"])
-        self._g2 = _Moments(float(state["g2"][0]), float(state["g2"][1]))
-        self._tr = _Moments(float(state["tr"][0]), float(state["tr"][1]))
+        self._g2 = _Moments(*(float(x) for x in state["g2"]))
+        self._tr = _Moments(*(float(x) for x in state["tr"]))
+        self.dof = self._g2.w

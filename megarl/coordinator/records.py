@@ -8,7 +8,7 @@ flows back before the next one. Units are stated on every field: batches in resp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megarl.coordinator.noise import GradAverage
@@ -30,6 +30,13 @@ class ModelGradStats:
     """Samples behind each entry of local_sq_norms, in `batch_unit`."""
     global_sq_norm: float
     """|G|² of the all-reduced (or accumulated) gradient of the whole mini-batch."""
+    dof: float | None = None
+    """Degrees of freedom of this step's estimate; None = len(local_sq_norms) - 1 (parts
+    that are independent, e.g. whole GRPO groups, see `noise.parts_dof`)."""
+    signal_fraction: float | None = None
+    """Fraction of the step's responses the parts count: the policy loss has gradient only
+    where the advantage is non-zero, so the actor's parts count responses of groups with
+    reward signal; None = all (e.g. a value loss)."""
     batch_unit: BatchUnit = "responses"
     """What the loss averages over: "responses" (sequence-mean) or "tokens" (token-mean)."""
     source: GradSource = "dp"
@@ -37,10 +44,6 @@ class ModelGradStats:
     grad_average: GradAverage = "samples"
     """How the global gradient weights the parts: "samples" (true sample mean) or "ranks"
     (mean of per-part means); see `noise.dp_estimates`."""
-    precond_local_sq_norms: list[float] | None = None
-    """Like local_sq_norms for the Adam-preconditioned gradient g/(sqrt(v̂)+eps), or None."""
-    precond_global_sq_norm: float | None = None
-    """Like global_sq_norm for the Adam-preconditioned gradient, or None."""
 
 
 @dataclass(kw_only=True)
@@ -51,8 +54,11 @@ class StepTimings:
     """Rollout generation time, seconds."""
     train_s: float
     """Training (all mini-batches / PPO epochs) time, seconds."""
+    logprobs_s: float = 0.0
+    """Old-policy / reference log-prob and value forward passes over the rollout, seconds
+    (linear in the batch, modelled like training)."""
     other_s: float = 0.0
-    """Everything else in the step (scoring, ref log-probs, weight sync), seconds."""
+    """Everything else in the step (scoring, advantages, weight sync), seconds."""
     rollout_responses: int
     """Responses generated this step (prompts x samples_per_prompt after any filtering)."""
     rollout_tokens: int
@@ -64,7 +70,7 @@ class StepTimings:
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
-        for name in ("generate_s", "train_s", "other_s"):
+        for name in ("generate_s", "logprobs_s", "train_s", "other_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"StepTimings.{name}={value} must be finite and >= 0 seconds")
@@ -94,6 +100,9 @@ class StepPlan:
     """Noise scale per model in responses (None while unresolved)."""
     reason: str
     """Why this batch was chosen."""
+    adam_v_scale: dict[str, float] = field(default_factory=dict)
+    """Per model: factor for Adam's second moments before this step's update (a batch
+    change; see `coordinator.adam_v_scale`); models not named keep theirs."""
 
     @property
     def batch_responses(self) -> int:
@@ -116,4 +125,5 @@ class StepPlan:
             predicted_goodput=None if d["predicted_goodput"] is None else float(d["predicted_goodput"]),
             b_noise={k: None if v is None else float(v) for k, v in d["b_noise"].items()},
             reason=str(d["reason"]),
+            adam_v_scale={k: float(v) for k, v in d.get("adam_v_scale", {}).items()},
         )

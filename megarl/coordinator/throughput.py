@@ -6,12 +6,19 @@ Each phase is modelled as affine in the batch B (responses per step):
 
 alpha is the fixed cost (weight sync, latency of the longest sequence, kernel launches),
 beta the marginal cost per response. This is the throughput model Pollux fits (Qiao et al., OSDI'21,
-§3.2, without its sync-overlap term). Coefficients come from ordinary least squares over a
-sliding window of the last `window` (B, seconds) observations, constrained to alpha >= 0 and
-beta >= 0 (time never falls as the batch grows):
+§3.2, without its sync-overlap term). Each batch size keeps its own last `window` times, and
+the coefficients come from least squares over the batch sizes seen, each at its mean time
+t̄_B with weight n_B (its number of kept times — the same fit as over the raw points),
+constrained to alpha >= 0 and beta >= 0 (time never falls as the batch grows):
 
-    beta = Σ(B-B̄)(t-t̄)/Σ(B-B̄)²,  alpha = t̄ - beta·B̄;   if beta < 0: beta = 0, alpha = t̄;
-    if alpha < 0: alpha = 0, beta = ΣB·t/ΣB².
+    beta = Σn(B-B̄)(t̄_B-t̄)/Σn(B-B̄)²,  alpha = t̄ - beta·B̄;   if beta < 0: beta = 0, alpha = t̄;
+    if alpha < 0: alpha = 0, beta = Σn·B·t̄_B/Σn·B².
+
+Why per batch size: with one sliding window over steps, 32 steps at one batch erase every
+other batch from the fit, which then rests on its prior or on two neighbouring batches whose
+noisy times give any slope — the old demo's 512 → 1024 → 512 flips and a run that went back
+to 1024 each time it had forgotten that 1024 was slow. Kept per size, a batch once measured
+stays measured (its times refresh whenever it is used again).
 
 Prior with fewer than 2 distinct B values (the batch has never changed): the mean time t̄ at
 the one batch B̄ is split into a fixed part by `prior_fixed_fraction` f: alpha = f·t̄,
@@ -30,7 +37,7 @@ from typing import Any
 
 
 class LinearTimeModel:
-    """Sliding-window least squares t(B) = alpha + beta·B with a prior for one distinct B."""
+    """Least squares t(B) = alpha + beta·B over per-batch-size mean times, with a prior for one size."""
 
     def __init__(self, *, window: int = 32, prior_fixed_fraction: float = 0.3):
         if window < 2:
@@ -39,7 +46,7 @@ class LinearTimeModel:
             raise ValueError(f"prior_fixed_fraction={prior_fixed_fraction} must be in [0, 1)")
         self.window = window
         self.prior_fixed_fraction = prior_fixed_fraction
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._obs: dict[float, deque[float]] = {}
         self._coef: tuple[float, float] | None = None
 
     def observe(self, b: float, seconds: float) -> None:
@@ -48,7 +55,7 @@ class LinearTimeModel:
             raise ValueError(f"batch b={b} must be > 0")
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds={seconds} must be finite and >= 0")
-        self._obs.append((float(b), float(seconds)))
+        self._obs.setdefault(float(b), deque(maxlen=self.window)).append(float(seconds))
         self._coef = self._fit()
 
     @property
@@ -58,28 +65,27 @@ class LinearTimeModel:
 
     @property
     def num_distinct_batches(self) -> int:
-        """Distinct B values in the window (>= 2 means a real fit, else the prior)."""
-        return len({b for b, _ in self._obs})
+        """Distinct B values measured (>= 2 means a real fit, else the prior)."""
+        return len(self._obs)
 
     def _fit(self) -> tuple[float, float] | None:
-        n = len(self._obs)
-        if n == 0:
+        if not self._obs:
             return None
-        bs = [b for b, _ in self._obs]
-        ts = [t for _, t in self._obs]
-        b_mean = sum(bs) / n
-        t_mean = sum(ts) / n
-        if self.num_distinct_batches < 2:
+        pts = [(b, len(ts), sum(ts) / len(ts)) for b, ts in self._obs.items()]  # (B, n_B, t̄_B)
+        n = sum(w for _, w, _ in pts)
+        b_mean = sum(w * b for b, w, _ in pts) / n
+        t_mean = sum(w * t for _, w, t in pts) / n
+        if len(pts) < 2:
             f = self.prior_fixed_fraction
             return f * t_mean, (1.0 - f) * t_mean / b_mean
-        sxx = sum((b - b_mean) ** 2 for b in bs)
-        sxy = sum((b - b_mean) * (t - t_mean) for b, t in zip(bs, ts, strict=True))
+        sxx = sum(w * (b - b_mean) ** 2 for b, w, _ in pts)
+        sxy = sum(w * (b - b_mean) * (t - t_mean) for b, w, t in pts)
         beta = sxy / sxx
         alpha = t_mean - beta * b_mean
         if beta < 0.0:
             return t_mean, 0.0
         if alpha < 0.0:
-            return 0.0, sum(b * t for b, t in zip(bs, ts, strict=True)) / sum(b * b for b in bs)
+            return 0.0, sum(w * b * t for b, w, t in pts) / sum(w * b * b for b, w, _ in pts)
         return alpha, beta
 
     def coefficients(self) -> tuple[float, float]:
@@ -98,14 +104,14 @@ class LinearTimeModel:
         return {
             "window": self.window,
             "prior_fixed_fraction": self.prior_fixed_fraction,
-            "obs": [[b, t] for b, t in self._obs],
+            "obs": [[b, list(ts)] for b, ts in self._obs.items()],  # insertion order: an identical fit
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output (window and prior come from the state)."""
         self.window = int(state["window"])
         self.prior_fixed_fraction = float(state["prior_fixed_fraction"])
-        self._obs = deque(((float(b), float(t)) for b, t in state["obs"]), maxlen=self.window)
+        self._obs = {float(b): deque((float(t) for t in ts), maxlen=self.window) for b, ts in state["obs"]}
         self._coef = self._fit()
 
 
@@ -143,21 +149,34 @@ class Ema:
 
 
 class StepTimeModel:
-    """Step time t(B) = t_generate(B) + t_train(B) + t_other, B in responses per step.
+    """Step time t(B) = t_generate(B) + t_logprobs(B) + t_train(B) + t_other, B in responses.
 
-    `generate` and `train` are `LinearTimeModel`s over responses; `other` (scoring,
-    reference log-probs, weight sync not inside the two timers) is a bias-corrected EMA,
-    treated as batch-independent. Tokens per response are tracked to report generation
+    `generate`, `logprobs` (the old-policy / reference / value forward passes over the whole
+    rollout, linear in B like training) and `train` are `LinearTimeModel`s over responses;
+    `other` (scoring, advantages, weight sync) is a bias-corrected EMA, treated as
+    batch-independent. Counting the log-prob phase as constant would make large batches look
+    cheaper per response than they are and bias the goodput argmax high (for t = α + β·B,
+    B* = √(α·B_noise/β): moving a linear cost into α raises α and lowers β). Tokens per response are tracked to report generation
     tokens/s and to convert a token-unit noise scale to responses.
     """
 
     def __init__(self, *, window: int = 32, prior_fixed_fraction: float = 0.3, ema_beta: float = 0.9):
         self.generate = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
+        self.logprobs = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self.train = LinearTimeModel(window=window, prior_fixed_fraction=prior_fixed_fraction)
         self._other = Ema(ema_beta)
         self._tokens_per_response = Ema(ema_beta)
 
-    def observe(self, *, responses: int, tokens: int, generate_s: float, train_s: float, other_s: float) -> None:
+    def observe(
+        self,
+        *,
+        responses: int,
+        tokens: int,
+        generate_s: float,
+        train_s: float,
+        other_s: float,
+        logprobs_s: float = 0.0,
+    ) -> None:
         """Record one step's phase times for a rollout of `responses` responses."""
         if responses <= 0:
             raise ValueError(f"rollout_responses={responses} must be > 0")
@@ -166,6 +185,7 @@ class StepTimeModel:
         if not other_s >= 0:
             raise ValueError(f"other_s={other_s} must be >= 0")
         self.generate.observe(responses, generate_s)
+        self.logprobs.observe(responses, logprobs_s)
         self.train.observe(responses, train_s)
         self._other.update(other_s)
         self._tokens_per_response.update(tokens / responses)
@@ -183,7 +203,7 @@ class StepTimeModel:
     def predict(self, b: float) -> float:
         """Predicted seconds per step with b responses."""
         other = self._other.value or 0.0
-        return self.generate.predict(b) + self.train.predict(b) + other
+        return self.generate.predict(b) + self.logprobs.predict(b) + self.train.predict(b) + other
 
     def throughput(self, b: float) -> float:
         """Predicted responses per second at batch b."""
@@ -203,6 +223,7 @@ class StepTimeModel:
         """JSON-serialisable state."""
         return {
             "generate": self.generate.state_dict(),
+            "logprobs": self.logprobs.state_dict(),
             "train": self.train.state_dict(),
             "other": self._other.state_dict(),
             "tokens_per_response": self._tokens_per_response.state_dict(),
@@ -211,6 +232,7 @@ class StepTimeModel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output."""
         self.generate.load_state_dict(state["generate"])
+        self.logprobs.load_state_dict(state["logprobs"])
         self.train.load_state_dict(state["train"])
         self._other.load_state_dict(state["other"])
         self._tokens_per_response.load_state_dict(state["tokens_per_response"])

@@ -9,8 +9,9 @@ Per optimizer step (the first mini-batch of each rollout) the probe records:
 * **global** |G|² — the optimizer's own (pre-clip) grad norm of the reduced gradient, which
   is correct for TP/PP/DP and the distributed optimizer alike.
 * **micro-batch** |g_k|² (only with PP = 1) — each micro-batch's own gradient, as the
-  difference of the accumulated buffer between micro-batch boundaries. This is the fallback
-  "small batch" when DP = 1 (``source="microbatch"``).
+  difference of the accumulated buffer between micro-batch boundaries, gathered over DP
+  (:meth:`GradProbe.gather_microbatches`): every micro-batch of every DP rank is then a part
+  of the noise estimate (``source="microbatch"``), B/mbs parts instead of DP.
 
 Scaling: megarl losses are divided by the GLOBAL denominator D (tokens or responses, see
 ``megarl.algo.aggregation``), so a part with n of the D units holds (n/D)·ḡ_part; the
@@ -100,6 +101,21 @@ class GradProbe:
         t0 = time.perf_counter()
         self.local_sq = self._sq(ddp, self._buffers(ddp))
         self.seconds += time.perf_counter() - t0
+
+    def gather_microbatches(self) -> list[float]:
+        """Every DP rank's micro-batch norms, rank-major (ranks may hold different counts)."""
+        t0 = time.perf_counter()
+        dev = self.dims.device
+        n = torch.tensor([len(self.mb_sq)], dtype=torch.int64, device=dev)
+        counts = [torch.zeros_like(n) for _ in range(self.dims.dp)]
+        dist.all_gather(counts, n, group=self.dims.dp_group)
+        width = max(int(c) for c in counts)
+        mine = torch.zeros(width, dtype=torch.float64, device=dev)
+        mine[: len(self.mb_sq)] = torch.tensor(self.mb_sq, dtype=torch.float64)
+        parts = [torch.zeros_like(mine) for _ in range(self.dims.dp)]
+        dist.all_gather(parts, mine, group=self.dims.dp_group)
+        self.seconds += time.perf_counter() - t0
+        return [float(x) for p, c in zip(parts, counts, strict=True) for x in p[: int(c)]]
 
     def gather_local(self) -> list[float]:
         t0 = time.perf_counter()

@@ -10,10 +10,13 @@ sums to the full-batch objective.
 
 from __future__ import annotations
 
+from typing import cast
+
 from megarl import algo, objectives
 from megarl.config import RunConfig
 from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
+from megarl.model.adam_state import scale_adam_second_moments
 from megarl.model.builder import Model
 from megarl.model.forward import train_step
 from megarl.model.microbatch import row_lengths
@@ -37,6 +40,9 @@ class PolicyUpdater:
         update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
         actor_stats, critic_stats = LossStats(), LossStats()
         probe_s: dict[str, float] = {}
+        for name, model in (("actor", self.actor), ("critic", self.critic)):
+            if model is not None and name in plan.adam_v_scale:  # a batch change: v follows E[g²]
+                scale_adam_second_moments(model.optimizer, plan.adam_v_scale[name])
         per = batch.size // a.mini_batches
         n_updates = 0
         for _epoch in range(a.ppo_epochs):
@@ -76,7 +82,13 @@ class PolicyUpdater:
                     acc.add(stats, gnorm)
                     if measuring:
                         probe_s[name] = self.planner.record_probe(
-                            name, model, gnorm, mini["mask"], mine, every, mbs if groups is None else groups
+                            name,
+                            model,
+                            gnorm,
+                            mini["mask"],
+                            cast(list[slice], every),
+                            mbs,
+                            None if is_value else mini["adv"],
                         )
                 n_updates += 1
         out: dict[str, float] = {"train/lr": lr, "train/actor_updated": float(update_actor)}

@@ -96,6 +96,12 @@ def _cfg(**sections: dict) -> RunConfig:
          "model.kv_channels=64 arch=qwen2 needs head_dim × num_attention_heads = hidden_size=128"),
         (_cfg(model={"arch": "qwen3", "linear_bias": True}), 1, "model.linear_bias=True is a Llama option"),
         (_cfg(model={"kv_channels": -1}), 1, "model.kv_channels=-1 must be a positive integer"),
+        (
+            _cfg(coordinator={"noise_kind": "adam"}),
+            1,
+            "coordinator.noise_kind='adam' must be 'plain': the 'adam' .preconditioned. noise scale needs",
+        ),
+        (_cfg(coordinator={"lr_reference_batch": -1}), 1, "coordinator.lr_reference_batch=-1 must be a positive integer"),
         (_cfg(parallel={"logprob_micro_batch_size": 48}), 1,
          "parallel.logprob_micro_batch_size=48 × DP=1 must divide rollout.num_prompts×samples_per_prompt=128"),
         (_cfg(parallel={"max_tokens_per_micro_batch": 20}), 1,

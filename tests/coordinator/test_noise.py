@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from megarl.coordinator.noise import (
-    KIND_ADAM,
     NoiseScaleEstimator,
-    _ema_weight_sq_sum,
+    _Moments,
     dp_estimates,
     microbatch_estimates,
     two_batch_estimates,
@@ -174,27 +173,6 @@ def test_microbatch_fallback_on_one_rank() -> None:
     assert est.b_simple == pytest.approx(B_SIMPLE_TRUE, rel=0.10)
 
 
-def test_adam_preconditioned_norms_use_the_same_math() -> None:
-    """Scale every per-sample gradient by a fixed P = 1/(sqrt(v)+eps): B = tr(PΣP)/|PG|²."""
-    g, sd, _, _ = _problem(5)
-    v = g**2 + sd**2 / 32  # Adam's second moment of a 32-sample mean gradient
-    p = 1.0 / (np.sqrt(v) + 1e-8)
-    want = float(np.sum((p * sd) ** 2) / np.sum((p * g) ** 2))
-    rng = np.random.default_rng(55)
-    locs = [p * loc for loc in _rank_means(rng, g, sd, [8, 8, 8, 8], 3000)]
-    glob = np.stack(locs).mean(axis=0)
-    est = NoiseScaleEstimator(0.999, kind=KIND_ADAM)
-    for t in range(3000):
-        est.update(
-            *dp_estimates(
-                [float(loc[t] @ loc[t]) for loc in locs], [8.0] * 4, float(glob[t] @ glob[t])
-            )
-        )
-    assert abs(want - B_SIMPLE_TRUE) > 10  # the preconditioned noise scale really differs
-    assert est.b_simple == pytest.approx(want, rel=0.10)
-    assert est.kind == "adam"
-
-
 def test_dp_estimates_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="at least 2 parts"):
         dp_estimates([1.0], [8.0], 1.0)
@@ -234,11 +212,35 @@ def test_estimator_bias_correction_and_degenerate_cases() -> None:
         no_noise.update(math.nan, 1.0)
 
 
-def test_ema_weight_sq_sum_matches_brute_force() -> None:
-    for beta, t in [(0.9, 1), (0.9, 5), (0.99, 300), (0.5, 40)]:
-        w = np.array([(1 - beta) * beta**k for k in range(t)]) / (1 - beta**t)
-        assert w.sum() == pytest.approx(1.0, rel=1e-12)
-        assert _ema_weight_sq_sum(beta, t) == pytest.approx(float(np.sum(w**2)), rel=1e-10)
+def test_weighted_moments_match_brute_force() -> None:
+    """Mean and standard error of the dof-weighted EMA against explicit weights."""
+    rng = np.random.default_rng(3)
+    for beta, t in [(0.9, 2), (0.9, 5), (0.99, 300), (0.5, 40)]:
+        xs = rng.normal(5.0, 2.0, size=t)
+        dofs = rng.integers(1, 16, size=t).astype(float)
+        m = _Moments()
+        for x, d in zip(xs, dofs, strict=True):
+            m.update(float(x), float(d), beta)
+        w = dofs * beta ** np.arange(t - 1, -1, -1)  # newest step has age 0
+        u = w / w.sum()
+        mean = float(u @ xs)
+        var = float(u @ (xs - mean) ** 2) / (1.0 - float(u @ u))
+        assert m.mean == pytest.approx(mean, rel=1e-10)
+        se = m.stderr()
+        assert se is not None
+        assert se == pytest.approx(math.sqrt(var * float(u @ u)), rel=1e-8)
+
+
+def test_steps_are_weighted_by_their_degrees_of_freedom() -> None:
+    """A 1-dof step counts a seventh of a 7-dof step (the old estimator weighted them alike)."""
+    est = NoiseScaleEstimator(0.9)
+    est.update(1.0, 100.0, dof=1.0)
+    est.update(1.0, 800.0, dof=7.0)
+    # weights 0.9·1 and 7 -> tr = (0.9·100 + 7·800)/7.9
+    assert est.tr_sigma == pytest.approx((0.9 * 100 + 7 * 800) / 7.9, rel=1e-12)
+    assert est.dof == pytest.approx(7.9)
+    unweighted = (0.9 * 100 + 800) / 1.9  # what equal weights would give
+    assert abs((est.tr_sigma or 0.0) - unweighted) > 200
 
 
 def test_band_narrows_with_more_steps() -> None:

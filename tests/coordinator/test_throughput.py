@@ -47,12 +47,27 @@ def test_prior_with_one_distinct_batch() -> None:
 
 
 def test_window_forgets_old_regime() -> None:
+    """Each batch size keeps its last `window` times: a new regime replaces the old one."""
     m = LinearTimeModel(window=4)
     for b in (10, 20, 10, 20):
         m.observe(b, 1.0 + 0.1 * b)
-    for b in (10, 20, 10, 20):
+    for b in (10, 20) * 4:
         m.observe(b, 3.0 + 0.2 * b)
     assert m.coefficients() == pytest.approx((3.0, 0.2), rel=1e-12)
+
+
+def test_a_batch_size_once_measured_is_not_forgotten() -> None:
+    """40 steps at 256 after 8 at 1024 (window 32): the fit still sees 1024. The old single
+    window over steps kept only the 256 steps and fell back to its prior (fixed fraction 0.3:
+    alpha = 0.3·t(256)), predicting 1024 at 0.3·0.43 + 0.7·0.43·4 = 1.33 s instead of 1.43 s,
+    and the slope from two close batches was at the mercy of timing noise."""
+    m = LinearTimeModel(window=32)
+    for _ in range(8):
+        m.observe(1024, 0.07 + 0.00136 * 1024)
+    for _ in range(40):
+        m.observe(256, 0.07 + 0.00136 * 256)
+    assert m.num_distinct_batches == 2
+    assert m.coefficients() == pytest.approx((0.07, 0.00136), rel=1e-9)
 
 
 def test_constraints_keep_time_non_decreasing() -> None:

@@ -29,13 +29,14 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
 
 def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> None:
     """Actor TP2 with the critic on TP1 × DP2 (its own groups): the coordinator's probe reads
-    the critic's DP ranks (its noise estimate uses the critic's 2 DP-rank gradients)."""
+    every micro-batch of the critic's 2 DP ranks (one mini-batch of 32 rows: 16 per rank,
+    micro-batch 8: 4 parts, 3 dof), gathered over the critic's DP group."""
     import math
 
     run = tmp_path / "run"
     sets = ["train.steps=3", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
-            "data.num_val=16", "critic.warmup_steps=1", "critic.parallel.tensor_parallel=1",
+            "data.num_val=16", "critic.warmup_steps=1", "algo.mini_batches=1", "critic.parallel.tensor_parallel=1",
             "coordinator.enabled=true", "coordinator.adapt=false", "coordinator.min_prompts=8",
             "train.tensorboard=false", f"train.run_dir={run}"]
     megarl_train("ppo_cpu.yaml", sets)
@@ -46,3 +47,5 @@ def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> No
     assert math.isfinite(steps[-1]["coord/g2/critic"]), steps[-1]
     # the estimate from the two critic DP ranks' gradients is a real one (non-zero noise trace)
     assert any(math.isfinite(r["coord/tr_sigma/critic"]) and r["coord/tr_sigma/critic"] > 0 for r in steps)
+    assert steps[0]["coord/noise_dof/critic"] == 3.0  # 4 parts: micro-batches of both DP ranks
+    assert steps[0]["coord/signal_fraction/critic"] == 1.0  # a value loss has gradient on every row

@@ -124,7 +124,8 @@ def test_critic_value_loss_falls_on_fixed_batch(results: dict) -> None:
 def test_grad_probe_matches_brute_force(results: dict) -> None:
     """The coordinator's inputs: a DP rank's local mean-gradient |ḡ_r|² (probe, before the
     all-reduce, TP/PP-summed) equals the gradient of that rank's rows alone; micro-batch
-    norms (DP = 1 fallback) equal each micro-batch alone; |G|² is the full-batch norm."""
+    norms (every micro-batch of every DP rank, gathered) equal each micro-batch alone; |G|²
+    is the full-batch norm."""
     tp1, dp2 = results["tp1"], results["dp2"]
     halves, parts = tp1["probe/brute_half_sq"], tp1["probe/brute_part_sq"]
     assert torch.allclose(dp2["probe/rank_sq"], halves, rtol=1e-5), (dp2["probe/rank_sq"], halves)
@@ -134,6 +135,11 @@ def test_grad_probe_matches_brute_force(results: dict) -> None:
     assert torch.allclose(results["dp2_distopt"]["probe/rank_sq"], halves, rtol=1e-5)
     # a measured update keeps contiguous DP rows; its micro-batches may follow the budget
     assert torch.allclose(results["dp2_budget"]["probe/rank_sq"], halves, rtol=1e-5)
+    # every micro-batch (4 rows) of both DP ranks, gathered rank-major: the same parts as
+    # one rank's micro-batches of the whole batch (dp2 itself runs micro-batches of 2)
+    gathered = results["dp2_distopt"]["probe/mb_sq"]
+    assert torch.allclose(gathered, parts, rtol=1e-5), (gathered, parts)
+    assert len(dp2["probe/mb_sq"]) == 8
     if "probe/mb_sq" in results["tp2"]:  # TP-sharded params summed over the TP group
         assert torch.allclose(results["tp2"]["probe/mb_sq"], parts, rtol=1e-5)
     assert halves.min() > tp1["probe/global_sq"].item()  # small batches are noisier

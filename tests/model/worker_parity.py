@@ -110,7 +110,7 @@ PROBE_OPTIM = OptimConfig(lr=1e-3, clip_grad=1e9, adam_eps=1e-4)
 units = mask.sum(1)
 pm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
 load_hf_tensors(pm, adapter, hf)
-pm.probe = GradProbe(dims, microbatch=dims.dp == 1 and dims.pp == 1)
+pm.probe = GradProbe(dims, microbatch=dims.pp == 1 and not args.max_tokens)  # as the planner
 pm.probe.start()
 denom = algo.global_denominator("token-mean", mask)
 # a measured update keeps contiguous DP rows (megarl.update.rows.update_rows); with a budget at
@@ -128,9 +128,11 @@ total = float(units.sum())
 per_rank = [float(units[r * per : (r + 1) * per].sum()) for r in range(dims.dp)]
 result["probe/global_sq"] = torch.tensor([gn**2])
 result["probe/rank_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.gather_local(), per_rank)])
-if dims.dp == 1 and dims.pp == 1:
+if pm.probe.microbatch:  # every micro-batch of every DP rank, rank-major (the planner's parts)
     mb_units = [float(u.sum()) for u in units.split(args.mbs)]
-    result["probe/mb_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.mb_sq, mb_units)])
+    mb = pm.probe.gather_microbatches() if dims.dp > 1 else pm.probe.mb_sq
+    result["probe/mb_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(mb, mb_units, strict=True)])
+if dims.dp == 1 and dims.pp == 1:
     # brute force: each half (= a DP2 rank's rows) and each micro-batch alone
     for name, size in (("half", B // 2), ("part", args.mbs)):
         norms = []

@@ -1,0 +1,98 @@
+"""When to change the batch, and what a change does to Adam: the coordinator's decision rules.
+
+1. **First move straight to the optimum.** Once the noise estimate holds enough degrees of
+   freedom (`CoordinatorConfig.min_dof`), the batch jumps to the goodput argmax over the
+   whole grid (`choose_batch` with no gain threshold) instead of walking towards it: every
+   step spent at a bad batch costs time, and the argmax is as good a guess as any midpoint.
+
+2. **Then hold inside a band (hysteresis).** Goodput is flat near its maximum and the
+   estimate is noisy, so re-taking the point argmax every few steps flips between
+   neighbours (the demo went 512 → 1024 → 384 → 1024). The optimum B*(B_noise) is
+   increasing in B_noise (for t = α + β·B, B* = √(α·B_noise/β)), so the B_noise band
+   [low, high] maps to a band of optima [B*(low), B*(high)]. The batch is kept while it
+   lies inside that band — the data cannot tell it from the optimum — and moves to the
+   point argmax (which lies inside the band) only when it falls outside *and* the
+   predicted gain exceeds `min_gain`. An estimate must then drift by more than its own
+   uncertainty to move the batch, and one move cannot be undone by noise of the same size.
+
+3. **Adam's second moments follow the batch** (`adam_v_scale`). Per element, Adam's v
+   tracks E[g²] = G² + σ²/B. Summed over parameters, E|g_B|² = |G|² + tr(Σ)/B, so a change
+   B_old → B_new changes the expected second moment by
+
+       r = (|G|² + tr Σ/B_new)/(|G|² + tr Σ/B_old) = B_old·(B_noise + B_new) / (B_new·(B_noise + B_old)),
+
+   between B_old/B_new (noise-dominated, B ≪ B_noise) and 1 (B ≫ B_noise). Without the
+   rescale v keeps the old batch's noise for ~1/(1-β2) steps (1000 at β2 = 0.999): after a
+   2× growth at B ≪ B_noise every update is √2 smaller than the LR rule planned. One scalar
+   for all elements is the approximation (each element has its own signal-to-noise ratio).
+
+Invariants: pure Python, no state; batches in responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.coordinator.goodput import BatchGrid, TimeModel, choose_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """A prompt count and why."""
+
+    prompts: int
+    reason: str
+
+
+def jump(grid: BatchGrid, b_noise: float, time_model: TimeModel, current: int, b0: float) -> Decision:
+    """Rule 1: the goodput argmax over the whole grid, whatever the distance."""
+    c = choose_batch(grid, b_noise, time_model, current, min_gain=0.0, b0=b0)
+    what = f"first estimate: jump {current}->{c.best_prompts}" if c.switched else f"first estimate: keep {current}"
+    return Decision(prompts=c.num_prompts, reason=f"{what} prompts (b_noise={b_noise:.4g} responses)")
+
+
+def optimum_band(
+    grid: BatchGrid, band: tuple[float, float], time_model: TimeModel, current: int, b0: float
+) -> tuple[int, int]:
+    """(B*(low), B*(high)) in prompts: the grid argmax at each end of the B_noise band."""
+    lo = choose_batch(grid, band[0], time_model, current, min_gain=0.0, b0=b0).best_prompts
+    hi = choose_batch(grid, band[1], time_model, current, min_gain=0.0, b0=b0).best_prompts
+    return lo, hi
+
+
+def hold_or_move(
+    grid: BatchGrid,
+    b_noise: float,
+    band: tuple[float, float] | None,
+    time_model: TimeModel,
+    current: int,
+    *,
+    min_gain: float,
+    b0: float,
+) -> Decision:
+    """Rule 2: keep `current` inside the band of optima, else move to the point argmax.
+
+    Without a band (one step observed) the band collapses to the point estimate, i.e. the
+    plain argmax with the `min_gain` threshold.
+    """
+    if band is not None:
+        lo, hi = optimum_band(grid, band, time_model, current, b0)
+        if lo <= current <= hi:
+            return Decision(
+                prompts=current,
+                reason=f"keep {current} prompts: inside the optimum band [{lo}, {hi}] "
+                f"(b_noise band [{band[0]:.4g}, {band[1]:.4g}] responses)",
+            )
+    c = choose_batch(grid, b_noise, time_model, current, min_gain=min_gain, b0=b0)
+    return Decision(prompts=c.num_prompts, reason=c.reason)
+
+
+def adam_v_scale(b_old: float, b_new: float, b_noise: float | None) -> float:
+    """Rule 3: E|g_{B_new}|² / E|g_{B_old}|²; B_noise unknown is the noise-dominated limit."""
+    if not (b_old > 0 and b_new > 0):
+        raise ValueError(f"batches must be > 0, got b_old={b_old}, b_new={b_new}")
+    if b_noise is None:
+        return b_old / b_new
+    if not b_noise >= 0:
+        raise ValueError(f"b_noise={b_noise} must be >= 0")
+    return b_old * (b_noise + b_new) / (b_new * (b_noise + b_old))

@@ -1,0 +1,204 @@
+"""The coordinator's policy on a synthetic trainer with a known optimum: it jumps instead of
+walking, settles, holds inside its band instead of flipping, and plans with the log-prob
+phase, the reward-signal fraction and the LR anchor.
+
+The synthetic trainer reports K parts per step (micro-batches across DP ranks), each the mean
+gradient of B/K responses with per-sample noise of trace B_NOISE·|G|², and phase times
+generate 10 + 0.02·B, log-probs 0.01·B, train 2 + 0.02·B, other 1 s: t(B) = 13 + 0.05·B, so
+the goodput optimum is B* = √(13·B_noise/0.05) (goodput.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from megarl.coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorRun,
+    ModelGradStats,
+    StepPlan,
+    StepTimeModel,
+    StepTimings,
+    adam_v_scale,
+    choose_batch,
+    hold_or_move,
+    optimum_band,
+)
+
+DIM = 64
+B_NOISE = 400.0
+
+
+class PartsTrainer:
+    def __init__(self, seed: int, parts: int, b_noise: float = B_NOISE, signal_fraction: float = 1.0):
+        self.rng = np.random.default_rng(seed)
+        self.parts = parts
+        self.g = self.rng.normal(size=DIM)
+        self.sd = math.sqrt(b_noise * float(self.g @ self.g) / DIM)
+        self.f = signal_fraction
+
+    def step(self, plan: StepPlan) -> tuple[list[ModelGradStats], StepTimings]:
+        b = plan.batch_responses
+        n = self.f * b / self.parts  # responses with signal per part
+        locs = [self.g + self.rng.normal(size=DIM) * self.sd / math.sqrt(n) for _ in range(self.parts)]
+        glob = np.mean(locs, axis=0)
+        grads = [
+            ModelGradStats(
+                model="actor",
+                local_sq_norms=[float(x @ x) for x in locs],
+                local_batches=[n] * self.parts,
+                global_sq_norm=float(glob @ glob),
+                source="microbatch",
+                signal_fraction=self.f,
+            )
+        ]
+        jitter = 1.0 + 0.01 * self.rng.normal(size=4)
+        timings = StepTimings(
+            generate_s=(10.0 + 0.02 * b) * float(jitter[0]),
+            logprobs_s=0.01 * b * float(jitter[1]),
+            train_s=(2.0 + 0.02 * b) * float(jitter[2]),
+            other_s=1.0 * float(jitter[3]),
+            rollout_responses=b,
+            rollout_tokens=b * 10,
+        )
+        return grads, timings
+
+
+class TrueTime:
+    def predict(self, b: float) -> float:
+        return 13.0 + 0.05 * b
+
+
+def _coord(**settings: object) -> Coordinator:
+    run = CoordinatorRun(samples_per_prompt=8, initial_prompts=8, batch_divisor=8, dp_size=1, lr_ref={"actor": 1e-3})
+    kw: dict[str, object] = {"enabled": True, "min_prompts": 4, "max_prompts": 256}
+    kw.update(settings)
+    return Coordinator(CoordinatorConfig(**kw), run)  # type: ignore[arg-type]
+
+
+def _run(coord: Coordinator, trainer: PartsTrainer, steps: int) -> list[int]:
+    prompts = []
+    for step in range(steps):
+        plan = coord.next_plan()
+        prompts.append(plan.num_prompts)
+        coord.observe(step, *trainer.step(plan))
+    return prompts
+
+
+def _changes(prompts: list[int]) -> list[tuple[int, int, int]]:
+    return [(i, a, b) for i, (a, b) in enumerate(zip(prompts, prompts[1:], strict=False), start=1) if a != b]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_jumps_to_the_optimum_and_holds(seed: int) -> None:
+    """From 8 prompts (64 responses) with 16 parts a step: the first change comes as soon as
+    |G|² is resolved (old policy: after 10 warm-up steps, then a walk with 10-step cooldowns);
+    the first jump uses the one-batch time prior, so a second change may correct it, but at
+    most 2 changes reach the optimum's grid neighbourhood and the batch then holds for the
+    rest of the 200 steps."""
+    coord = _coord()
+    prompts = _run(coord, PartsTrainer(seed, parts=16), 200)
+    best = choose_batch(coord.grid, B_NOISE, TrueTime(), 8, min_gain=0.0, b0=64.0).best_prompts
+    grid = coord.grid.prompts()
+    changes = _changes(prompts)
+    print("changes (step, from, to):", changes, "optimum", best)
+    assert changes[0][0] <= 6
+    assert len(changes) <= 2
+    assert changes[-1][0] <= 20
+    assert abs(grid.index(prompts[-1]) - grid.index(best)) <= 1
+    assert all(p == prompts[-1] for p in prompts[changes[-1][0] :])
+
+
+def test_first_change_waits_for_enough_degrees_of_freedom() -> None:
+    """Two parts a step (one dof): the first change waits until the discounted dof reach
+    min_dof = 6 (Σ_k 0.9^k >= 6 after 9 steps), then jumps; no flip back afterwards."""
+    coord = _coord()
+    prompts = _run(coord, PartsTrainer(2, parts=2), 150)
+    changes = _changes(prompts)
+    print("changes (step, from, to):", changes)
+    assert changes[0][0] == 9
+    assert len(changes) <= 3
+    moves = [b for _, _, b in changes]
+    assert all(moves[i] != moves[i - 2] for i in range(2, len(moves)))  # no A -> B -> A
+
+
+def _true_time_model() -> StepTimeModel:
+    model = StepTimeModel()
+    for b in (64, 128, 256, 512):
+        model.observe(
+            responses=b, tokens=b, generate_s=10 + 0.02 * b, train_s=2 + 0.02 * b, other_s=1.0, logprobs_s=0.01 * b
+        )
+    return model
+
+
+def test_band_keeps_a_batch_the_data_cannot_tell_from_the_optimum() -> None:
+    """B_noise band [200, 800] -> optima √(13·B_n/0.05)/8 = 28.5 .. 57 prompts: grid points
+    32 and 45 are kept although the point argmax (B_noise 400: 40 prompts) is one of them;
+    8 and 128 lie outside and move to the point argmax."""
+    coord = _coord()
+    model = _true_time_model()
+    lo, hi = optimum_band(coord.grid, (200.0, 800.0), model, 8, 64.0)
+    assert (lo, hi) in {(23, 45), (23, 64), (32, 45), (32, 64)}
+    point = choose_batch(coord.grid, B_NOISE, model, 8, min_gain=0.0).best_prompts
+    assert point in (32, 45)
+    for current in (32, 45):
+        d = hold_or_move(coord.grid, B_NOISE, (200.0, 800.0), model, current, min_gain=0.05, b0=64.0)
+        assert d.prompts == current and "inside the optimum band" in d.reason
+    for current in (8, 128):
+        d = hold_or_move(coord.grid, B_NOISE, (200.0, 800.0), model, current, min_gain=0.05, b0=64.0)
+        assert d.prompts == point
+
+
+def test_log_prob_phase_is_linear_in_the_time_model() -> None:
+    """t(B) includes the log-prob phase's 0.01·B: predict(512) - predict(256) = 0.05·256
+    (the old model put it in the constant part: 0.04·256, and its optimum was ~12 % high)."""
+    model = _true_time_model()
+    assert model.predict(512) - model.predict(256) == pytest.approx(0.05 * 256, rel=1e-9)
+    assert model.predict(0.0001) == pytest.approx(13.0, abs=1e-3)
+
+
+def test_signal_fraction_scales_the_planned_noise_scale() -> None:
+    """Half the groups without reward signal: the estimate is per response with signal
+    (B_NOISE), and a rollout of B carries B/2 of them, so B_noise in rollout responses is 2·B_NOISE."""
+    coord = _coord()
+    _run(coord, PartsTrainer(3, parts=16, signal_fraction=0.5), 60)
+    m = coord.metrics()
+    assert m["coord/signal_fraction/actor"] == pytest.approx(0.5)
+    assert m["coord/b_noise/actor"] == pytest.approx(2 * B_NOISE, rel=0.25)
+    est = coord.noise_estimator("actor")
+    assert est is not None and est.b_simple is not None
+    assert m["coord/b_noise/actor"] == pytest.approx(2 * est.b_simple, rel=1e-9)
+
+
+def test_lr_anchor_scales_from_the_reference_batch() -> None:
+    """lr_ref validated at 512 responses, run started at 64: the sqrt rule plans
+    lr_ref·√(64/512) from step 0 (the old coordinator anchored at the starting batch: lr_ref)."""
+    run = CoordinatorRun(
+        samples_per_prompt=8, initial_prompts=8, batch_divisor=8, lr_ref={"actor": 1e-3}, b_ref={"actor": 512.0}
+    )
+    for rule, want in (("sqrt", 1e-3 * math.sqrt(64 / 512)), ("linear", 1e-3 * 64 / 512)):
+        coord = Coordinator(CoordinatorConfig(enabled=True, min_prompts=4, lr_rule=rule), run)  # type: ignore[arg-type]
+        assert coord.next_plan().lr["actor"] == pytest.approx(want, rel=1e-12)
+
+
+def test_adam_v_scale_on_a_batch_change() -> None:
+    """The plan of a change carries E|g_new|²/E|g_old|² = B_old(B_n + B_new)/(B_new(B_n + B_old))."""
+    assert adam_v_scale(64, 256, None) == pytest.approx(0.25)
+    assert adam_v_scale(64, 256, 0.0) == pytest.approx(1.0)
+    assert adam_v_scale(64, 256, 400.0) == pytest.approx(64 * 656 / (256 * 464))
+    coord = _coord()
+    trainer = PartsTrainer(4, parts=16)
+    plan = coord.next_plan()
+    assert plan.adam_v_scale == {}
+    coord.observe(0, *trainer.step(plan))
+    jumped = coord.next_plan()
+    assert jumped.num_prompts != 8
+    bn = jumped.b_noise["actor"]
+    assert bn is not None
+    want = adam_v_scale(64, jumped.batch_responses, bn)
+    assert jumped.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
+    assert _coord(adam_rescale=False).next_plan().adam_v_scale == {}

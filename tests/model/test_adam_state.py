@@ -1,0 +1,102 @@
+"""Adam's second moments follow a batch change (megarl.model.adam_state), on a real torch Adam
+inside megatron's real optimizer wrappers (FP32Optimizer in a ChainedOptimizer, CPU compat).
+
+Gradients are synthetic with a known noise scale: g = G + σ·ξ/√B per element, tr Σ = B_N·|G|²,
+so E|g_B|² = |G|²(1 + B_N/B). After 600 steps at B_old = 64 Adam's v holds that batch's
+E[g²]; the batch then grows to 256. Scaled by adam_v_scale (the coordinator's factor) v
+matches the steady state at 256 at once; unscaled it is ~2.8× too large, and the first
+updates are ~1.7× smaller than the ones an optimizer that always ran at 256 makes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.coordinator import adam_v_scale
+from megarl.model.adam_state import scale_adam_second_moments
+
+DIM, B_N, B_OLD, B_NEW = 512, 400.0, 64, 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_compat():  # type: ignore[no-untyped-def]
+    """megatron's FP32Optimizer allocates on 'cuda': the CPU compat layer, for this module only."""
+    from megarl.compat import cpu
+
+    was_installed = cpu.is_installed()
+    installed = cpu.install()
+    yield
+    if installed and not was_installed:
+        cpu.uninstall()
+
+
+def _optimizer(param: torch.nn.Parameter):  # type: ignore[no-untyped-def]
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    adam = torch.optim.Adam([param], lr=1e-3, betas=(0.9, 0.99))
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-3, adam_beta2=0.99, clip_grad=0.0)
+    return ChainedOptimizer([FP32Optimizer(adam, cfg, None)]), adam
+
+
+def _grads(gen: torch.Generator, g: torch.Tensor, sd: float, b: int, steps: int):  # type: ignore[no-untyped-def]
+    for _ in range(steps):
+        yield g + sd * torch.randn(DIM, generator=gen, dtype=torch.float64).float() / math.sqrt(b)
+
+
+def _run(opt_inner: torch.optim.Adam, param: torch.nn.Parameter, grads) -> float:  # type: ignore[no-untyped-def]
+    """Step through ``grads``; returns the RMS of the parameter change per step."""
+    moves = []
+    for grad in grads:
+        before = param.detach().clone()
+        param.grad = grad.clone()
+        opt_inner.step()
+        moves.append(float((param.detach() - before).pow(2).mean()))
+    return math.sqrt(sum(moves) / len(moves))
+
+
+def _v_sum(adam: torch.optim.Adam) -> float:
+    return sum(float(s["exp_avg_sq"].sum()) for s in adam.state.values())
+
+
+def test_second_moments_match_the_new_batch_after_the_rescale() -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(DIM, generator=gen) * 0.1
+    sd = math.sqrt(B_N * float(g @ g) / DIM)
+    want_v = lambda b: float(g @ g) * (1 + B_N / b)  # noqa: E731  E|g_B|², summed over elements
+
+    runs = {}
+    for rescale in (True, False):
+        param = torch.nn.Parameter(torch.zeros(DIM))
+        wrapped, adam = _optimizer(param)
+        _run(adam, param, _grads(gen, g, sd, B_OLD, 600))
+        assert _v_sum(adam) == pytest.approx(want_v(B_OLD), rel=0.1)
+        if rescale:
+            assert scale_adam_second_moments(wrapped, adam_v_scale(B_OLD, B_NEW, B_N)) == 1
+        runs[rescale] = (_v_sum(adam), _run(adam, param, _grads(gen, g, sd, B_NEW, 10)))
+    steady_param = torch.nn.Parameter(torch.zeros(DIM))
+    _, steady = _optimizer(steady_param)
+    _run(steady, steady_param, _grads(gen, g, sd, B_NEW, 600))
+    steady_move = _run(steady, steady_param, _grads(gen, g, sd, B_NEW, 10))
+
+    v_scaled, move_scaled = runs[True]
+    v_stale, move_stale = runs[False]
+    print(f"v/v*: scaled {v_scaled / want_v(B_NEW):.3f}, stale {v_stale / want_v(B_NEW):.3f}")
+    print(
+        f"first-10-step RMS update / steady: scaled {move_scaled / steady_move:.3f}, stale {move_stale / steady_move:.3f}"
+    )
+    assert v_scaled == pytest.approx(want_v(B_NEW), rel=0.1)
+    assert v_stale / want_v(B_NEW) > 2.3
+    assert move_scaled == pytest.approx(steady_move, rel=0.15)
+    assert move_stale / steady_move < 0.75
+
+
+def test_nothing_to_scale_before_the_first_step_and_bad_factors_refused() -> None:
+    param = torch.nn.Parameter(torch.zeros(4))
+    wrapped, _ = _optimizer(param)
+    assert scale_adam_second_moments(wrapped, 0.5) == 0
+    with pytest.raises(ValueError, match="factor nan must be finite and > 0"):
+        scale_adam_second_moments(wrapped, math.nan)

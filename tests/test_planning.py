@@ -1,0 +1,71 @@
+"""The planner's glue: the LR anchor reaches the plan, and the probe's parts become
+ModelGradStats over responses with reward signal (exact numbers from explicit per-row
+gradients), with every micro-batch of every DP rank a part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.planning import Planner, _chunks, grad_stats
+
+
+def _planner(*overrides: str) -> Planner:
+    cfg = load_config(
+        None,
+        [
+            "coordinator.enabled=true",
+            "coordinator.min_prompts=4",
+            "rollout.num_prompts=8",
+            "rollout.samples_per_prompt=16",
+            "parallel.micro_batch_size=16",
+            "optim.lr=1e-4",
+            *overrides,
+        ],
+    )
+    return Planner(cfg, dp=1, models=["actor"])
+
+
+def test_lr_is_anchored_at_the_reference_batch() -> None:
+    """optim.lr validated at 512 responses, run at 8 × 16 = 128: lr = 1e-4·√(128/512) = 5e-5
+    from the first step (before: the starting batch was the anchor, lr = 1e-4)."""
+    assert _planner("coordinator.lr_reference_batch=512").plan(0).lr["actor"] == pytest.approx(5e-5, rel=1e-12)
+    assert _planner().plan(0).lr["actor"] == pytest.approx(1e-4, rel=1e-12)  # default: the configured batch
+
+
+def test_micro_batches_of_every_rank_are_the_parts() -> None:
+    every = [slice(0, 6), slice(6, 10)]  # uneven DP shares: 6 and 4 rows
+    assert _chunks(every[0], 2) + _chunks(every[1], 2) == [
+        slice(0, 2),
+        slice(2, 4),
+        slice(4, 6),
+        slice(6, 8),
+        slice(8, 10),
+    ]
+
+
+def test_parts_count_only_responses_with_reward_signal() -> None:
+    """8 responses, 4 micro-batches of 2; the first group (rows 0-1) has no reward signal, so
+    its rows add no gradient. The loss divides by all D = 8 responses: a part holds
+    Σ_i g_i / 8. grad_stats must return each remaining part's mean over its signal rows and
+    the step's mean over the 6 signal rows, and drop the empty part."""
+    gen = torch.Generator().manual_seed(0)
+    per_row = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    adv = torch.tensor([0.0, 0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    per_row[adv == 0] = 0.0  # no advantage, no policy gradient
+    signal = adv != 0
+    rows = _chunks(slice(0, 8), 2)
+    part_sq = [float((per_row[r].sum(0) / 8).pow(2).sum()) for r in rows]
+    step = per_row.sum(0) / 8
+    stats = grad_stats("actor", part_sq, rows, torch.ones(8), signal, float(step.norm()), "responses", "microbatch")
+    assert stats is not None
+    assert stats.local_batches == [2.0, 2.0, 2.0]
+    want_parts = [float(per_row[r].mean(0).pow(2).sum()) for r in rows[1:]]
+    assert stats.local_sq_norms == pytest.approx(want_parts, rel=1e-9)
+    assert stats.global_sq_norm == pytest.approx(float(per_row[2:].mean(0).pow(2).sum()), rel=1e-9)
+    assert stats.signal_fraction == pytest.approx(0.75)
+    assert stats.source == "microbatch"
+    # one part with signal is no estimate
+    only = torch.tensor([False] * 6 + [True, True])
+    assert grad_stats("actor", part_sq, rows, torch.ones(8), only, 1.0, "responses", "dp") is None
