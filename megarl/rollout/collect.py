@@ -113,6 +113,8 @@ class Group:
     samples: list[tuple[list[int], list[float], bool]]
     texts: list[str]
     rewards: list[float]
+    version: int = -1
+    """Policy version the engines served when they sampled this group (-1: not recorded)."""
 
 
 def sample_groups(
@@ -141,7 +143,7 @@ def sample_groups(
         if len(out) != samples:
             raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
         smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
-        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], []))
+        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], [], version))
     # one call for the whole round: the reward workers share it out
     scores, report = rewards.score([reward_sample(g.record, t, j) for g in groups for j, t in enumerate(g.texts)])
     for gi, g in enumerate(groups):
@@ -208,6 +210,7 @@ def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
         truncated=trunc,
         version=version,
         texts=[t for g in groups for t in g.texts],
+        versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
     )
 
 
@@ -246,9 +249,19 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
             response_lens=torch.empty(B, dtype=torch.long),
             truncated=torch.empty(B, dtype=torch.bool),
             version=version,
+            versions=torch.empty(B, dtype=torch.long),
         )
     assert batch is not None
-    for t in (batch.tokens, batch.mask, batch.engine_logprobs, batch.rewards, batch.group_ids, batch.response_lens):
+    batch.versions = batch.sample_versions()
+    for t in (
+        batch.tokens,
+        batch.mask,
+        batch.engine_logprobs,
+        batch.rewards,
+        batch.group_ids,
+        batch.response_lens,
+        batch.versions,
+    ):
         dist.broadcast(t, src=src)
     tr = batch.truncated.to(torch.uint8)
     dist.broadcast(tr, src=src)
