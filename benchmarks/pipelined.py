@@ -102,7 +102,7 @@ def step_figures(run_dir: Path, k: int, skip: int = 2) -> dict[str, float]:
         "generate_s": gen,
         "train_s": train,
         "step/max": step / max(gen, train),
-        "staleness": mean(lambda r: r["pipeline/staleness_mean"]),
+        "lag": mean(lambda r: r["pipeline/staleness_mean"]),
         "trainer_wait": mean(lambda r: r["pipeline/trainer_wait_frac"]),
         "fleet_wait": mean(lambda r: r["pipeline/fleet_wait_frac"]),
     }
@@ -132,9 +132,9 @@ def main() -> int:
             rows.append({"staleness": k, "seed": seed, **step_figures(run, k),
                          "val_start": s.get("val/reward_start"), "val_end": s.get("val/reward_end")})
             print(json.dumps(rows[-1]), flush=True)
-    cols = ["staleness", "seed", "step_s", "generate_s", "train_s", "step/max", "staleness", "trainer_wait",
+    cols = ["staleness", "seed", "step_s", "generate_s", "train_s", "step/max", "lag", "trainer_wait",
             "fleet_wait", "val_start", "val_end"]
-    print(table(rows, list(dict.fromkeys(cols))))
+    print(table(rows, cols))
 
     def avg(k: int, key: str) -> float:
         return statistics.mean(r[key] for r in rows if r["staleness"] == k)

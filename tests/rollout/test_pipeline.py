@@ -237,3 +237,15 @@ def test_unsafe_staleness_settings_are_refused(sets: list[str], message: str) ->
 
 def test_safe_staleness_settings_validate() -> None:
     validate(load_config(None, ["parallel.tensor_parallel=1", "rollout.max_staleness=1", "algo.tis_cap=2"]), 1)
+
+
+def test_checkpoint_with_batches_ahead_is_refused_without_pipelining() -> None:
+    """Resuming a pipelined checkpoint with max_staleness=0 would silently skip the prompts of the
+    batches generated ahead: refused, naming the setting."""
+    from megarl.errors import RolloutError
+    from megarl.rollout.collector import RolloutCollector
+
+    collector = object.__new__(RolloutCollector)  # only the config is read before the refusal
+    collector.cfg = load_config(None, ["rollout.max_staleness=0"])
+    with pytest.raises(RolloutError, match="holds 1 rollout batches generated ahead .* rollout.max_staleness"):
+        collector.load_state_dict({"ahead": [{"step": 2}], "sampler": {}})
