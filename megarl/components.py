@@ -39,6 +39,7 @@ from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.fleet import Fleet
 from megarl.rollout.hf_tokenizer import open_tokenizer
+from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.reward_runner import RewardRunner
 from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.update import AdvantageEstimator, PolicyUpdater
@@ -75,6 +76,8 @@ class Components:
     critic: Model | None = None
     updater: PolicyUpdater | None = None
     """Set by :func:`add_reference_and_critic` (it needs the critic)."""
+    ahead: RolloutPipeline | None = None
+    """Batches generated ahead of their step (``rollout.max_staleness`` > 0), else None."""
 
     def models(self) -> dict[str, Model]:
         """The checkpointed models by name."""
@@ -88,7 +91,7 @@ class Components:
     def stateful(self) -> dict[str, Stateful]:
         """The loop state a checkpoint carries besides the models, by name."""
         return {
-            "rollouts": self.rollouts,
+            "rollouts": self.ahead if self.ahead is not None else self.rollouts,  # + the batches ahead
             "planner": self.planner,
             "advantages": self.advantages,
             "publisher": self.publisher,
@@ -108,6 +111,8 @@ class Components:
                 shutil.copyfile(f, path / f.name)
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         if self.fleet is not None:
             self.fleet.shutdown()
         if self.rollouts.rewards is not None:
@@ -170,6 +175,7 @@ def build(cfg: RunConfig) -> Components:
         rollouts=rollouts,
         advantages=AdvantageEstimator(cfg),
         publisher=publisher,
+        ahead=RolloutPipeline(rollouts, cfg.rollout.max_staleness) if cfg.rollout.max_staleness else None,
     )
 
 

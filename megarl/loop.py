@@ -2,6 +2,11 @@
 
     0 plan → 1 generate → 2 logprobs → 3 advantages → 4 update → 5 sync → 6 observe
 
+With ``rollout.max_staleness`` = k > 0 phase 1 takes the batch generated k steps ahead and
+issues the next one, which the fleet generates during phases 2–4 (``megarl.rollout.pipeline``);
+the trainer waits for it before the sync. ``timing/step/generate`` is the trainer's wait for
+rollouts either way, and ``pipeline/*`` logs each sample's lag and who waited.
+
 The loop holds no algorithm math (``megarl.algo``) and no transport details
 (``megarl.weight_sync``); it only calls the phases over the run's components
 (``megarl.components``) and logs what they measured.
@@ -14,9 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megarl.checkpoint import state
 from megarl.components import Components, add_reference_and_critic, build
 from megarl.config import RunConfig
+from megarl.coordinator import StepPlan
 from megarl.metrics import MetricsLogger, Timer
 from megarl.rollout import faults
 from megarl.update import evaluate, mismatch
@@ -29,11 +37,15 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     assert c.updater is not None
     timer = Timer()
     t0 = time.perf_counter()
-    plan = c.planner.plan(step)  # batch and LR per model: fixed, or from the coordinator
-    with timer("generate"):  # 1. sample responses on the fleet and score them
-        batch, metrics = c.rollouts.collect(step, plan.num_prompts, plan.samples_per_prompt)
+    if c.ahead is not None:  # rollout.max_staleness > 0: later steps' batches generate during this update
+        with timer("generate"):
+            _issue_ahead(c, step)
+    plan = c.planner.plan(step)  # batch and LR per model: fixed, or from the coordinator (made ahead if pipelined)
+    with timer("generate"):  # 1. sample responses on the fleet and score them (or take the batch made ahead)
+        batch, metrics = c.ahead.take(step) if c.ahead is not None else c.rollouts.collect(step, *plan_size(plan))
+    lag = c.publisher.version - batch.sample_versions()  # policy versions each sample lags the trainer
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
-        if c.fleet is not None:  # test-only: an engine killed while idle (MEGARL_FAULT, rollout/faults.py)
+        if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (rollout/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
         ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))
@@ -42,14 +54,42 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         metrics.update(adv_metrics)
     with timer("update"):  # 4. Megatron forward/backward + optimizer step(s), actor and critic
         metrics.update(c.updater(batch, adv, ev, plan, step))
+    if c.ahead is not None:  # the fleet finishes what it generates: no update lands mid-generation
+        with timer("generate"):
+            c.ahead.drain()
     with timer("sync"):  # 5. new weights into every engine
         metrics.update(c.publisher.push())
     with timer("plan"):  # 6. noise estimates + timings -> the coordinator's next plan
         c.planner.observe(step, batch.size, int(batch.response_lens.sum()), timer.times, c.dims)
         metrics.update(c.planner.metrics())
     metrics.update(timer.metrics())
-    metrics["timing/step/total"] = time.perf_counter() - t0
+    metrics["timing/step/total"] = total = time.perf_counter() - t0
+    busy = c.ahead.fleet_busy_s(t0, t0 + total) if c.ahead is not None else timer.times["generate"]
+    metrics.update(pipeline_metrics(lag, timer.times["generate"], busy, total))
     return metrics
+
+
+def plan_size(plan: StepPlan) -> tuple[int, int]:
+    return plan.num_prompts, plan.samples_per_prompt
+
+
+def _issue_ahead(c: Components, step: int) -> None:
+    """Start generating the batches of steps up to ``step + max_staleness`` (all of them at the
+    first step, one a step afterwards), each with the plan made for its step now."""
+    assert c.ahead is not None
+    for s in c.ahead.wanted(step):
+        c.ahead.issue(s, *plan_size(c.planner.plan_ahead(s)))
+
+
+def pipeline_metrics(lag: torch.Tensor, trainer_wait_s: float, fleet_busy_s: float, total_s: float) -> dict[str, float]:
+    """Staleness of the step's samples (policy versions behind the trainer) and the fraction of
+    the step the trainer waited for rollouts and the fleet sat idle (rank 0's clock)."""
+    return {
+        "pipeline/staleness_mean": float(lag.float().mean()),
+        "pipeline/staleness_max": float(lag.max()),
+        "pipeline/trainer_wait_frac": trainer_wait_s / total_s,
+        "pipeline/fleet_wait_frac": max(0.0, 1.0 - fleet_busy_s / total_s),
+    }
 
 
 def _save(c: Components, step: int, asynchronous: bool = False) -> Any:

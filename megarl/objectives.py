@@ -40,6 +40,12 @@ def value_loss_fn(cfg: RunConfig, denom: float) -> LossFn:
 def policy_loss_fn(cfg: RunConfig, tp_group: Any, denom: float) -> LossFn:
     """PPO-clip (+ TIS, KL-as-loss, entropy bonus) on vocab-parallel log-probs.
 
+    Off-policy samples (``rollout.max_staleness`` > 0): ``old_logprobs`` is the trainer's policy
+    at this step and the engine's log-probs are the (older) behaviour policy, so the clipped ratio
+    is taken against the proximal policy and the TIS weight min(π_prox/π_behav, tis_cap) corrects
+    for the lag — decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
+    optimization", eq. 2; AReaL, Fu et al. 2025, eq. 5). Config validation requires tis_cap > 0.
+
     Stats are sums (``*_sum``, ``tokens``) or maxima (``*_max``) so they reduce exactly over
     micro-batches and DP ranks (``megarl.model.forward.train_step``)."""
     a, temp = cfg.algo, cfg.rollout.temperature

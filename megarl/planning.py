@@ -49,6 +49,8 @@ class Planner:
         self.coord: Coordinator | None = None
         self.dp = dp
         self._grads: list[ModelGradStats] = []  # measured in this step's update, observed after it
+        self._ahead: dict[int, StepPlan] = {}
+        """Plans made before an earlier update, for the batches generated ahead (rollout.max_staleness)."""
         self.unit = "tokens" if cfg.algo.loss_agg == "token-mean" else "responses"
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
@@ -63,6 +65,19 @@ class Planner:
             self.coord = Coordinator(c, run)
 
     def plan(self, step: int) -> StepPlan:
+        """The plan of ``step``: the one made ahead for its batch (:meth:`plan_ahead`), else now."""
+        if step in self._ahead:
+            return self._ahead.pop(step)
+        return self._make(step)
+
+    def plan_ahead(self, step: int) -> StepPlan:
+        """The plan of a later ``step`` whose batch is generated now, before the current update:
+        made with what the coordinator has observed so far, kept (and checkpointed) so the step
+        trains with the batch size and LR its batch was generated for."""
+        self._ahead[step] = self._make(step)
+        return self._ahead[step]
+
+    def _make(self, step: int) -> StepPlan:
         r, o = self.cfg.rollout, self.cfg.optim
         schedule = lr_at(step, o, self.cfg.train.steps) / o.lr  # warm-up / cosine factor
         if self.coord is None:
@@ -76,8 +91,8 @@ class Planner:
                 b_noise={},
                 reason="fixed by config (coordinator.enabled=false)",
             )
-        p = self.coord.next_plan()
-        return dataclasses.replace(p, lr={m: v * schedule for m, v in p.lr.items()})
+        p = self.coord.next_plan()  # for the step after the last observed one (= step without pipelining)
+        return dataclasses.replace(p, step=step, lr={m: v * schedule for m, v in p.lr.items()})
 
     # ------------------------------------------------------------------ grad probes
 
@@ -181,9 +196,14 @@ class Planner:
         return self.coord.metrics() if self.coord is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.coord.state_dict() if self.coord is not None else {}
+        out = self.coord.state_dict() if self.coord is not None else {}
+        if self._ahead:  # only when pipelining: other checkpoints keep their exact form
+            out = {**out, "plans_ahead": {str(s): p.to_dict() for s, p in self._ahead.items()}}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self._ahead = {int(s): StepPlan.from_dict(d) for s, d in state.pop("plans_ahead", {}).items()}
         if self.coord is not None and state:
             self.coord.load_state_dict(state)
 

@@ -23,13 +23,18 @@ class RolloutBatch:
     response_lens: torch.Tensor  # (B,) long, response tokens incl. EOS
     truncated: torch.Tensor  # (B,) bool, hit max_response_len without EOS
     version: int
-    """Policy version of the weights that sampled this batch."""
+    """Policy version of the weights that sampled this batch (the oldest, if its samples differ)."""
     texts: list[str] = field(default_factory=list)
     """Decoded responses (rank 0 only; for logs)."""
+    versions: torch.Tensor | None = None  # (B,) long, policy version that sampled each response
+    """None: every response was sampled by ``version``."""
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    def sample_versions(self) -> torch.Tensor:  # (B,) long
+        return self.versions if self.versions is not None else torch.full((self.size,), self.version)
 
     def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
         return {"tokens": self.tokens[index], "mask": self.mask[index], "engine_logprobs": self.engine_logprobs[index]}

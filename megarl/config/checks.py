@@ -28,6 +28,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _parallel(cfg, m, world_size)
     _rollout(cfg, m)
     _algo(cfg)
+    _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
 
@@ -161,6 +162,37 @@ def _rollout(cfg: RunConfig, m: ModelConfig) -> None:
         fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
 
 
+def _pipeline(cfg: RunConfig) -> None:
+    """rollout.max_staleness: a lagging batch needs the behaviour policy in the loss, and a
+    generation that runs alone (one round, engines awake while the trainer works)."""
+    r, a = cfg.rollout, cfg.algo
+    if r.max_staleness not in (0, 1, 2):
+        fail("rollout.max_staleness", r.max_staleness, "must be 0 (generate, then train), 1 or 2")
+    if r.max_staleness == 0:
+        return
+    if a.tis_cap <= 0:
+        fail(
+            "algo.tis_cap",
+            a.tis_cap,
+            f"must be > 0 with rollout.max_staleness={r.max_staleness}: the samples come from an older policy "
+            "and decoupled PPO weights each token by min(π_prox/π_behaviour, tis_cap) (e.g. algo.tis_cap=2)",
+        )
+    if a.dynamic_sampling:
+        fail(
+            "algo.dynamic_sampling",
+            True,
+            f"is not supported with rollout.max_staleness={r.max_staleness} (refill rounds would run while "
+            "the trainer updates; use max_staleness=0)",
+        )
+    if r.colocate:
+        fail(
+            "rollout.colocate",
+            True,
+            f"cannot overlap generation with the update (rollout.max_staleness={r.max_staleness}): "
+            "colocated engines sleep while the trainer holds the GPUs",
+        )
+
+
 def _algo(cfg: RunConfig) -> None:
     """algo: known estimators and aggregation modes, clip ranges, overlong shaping."""
     r = cfg.rollout
@@ -292,6 +324,7 @@ def _positive(cfg: RunConfig) -> None:
                 "worker_memory_mb",
                 "kv_channels",
                 "lr_reference_batch",
+                "max_staleness",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

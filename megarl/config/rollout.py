@@ -98,6 +98,12 @@ class RolloutConfig:
     0 = no lease. Engines started by SLURM take MEGARL_ENGINE_LEASE_S instead."""
     dump_rollouts: bool = False
     """Rank 0 appends every step's prompt ids, response ids and texts to run_dir/rollouts.jsonl."""
+    max_staleness: int = 0
+    """Policy versions a training batch may lag the trainer (0 | 1 | 2). 0 = generate, then train
+    (today's loop). k > 0 = the fleet generates the batch of step s+k while the trainer updates on
+    step s (weights still synced every step, with the fleet idle); the loss corrects the lag with
+    decoupled PPO (needs ``algo.tis_cap`` > 0). Each step's batch is generated k steps ahead, also
+    past ``train.steps`` (the checkpoint saves it: exact resume)."""
     colocate: bool = False
     """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
     works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""

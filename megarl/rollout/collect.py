@@ -113,6 +113,8 @@ class Group:
     samples: list[tuple[list[int], list[float], bool]]
     texts: list[str]
     rewards: list[float]
+    version: int = -1
+    """Policy version the engines served when they sampled this group (-1: not recorded)."""
 
 
 def sample_groups(
@@ -141,7 +143,7 @@ def sample_groups(
         if len(out) != samples:
             raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
         smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
-        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], []))
+        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], [], version))
     # one call for the whole round: the reward workers share it out
     scores, report = rewards.score([reward_sample(g.record, t, j) for g in groups for j, t in enumerate(g.texts)])
     for gi, g in enumerate(groups):
@@ -220,6 +222,7 @@ def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
         truncated=torch.tensor([tr for _, _, _, tr in seqs], dtype=torch.bool),
         version=version,
         texts=[t for g in groups for t in g.texts],
+        versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
     )
 
 
@@ -239,22 +242,25 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     }
 
 
-_BATCH_FIELDS = ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated")
+_BATCH_FIELDS = ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated", "versions")
 
 
 def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
-    """Every tensor of ``batch`` in one float64 vector (exact: ids < 2**53, float32 values)."""
-    extra = [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
-    if sorted(extra) != sorted(_BATCH_FIELDS):  # a new tensor field must travel too
-        raise TypeError(f"RolloutBatch tensors {sorted(extra)} differ from the broadcast's {sorted(_BATCH_FIELDS)}")
-    return torch.cat([getattr(batch, f).reshape(-1).to(torch.float64) for f in _BATCH_FIELDS])
+    """Every tensor of ``batch`` in one float64 vector (exact: ids < 2**53, float32 values);
+    ``versions`` travels filled in (each sample's policy version)."""
+    tensors = {f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+    if not tensors <= set(_BATCH_FIELDS):  # a new tensor field must travel too
+        raise TypeError(f"RolloutBatch tensors {sorted(tensors)} are not all in the broadcast's {_BATCH_FIELDS}")
+    values = {f: getattr(batch, f) for f in _BATCH_FIELDS} | {"versions": batch.sample_versions()}
+    return torch.cat([values[f].reshape(-1).to(torch.float64) for f in _BATCH_FIELDS])
 
 
 def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int) -> RolloutBatch:
     """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
     shapes = {"tokens": (B, S), "mask": (B, S), "engine_logprobs": (B, S)}
     dtypes = {"tokens": torch.long, "group_ids": torch.long, "response_lens": torch.long, "truncated": torch.bool}
-    parts = flat.split([B * S] * 3 + [B] * 4)
+    dtypes["versions"] = torch.long
+    parts = flat.split([B * S] * 3 + [B] * 5)
     fields = {f: p.reshape(shapes.get(f, (B,))).to(dtypes.get(f, torch.float32)) for f, p in zip(_BATCH_FIELDS, parts)}
     return RolloutBatch(**fields, version=version)
 
@@ -273,6 +279,6 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
         assert batch is not None
         dist.broadcast(batch_to_flat(batch), src=src)
         return batch
-    flat = torch.empty(3 * B * S + 4 * B, dtype=torch.float64)
+    flat = torch.empty(3 * B * S + 5 * B, dtype=torch.float64)
     dist.broadcast(flat, src=src)
     return batch_from_flat(flat, B, S, version)

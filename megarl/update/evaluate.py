@@ -14,7 +14,9 @@ from megarl.types import PolicyEval, RolloutBatch
 
 def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | None, critic: Model | None) -> PolicyEval:
     """What the step's losses need: π_old when the samples are reused (several updates), the
-    KL is a reward penalty or there is a critic; π_ref when KL is on; V_old with a critic."""
+    KL is a reward penalty, there is a critic, or the samples come from an older policy
+    (``rollout.max_staleness`` > 0: π_old is then decoupled PPO's proximal policy, the engine's
+    log-probs the behaviour policy); π_ref when KL is on; V_old with a critic."""
     a, temp, p = cfg.algo, cfg.rollout.temperature, cfg.parallel
     lmbs = p.logprob_micro_batch_size
 
@@ -32,7 +34,8 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
             model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget
         )["logprobs"]
 
-    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None:
+    stale = cfg.rollout.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
+    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale:
         out.old_logprobs = logprobs(actor)
     if a.kl_coef > 0:
         assert ref is not None

@@ -64,3 +64,4 @@ def test_flat_buffer_restores_the_batch_exactly() -> None:
             got, want = getattr(back, name), getattr(batch, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
         assert back.version == 5
+        assert back.versions is not None and back.versions.tolist() == [5] * batch.size  # filled in
