@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,44 @@ def data_sets(out: Path, mode: Mode) -> list[str]:
     return [f"data.source={out / 'tasks.jsonl'}", f"data.num_val={mode.num_val}"]
 
 
+def run_all(
+    out: Path,
+    mode: Mode,
+    common: list[str],
+    coord_extra: list[str],
+    execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
+) -> tuple[list[dict[str, Any]], runs.Variant]:
+    """Every planned run's result, in plan order: from the cache, or ``execute``d and cached.
+
+    The plan grows once the sweep's best setting is known (its extra seeds)."""
+    results: list[dict[str, Any]] = []
+    best: runs.Variant | None = None
+    done: set[str] = set()
+    while True:
+        todo = [(v, s) for v, s in plan(mode, best, coord_extra) if runs.run_key(v, s) not in done]
+        if not todo:
+            break
+        for v, seed in todo:
+            key = runs.run_key(v, seed)
+            done.add(key)
+            settings = common + v.overrides() + [f"train.seed={seed}"]
+            res = runs.cache_load(out, key, settings)
+            if res is None:
+                runs.cache_store(out, key, settings, execute(v, seed, settings))
+                res = runs.cache_load(out, key, settings)  # as a resumed run will see it
+                assert res is not None
+            results.append(res)
+        if best is None:
+            top = min(
+                (r for r in results if r["kind"] == "sweep"), key=lambda r: (not r["reached"][-1], r["time_s"][-1])
+            )
+            best = next(
+                v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref) if v.name == top["variant"]
+            )
+    assert best is not None
+    return results, best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small mode (~10 min): validates the machinery")
@@ -154,35 +193,20 @@ def main() -> int:
         f"train.eval_every={mode.eval_every}",
         f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
     ]
-    results: list[dict[str, Any]] = []
-    best: runs.Variant | None = None
-    done: set[str] = set()
-    while True:  # the plan grows once the sweep's best setting is known
-        todo = [(v, s) for v, s in plan(mode, best, args.coord_set) if runs.run_key(v, s) not in done]
-        if not todo:
-            break
-        for v, seed in todo:
-            key = runs.run_key(v, seed)
-            done.add(key)
-            settings = common + v.overrides() + [f"train.seed={seed}"]
-            res = runs.cache_load(out, key, settings)
-            if res is None:
-                run_dir = out / "runs" / key
-                runs.clean_run_dir(run_dir)
-                t1 = time.time()
-                summary = run_train(
-                    CONFIG, settings + [f"train.run_dir={run_dir}"], out / f"logs/{key}.log", timeout=mode.timeout_s
-                )
-                res = run_result(v, seed, run_dir, summary, targets, time.time() - t1)
-                runs.cache_store(out, key, settings, res)
-                print(json.dumps({k: res[k] for k in ("key", "time_s", "steps", "samples", "reached")}), flush=True)
-            results.append(res)
-        if best is None:
-            sweep = [r for r in results if r["kind"] == "sweep"]
-            top = min(sweep, key=lambda r: (not r["reached"][-1], r["time_s"][-1]))
-            best = next(
-                v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref) if v.name == top["variant"]
-            )
+
+    def execute(v: runs.Variant, seed: int, settings: list[str]) -> dict[str, Any]:
+        key = runs.run_key(v, seed)
+        run_dir = out / "runs" / key
+        runs.clean_run_dir(run_dir)
+        t1 = time.time()
+        summary = run_train(
+            CONFIG, settings + [f"train.run_dir={run_dir}"], out / f"logs/{key}.log", timeout=mode.timeout_s
+        )
+        res = run_result(v, seed, run_dir, summary, targets, time.time() - t1)
+        print(json.dumps({k: res[k] for k in ("key", "time_s", "steps", "samples", "reached")}), flush=True)
+        return res
+
+    results, best = run_all(out, mode, common, args.coord_set, execute)
     report = analyse(results, targets, best.name)
     cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
     print(table(report["rows"], cols))

@@ -15,23 +15,42 @@ def test_cache_returns_a_result_only_for_the_same_settings(tmp_path):
     assert not list((tmp_path / "results").glob("*.tmp"))  # written atomically
 
 
-def test_benchmark_resume_skips_cached_runs(tmp_path, monkeypatch):
-    """The benchmark's loop runs only what the cache lacks (run_train replaced by a counter:
-    this test is about which runs start, not about training)."""
+def test_benchmark_resumes_after_an_interruption_and_reruns_nothing(tmp_path):
+    """``run_all`` with an ``execute`` that stands in for a training run (this test is about
+    which runs start, not about training): killed at the third run, the rerun starts only the
+    runs without a result, then adds the best setting's extra seeds."""
     import benchmarks.time_to_target as ttt
 
-    mode = ttt.MODES["quick"]
-    order = ttt.plan(mode, None, [])
-    assert [v.name for v, _ in order] == ["coord_small", "sweep_p8_m1", "default", "coord_large", "sweep_p32_m1"]
-    common = ["x=1"]
-    for v, seed in order[:3]:
-        runs.cache_store(tmp_path, runs.run_key(v, seed), common + v.overrides() + [f"train.seed={seed}"], {"ok": 1})
-    todo = [
-        runs.run_key(v, s)
-        for v, s in order
-        if runs.cache_load(tmp_path, runs.run_key(v, s), common + v.overrides() + [f"train.seed={s}"]) is None
-    ]
-    assert todo == ["coord_large_s1", "sweep_p32_m1_s1"]
+    mode = ttt.Mode(**{**ttt.MODES["quick"].__dict__, "seeds": 2})
+    started: list[str] = []
+
+    def execute(v, seed, settings, fail_at=None):
+        key = runs.run_key(v, seed)
+        if key == fail_at:
+            raise KeyboardInterrupt
+        started.append(key)
+        t = {"sweep_p8_m1": 50.0, "sweep_p32_m1": 30.0}.get(v.name, 40.0)
+        return {"key": key, "variant": v.name, "kind": v.kind, "seed": seed, "reached": [True], "time_s": [t]}
+
+    order = [runs.run_key(v, s) for v, s in ttt.plan(mode, None, [])]
+    assert order == ["coord_small_s1", "sweep_p8_m1_s1", "default_s1", "coord_large_s1", "sweep_p32_m1_s1"]
+    try:
+        ttt.run_all(tmp_path, mode, ["x=1"], [], lambda v, s, st: execute(v, s, st, fail_at="default_s1"))
+    except KeyboardInterrupt:
+        pass
+    assert started == ["coord_small_s1", "sweep_p8_m1_s1"]
+    started.clear()
+    results, best = ttt.run_all(tmp_path, mode, ["x=1"], [], execute)
+    assert best.name == "sweep_p32_m1"  # fastest to target
+    assert started[:3] == ["default_s1", "coord_large_s1", "sweep_p32_m1_s1"]
+    assert sorted(started[3:]) == ["coord_large_s2", "coord_small_s2", "default_s2", "sweep_p32_m1_s2"]
+    assert len(results) == 9
+    started.clear()
+    again, _ = ttt.run_all(tmp_path, mode, ["x=1"], [], execute)
+    assert started == [] and again == results  # everything from the cache
+    started.clear()
+    ttt.run_all(tmp_path, mode, ["x=2"], [], execute)  # other settings: every result is stale
+    assert len(started) == 9
 
 
 def test_full_plan_has_three_seeds_of_best_default_and_both_coordinator_starts():
