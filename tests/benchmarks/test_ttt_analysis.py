@@ -23,7 +23,8 @@ def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
                 "coord/b_noise/actor": b_noise(s),
                 "coord/b_noise_low/actor": b_noise(s) / 2,
                 "coord/b_noise_high/actor": b_noise(s) * 2,
-                "coord/probe_s": 0.005,
+                "coord/probe_s/actor": 0.003,
+                "coord/probe_s/critic": 0.002,
                 "timing/step/plan": 0.005,
             }
         lines.append(rec)
