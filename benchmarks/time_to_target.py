@@ -90,7 +90,7 @@ def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[
 
 def make_base(out: Path, mode: Mode) -> dict[str, Any]:
     """Task file + warm-started actor, once (cached like a run)."""
-    settings = [f"warm_start.steps={mode.warm_start_steps}", f"num_val={mode.num_val}"]
+    settings = [f"warm_start.steps={mode.warm_start_steps}", f"num_val={mode.num_val}", "num_train=20000"]
     cached = runs.cache_load(out, "base", settings)
     if cached is not None:
         return cached
@@ -111,7 +111,8 @@ def make_base(out: Path, mode: Mode) -> dict[str, Any]:
         "val": s["val/reward_start"],
         "warm_start_nll": s.get("warm_start/final_nll"),
         "wall_s": time.time() - t0,
-        **counts,
+        "train_rows": counts["train"],
+        "val_rows": counts["val"],
     }
     runs.cache_store(out, "base", settings, base)
     return base

@@ -84,3 +84,23 @@ def test_validation_problems_never_appear_in_training(tmp_path):
     again = tmp_path / "again.jsonl"
     write_task_file(again, num_train=3000, num_val=600)
     assert again.read_bytes() == (tmp_path / "t.jsonl").read_bytes()
+
+
+def test_base_keeps_its_validation_reward_and_is_cached(tmp_path, monkeypatch):
+    """make_base with run_train standing in for the warm start (a quick run once had the
+    task file's row counts overwrite the base's validation reward: targets of 600.03)."""
+    import benchmarks.time_to_target as ttt
+
+    calls = []
+
+    def fake_train(config, sets, log_path, timeout):
+        calls.append(sets)
+        return {"val/reward_start": 0.25, "warm_start/final_nll": 1.3}
+
+    monkeypatch.setattr(ttt, "run_train", fake_train)
+    mode = ttt.MODES["quick"]
+    base = ttt.make_base(tmp_path, mode)
+    assert base["val"] == 0.25 and (base["train_rows"], base["val_rows"]) == (20000, 600)
+    assert f"warm_start.steps={mode.warm_start_steps}" in calls[0]
+    assert (tmp_path / "tasks.jsonl").is_file()
+    assert ttt.make_base(tmp_path, mode)["val"] == 0.25 and len(calls) == 1  # cached
