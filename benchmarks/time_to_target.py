@@ -172,11 +172,19 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="extra --set for the coordinator runs (e.g. coordinator.warmup_steps=3)",
     )
+    ap.add_argument("--warm-start-steps", type=int, help="supervised steps of the shared base (mode default)")
+    ap.add_argument("--max-steps", type=int, help="RL steps cap per run (mode default)")
     ap.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
     args = ap.parse_args()
     mode = MODES["quick" if args.quick else "full"]
+    changes: dict[str, Any] = {}
     if args.gains:
-        mode = Mode(**{**mode.__dict__, "gains": [float(g) for g in args.gains.split(",")]})
+        changes["gains"] = [float(g) for g in args.gains.split(",")]
+    if args.warm_start_steps is not None:
+        changes["warm_start_steps"] = args.warm_start_steps
+    if args.max_steps is not None:
+        changes["max_steps"] = args.max_steps
+    mode = Mode(**{**mode.__dict__, **changes})
     out = Path(args.out or ROOT / ("runs/bench_ttt_quick" if args.quick else "runs/bench_ttt"))
     if args.dry_run:
         for v, seed in plan(mode, runs.Variant("<best of sweep>", "sweep", 0, 16, 0.0), args.coord_set):
