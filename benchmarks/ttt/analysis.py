@@ -103,6 +103,14 @@ def analyse(results: list[dict[str, Any]], targets: list[float], best: str) -> d
         ratios[f"median/{start}"] = _round(fit.median_ratio([r["time_s"][-1] for r in sweep], coord))
     gm, _ = fit.paired_ratio(_times(results, "coord_small"), _times(results, "coord_large"))
     ratios["coord_small/coord_large"] = _round(gm)
+    ratios["by_target"] = {  # the headline ratios at every target (the keys above: the last one)
+        str(t): {
+            f"{name}/{start}": _round(fit.paired_ratio(_times(results, other, i), _times(results, start, i))[0])
+            for start in ("coord_small", "coord_large")
+            for name, other in (("best", best), ("default", "default"))
+        }
+        for i, t in enumerate(targets)
+    }
 
     points = fit.best_steps_per_batch([(r["batch"], r["steps"][-1], r["reached"][-1]) for r in sweep])
     cb, why = fit.fit_critical_batch(points)
@@ -147,8 +155,8 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         "lr": r["lr"],
         "val_start": r["val_start"],
         "reached": "".join("y" if x else "n" for x in r["reached"]),
-        "time_s": ("" if r["reached"][-1] else ">") + f"{r['time_s'][-1]:.1f}",
-        "steps": round(r["steps"][-1], 1),
+        "time_s": "/".join(("" if ok else ">") + f"{t:.1f}" for ok, t in zip(r["reached"], r["time_s"])),
+        "steps": "/".join(f"{s:.1f}" for s in r["steps"]),
         "samples": round(r["samples"][-1]),
         "step_s": r["step_s"],
         "b_noise": c.get("b_noise"),

@@ -104,5 +104,8 @@ def test_analyse_ratios_and_calibration():
     assert rep["sweep"]["best"]["batch"] == 256 and rep["sweep"]["b_crit"] == pytest.approx(400.0)
     assert "B_crit = 400 responses" in rep["calibration_line"]
     assert next(row for row in rep["rows"] if row["key"] == "sweep_p64_m2_s1")["time_s"] == ">500.0"
+    assert r["by_target"] == {
+        "0.5": {k: r[k] for k in ("best/coord_small", "default/coord_small", "best/coord_large", "default/coord_large")}
+    }
     # step time 0.2 + 0.001 B, 1 s per evaluation, 30 s per run: two runs of 10 steps at B = 100, 300
     assert estimate_wall_s(sweep, [100, 300], 10, 5) == pytest.approx(2 * 30 + 10 * (0.3 + 0.5) + 2 * 2 * 1.0)
