@@ -197,6 +197,7 @@ def main() -> int:
     common = [
         *data_sets(out, mode),
         f"model.init_from={out / 'base/hf_final'}",
+        "model.tokenizer=builtin",  # the base's own SentencePiece model, copied in by execute()
         "warm_start.steps=0",
         f"train.steps={mode.max_steps}",
         f"train.eval_every={mode.eval_every}",
@@ -207,6 +208,7 @@ def main() -> int:
         key = runs.run_key(v, seed)
         run_dir = out / "runs" / key
         runs.clean_run_dir(run_dir)
+        runs.copy_tokenizer(out / "base/hf_final", run_dir)
         t1 = time.time()
         summary = run_train(
             CONFIG, settings + [f"train.run_dir={run_dir}"], out / f"logs/{key}.log", timeout=mode.timeout_s

@@ -116,3 +116,13 @@ def clean_run_dir(run_dir: Path) -> None:
     """A run dir left by an interrupted benchmark is started over (train.resume=never)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
+
+
+def copy_tokenizer(base: Path, run_dir: Path) -> None:
+    """The base's built-in tokenizer into a run (``model.tokenizer=builtin`` then opens it).
+
+    Why not ``model.tokenizer=auto``: it opens an ``init_from`` folder holding a
+    ``tokenizer.model`` through transformers, which encodes prompts without the BOS id the
+    built-in tokenizer puts first — the warm-started actor then scores 0.008 instead of 0.28."""
+    (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(base / "tokenizer.model", run_dir / "tokenizer" / "tokenizer.model")
