@@ -30,19 +30,9 @@ def make_model(path: Path, layers: int, hidden: int, vocab: int) -> Path:
     from megarl.engine.staging import MANIFEST
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 128),
-        head_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(str(path), safe_serialization=True)
     (path / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in model.state_dict().items()}))
@@ -76,37 +66,14 @@ def main() -> int:
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
                     if variant == "uniform":
-                        fleet.generate(
-                            [prompt] * b,
-                            n=1,
-                            max_tokens=args.tokens,
-                            temperature=1.0,
-                            top_p=1.0,
-                            stop_token_ids=[],
-                            ignore_eos=True,
-                            seeds=list(range(b)),
-                        )
+                        fleet.generate([prompt] * b, n=1, max_tokens=args.tokens, temperature=1.0, top_p=1.0,
+                                       stop_token_ids=[], ignore_eos=True, seeds=list(range(b)))
                         toks = b * args.tokens
                     else:  # one straggler 4× longer than the rest: the step waits for it
-                        fleet.generate(
-                            [prompt] * b,
-                            n=1,
-                            max_tokens=args.tokens,
-                            temperature=1.0,
-                            top_p=1.0,
-                            stop_token_ids=[],
-                            ignore_eos=True,
-                            seeds=list(range(b)),
-                        )
-                        fleet.generate(
-                            [prompt],
-                            n=1,
-                            max_tokens=3 * args.tokens,
-                            temperature=1.0,
-                            top_p=1.0,
-                            stop_token_ids=[],
-                            ignore_eos=True,
-                        )
+                        fleet.generate([prompt] * b, n=1, max_tokens=args.tokens, temperature=1.0, top_p=1.0,
+                                       stop_token_ids=[], ignore_eos=True, seeds=list(range(b)))
+                        fleet.generate([prompt], n=1, max_tokens=3 * args.tokens, temperature=1.0, top_p=1.0,
+                                       stop_token_ids=[], ignore_eos=True)
                         toks = b * args.tokens + 3 * args.tokens
                     best = min(best, time.perf_counter() - t0)
                 rows.append({"batch": b, "variant": variant, "seconds": best, "tokens_per_s": toks / best})
@@ -120,16 +87,8 @@ def main() -> int:
                 r["ratio_vs_smallest"] = r["tokens_per_s"] / base
     print(table(rows, ["batch", "variant", "seconds", "tokens_per_s", "ratio_vs_smallest"]))
     ratios = {f"{r['variant']}/b{r['batch']}": round(r["ratio_vs_smallest"], 3) for r in rows}
-    print(
-        json.dumps(
-            {
-                "benchmark": "generation_throughput",
-                "model": f"{args.layers}Lx{args.hidden}",
-                "tokens": args.tokens,
-                "ratios_vs_smallest": ratios,
-            }
-        )
-    )
+    print(json.dumps({"benchmark": "generation_throughput", "model": f"{args.layers}Lx{args.hidden}",
+                      "tokens": args.tokens, "ratios_vs_smallest": ratios}))
     return 0
 
 

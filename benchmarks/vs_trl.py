@@ -456,9 +456,7 @@ def summarise_profile(path: Path, rate: int = 25, top: int = 8) -> dict[str, Any
             continue
         cmd = pframes[-1]
         pid = cmd.split(":")[0].removeprefix("process ")
-        role = (
-            "engine" if "megarl.engine.server" in cmd else ("launcher" if "torch.distributed.run" in cmd else "trainer")
-        )
+        role = "engine" if "megarl.engine.server" in cmd else ("launcher" if "torch.distributed.run" in cmd else "trainer")
         if role == "trainer" and " -u " not in cmd and "megarl.cli" in cmd and "LOCAL_RANK" not in cmd:
             role = "trainer"
         key = f"{role}[{pid}]"

@@ -68,15 +68,8 @@ def main() -> int:
     bw = memcpy_gbps()
     for name in args.sizes.split(","):
         layers, hidden, ffn, heads, groups, vocab = SIZES[name]
-        mcfg = ModelConfig(
-            num_layers=layers,
-            hidden_size=hidden,
-            ffn_hidden_size=ffn,
-            num_attention_heads=heads,
-            num_query_groups=groups,
-            vocab_size=vocab,
-            max_position_embeddings=256,
-        )
+        mcfg = ModelConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+                           num_query_groups=groups, vocab_size=vocab, max_position_embeddings=256)
         model = build_gpt(mcfg, ParallelConfig(), dims, trainable=False)
         n_params = sum(p.numel() for p in model.core.parameters())
         adapter = LlamaQwen2Adapter(mcfg)
@@ -125,62 +118,23 @@ def main() -> int:
         finally:
             fleet.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
-        rows.append(
-            {
-                "model": name,
-                "params_M": n_params / 1e6,
-                "GB": nbytes / 1e9,
-                "bucketed_s": best,
-                "gather_s": stats["gather_s"],
-                "write_s": stats["write_s"],
-                "engine_update_s": stats.get("fleet_update_s"),
-                "eff_GBps": nbytes / best / 1e9,
-                "memcpy_GBps": bw,
-                "eff/memcpy": nbytes / best / 1e9 / bw,
-                "naive_s": naive,
-                "naive/bucketed": naive / best,
-                "tensors": len(named),
-            }
-            | {f"{k}_s": v[0] for k, v in timed.items() if k != "shm"}
-            | {f"{k}/bucketed": v[0] / best for k, v in timed.items() if k != "shm"}
-        )
+        rows.append({"model": name, "params_M": n_params / 1e6, "GB": nbytes / 1e9, "bucketed_s": best,
+                     "gather_s": stats["gather_s"], "write_s": stats["write_s"],
+                     "engine_update_s": stats.get("fleet_update_s"), "eff_GBps": nbytes / best / 1e9,
+                     "memcpy_GBps": bw, "eff/memcpy": nbytes / best / 1e9 / bw, "naive_s": naive,
+                     "naive/bucketed": naive / best, "tensors": len(named)}
+                    | {f"{k}_s": v[0] for k, v in timed.items() if k != "shm"}
+                    | {f"{k}/bucketed": v[0] / best for k, v in timed.items() if k != "shm"})
         print(json.dumps(rows[-1]), flush=True)
         del model
-    print(
-        table(
-            rows,
-            [
-                "model",
-                "params_M",
-                "GB",
-                "tensors",
-                "bucketed_s",
-                "gather_s",
-                "write_s",
-                "engine_update_s",
-                "eff_GBps",
-                "memcpy_GBps",
-                "eff/memcpy",
-                "naive_s",
-                "naive/bucketed",
-            ]
-            + [c for t in args.transports.split(",")[1:] for c in (f"{t}_s", f"{t}/bucketed")],
-        )
-    )
-    print(
-        json.dumps(
-            {
-                "benchmark": "weight_sync",
-                "bucket_mb": args.bucket_mb,
-                "eff_over_memcpy": {r["model"]: round(r["eff/memcpy"], 4) for r in rows},
-                "naive_over_bucketed": {r["model"]: round(r["naive/bucketed"], 3) for r in rows},
-            }
-            | {
-                f"{t}_over_bucketed": {r["model"]: round(r[f"{t}/bucketed"], 3) for r in rows}
-                for t in args.transports.split(",")[1:]
-            }
-        )
-    )
+    print(table(rows, ["model", "params_M", "GB", "tensors", "bucketed_s", "gather_s", "write_s", "engine_update_s",
+                       "eff_GBps", "memcpy_GBps", "eff/memcpy", "naive_s", "naive/bucketed"]
+                + [c for t in args.transports.split(",")[1:] for c in (f"{t}_s", f"{t}/bucketed")]))
+    print(json.dumps({"benchmark": "weight_sync", "bucket_mb": args.bucket_mb,
+                      "eff_over_memcpy": {r["model"]: round(r["eff/memcpy"], 4) for r in rows},
+                      "naive_over_bucketed": {r["model"]: round(r["naive/bucketed"], 3) for r in rows}}
+                     | {f"{t}_over_bucketed": {r["model"]: round(r[f"{t}/bucketed"], 3) for r in rows}
+                        for t in args.transports.split(",")[1:]}))
     return 0
 
 
