@@ -104,3 +104,15 @@ def test_base_keeps_its_validation_reward_and_is_cached(tmp_path, monkeypatch):
     assert f"warm_start.steps={mode.warm_start_steps}" in calls[0]
     assert (tmp_path / "tasks.jsonl").is_file()
     assert ttt.make_base(tmp_path, mode)["val"] == 0.25 and len(calls) == 1  # cached
+
+
+def test_a_rerun_starts_from_an_empty_run_dir_holding_the_base_tokenizer(tmp_path):
+    base = tmp_path / "base" / "hf_final"
+    base.mkdir(parents=True)
+    (base / "tokenizer.model").write_bytes(b"\x00spm-bytes")
+    run = tmp_path / "runs" / "sweep_p8_m1_s1"
+    (run / "checkpoints").mkdir(parents=True)  # left by an interrupted run
+    runs.clean_run_dir(run)
+    runs.copy_tokenizer(base, run)
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == ["tokenizer", "tokenizer/tokenizer.model"]
+    assert (run / "tokenizer" / "tokenizer.model").read_bytes() == b"\x00spm-bytes"
