@@ -57,7 +57,9 @@ class Mode:
     """(min_prompts, max_prompts) the coordinator may choose from."""
     gains: list[float]
     """Targets = base validation reward + each gain."""
-    warm_start_steps: int = 300
+    warm_start_steps: int = 800
+    """Supervised steps of the shared base. Measured on the held-out mix (lr 1e-3, batch 64):
+    800 → validation 0.28, 1600 → 0.37, 3200 → 0.77."""
     num_val: int = 600
     lr_ref: float = 1.0e-4
     """LR validated at p_ref prompts × 16 (the demo's setting)."""
@@ -67,7 +69,7 @@ class Mode:
 
 MODES = {
     "full": Mode([8, 16, 32, 64], [0.5, 1.0, 2.0], 3, 150, 5, (4, 128), [0.10, 0.15]),
-    "quick": Mode([8, 32], [1.0], 1, 24, 4, (4, 64), [0.03, 0.06], warm_start_steps=200, timeout_s=600),
+    "quick": Mode([8, 32], [1.0], 1, 40, 4, (4, 64), [0.03, 0.06], timeout_s=600),
 }
 
 
