@@ -173,11 +173,13 @@ def summary(
             yield f"B_noise {m} (responses)", "no estimate yet"
             continue
         lo, hi = rec.get(keys[1]), rec.get(keys[2])
-        band = f"band {lo:.4g} .. {hi:.4g}" if _finite(lo) and _finite(hi) else "no band yet"
+        # the high end is inf while |G|² is not yet resolved from zero: shown as such
+        band = f"band {lo:.4g} .. {hi:.4g}" if _finite(lo) and _finite(hi) or hi == math.inf else "no band yet"
         yield f"B_noise {m} (responses, step {rec['step']})", f"{rec[keys[0]]:.4g} ({band})"
-    for k in ("coord/batch", "train/lr"):
-        if k in last:
-            yield k + " (last)", f"{last[k]:.6g}"
+    for k in ("coord/batch", "train/lr"):  # the last step's (the final record is often validation only)
+        v = next((r[k] for r in reversed(recs) if _finite(r.get(k))), None)
+        if v is not None:
+            yield k + " (last)", f"{v:.6g}"
     if sweep is not None:
         best = sweep["best"]
         yield (

@@ -28,6 +28,7 @@ def _run_with_coordinator(run: Path) -> None:
         )
     nan = float("nan")  # a last step without an estimate: the report shows step 8's, band and all
     lines.append({"step": 9, "coord/b_noise/actor": nan, "coord/b_noise_low/actor": nan, "coord/batch": 512.0})
+    lines.append({"step": 9, "val/reward": 0.4})  # the final validation: a record of its own
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -48,6 +49,14 @@ def test_report_shows_b_noise_band_chosen_batch_and_the_sweep_optimum(tmp_path: 
     assert plain["B_noise actor (responses, step 8)"] == "380 (band 280 .. 530)"
     assert plain["coord/batch (last)"] == "512"
     assert not any("sweep" in k for k in plain)
+    lines = (
+        (tmp_path / "run" / "metrics.jsonl")
+        .read_text()
+        .replace('"coord/b_noise_high/actor": 530.0', '"coord/b_noise_high/actor": Infinity')
+    )
+    (tmp_path / "run" / "metrics.jsonl").write_text(lines)
+    assert cli.main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "r_inf")]) == 0
+    assert _table(tmp_path / "r_inf" / "report.html")["B_noise actor (responses, step 8)"] == "380 (band 280 .. inf)"
     assert cli.main(["report", str(tmp_path / "run"), "--sweep", str(sweep), "--out", str(tmp_path / "r2")]) == 0
     rows = _table(tmp_path / "r2" / "report.html")
     assert rows["sweep optimum batch (responses)"] == "256 at lr 7.07e-05"
