@@ -20,7 +20,7 @@ Runs go one at a time, seeds and variants interleaved; each finished run is cach
 sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
 ``OUT/sweep.json`` for ``megarl report RUN --sweep OUT``.
 
-    python benchmarks/time_to_target.py --quick           # ~10 min: the machinery end to end
+    python benchmarks/time_to_target.py --quick           # ~4 min: the machinery end to end
     python benchmarks/time_to_target.py [--out DIR]       # the full benchmark (hours on 2 cores)
 """
 
@@ -126,6 +126,19 @@ def data_sets(out: Path, mode: Mode) -> list[str]:
     return [f"data.source={out / 'tasks.jsonl'}", f"data.num_val={mode.num_val}"]
 
 
+def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
+    """The overrides every RL run shares (part of each cached result's settings)."""
+    return [
+        *data_sets(out, mode),
+        f"model.init_from={out / 'base/hf_final'}",
+        "model.tokenizer=builtin",  # the base's own SentencePiece model, copied in by execute()
+        "warm_start.steps=0",
+        f"train.steps={mode.max_steps}",
+        f"train.eval_every={mode.eval_every}",
+        f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
+    ]
+
+
 def run_all(
     out: Path,
     mode: Mode,
@@ -166,7 +179,7 @@ def run_all(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small mode (~10 min): validates the machinery")
+    ap.add_argument("--quick", action="store_true", help="small mode (~4 min on 2 idle cores): validates the machinery")
     ap.add_argument("--out", help="output folder (default runs/bench_ttt[_quick]); a rerun resumes it")
     ap.add_argument("--gains", help="comma-separated target gains over the base's validation reward")
     ap.add_argument(
@@ -198,15 +211,7 @@ def main() -> int:
     base = make_base(out, mode)
     targets = [round(base["val"] + g, 4) for g in mode.gains]
     print(json.dumps({"base": base, "targets": targets}), flush=True)
-    common = [
-        *data_sets(out, mode),
-        f"model.init_from={out / 'base/hf_final'}",
-        "model.tokenizer=builtin",  # the base's own SentencePiece model, copied in by execute()
-        "warm_start.steps=0",
-        f"train.steps={mode.max_steps}",
-        f"train.eval_every={mode.eval_every}",
-        f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
-    ]
+    common = common_sets(out, mode, targets)
 
     def execute(v: runs.Variant, seed: int, settings: list[str]) -> dict[str, Any]:
         key = runs.run_key(v, seed)
