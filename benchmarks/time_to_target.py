@@ -1,81 +1,266 @@
-"""Wall time (and samples) to reach a validation reward on the demo task, side by side:
+"""Time to a validation target: can the coordinator match the best fixed (batch, LR) a sweep
+finds, from one run, whatever its start? (issue #13)
 
-  small        fixed 8 prompts × 16 samples, lr_ref
-  large        fixed 32 × 16, same lr_ref
-  large_sqrt   fixed 32 × 16, lr_ref × sqrt(4)
-  coordinator  starts at 8 × 16, the coordinator picks batch (8..64 prompts) and sqrt-scaled LR
+Task: the arithmetic mix of ``benchmarks/ttt/tasks.py`` (a±b, a,b < 20; a+b, a,b < 100;
+a+b+c, a,b,c < 20), validation on 600 problems held out by hash. All runs start from one
+warm-started actor (made once: ``warm_start.steps`` supervised steps, exported to HF,
+``model.init_from``); TP=2 + one vLLM engine (``benchmarks/ttt/config.yaml``).
 
-All runs start from the same warm-started actor (made once, exported to HF, `model.init_from`),
-TP=2 + one vLLM engine, validation every 5 steps (validation time excluded). Several seeds.
-Prints a table and one JSON line of ratios (fixed / coordinator, mean over seeds).
+Variants (``benchmarks/ttt/runs.py``):
+  sweep_pP_mM   fixed P prompts × 16, LR = lr_ref·√(P/P_ref)·M, seed 1 (the best: every seed)
+  default       the library's defaults (RolloutConfig / OptimConfig), every seed
+  coord_small   coordinator started at the smallest P with its √-rule LR, every seed
+  coord_large   coordinator started at the largest P, every seed
 
-    python benchmarks/time_to_target.py [--seeds 2] [--target 0.45] [--max-steps 120]
+Targets are the base's validation reward plus fixed gains (``--gains``), known before any
+variant runs. Metric: training time to each target (validation excluded; crossing
+interpolated on a smoothed curve, ``benchmarks/ttt/curves.py``), and steps and samples.
+Runs go one at a time, seeds and variants interleaved; each finished run is cached in
+``OUT/results`` so a rerun resumes. Prints a table, the critical batch fitted from the
+sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
+``OUT/sweep.json`` for ``megarl report RUN --sweep OUT``.
+
+    python benchmarks/time_to_target.py --quick           # ~4 min: the machinery end to end
+    python benchmarks/time_to_target.py [--out DIR]       # full: 23 runs, ~0.5-0.8 h on 2 idle cores (estimated)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
+from benchmarks.ttt import runs  # noqa: E402
+from benchmarks.ttt.analysis import analyse, estimate_wall_s, run_result  # noqa: E402
+from benchmarks.ttt.tasks import write_task_file  # noqa: E402
 
-CONFIG = str(ROOT / "examples/grpo_cpu.yaml")
-VARIANTS = {
-    "small": ["rollout.num_prompts=8", "coordinator.enabled=false"],
-    "large": ["rollout.num_prompts=32", "coordinator.enabled=false"],
-    "large_sqrt": ["rollout.num_prompts=32", "optim.lr=2e-4", "coordinator.enabled=false"],
-    "coordinator": ["rollout.num_prompts=8", "coordinator.enabled=true", "coordinator.min_prompts=8",
-                    "coordinator.max_prompts=64", "coordinator.warmup_steps=5", "coordinator.cooldown_steps=3",
-                    "coordinator.lr_rule=sqrt", "coordinator.lr_max=4e-4"],
+CONFIG = str(ROOT / "benchmarks/ttt/config.yaml")
+
+
+@dataclass(frozen=True)
+class Mode:
+    prompts: list[int]
+    """Sweep grid of prompts per step (× 16 responses)."""
+    mults: list[float]
+    """LR multipliers on the √ rule."""
+    seeds: int
+    max_steps: int
+    eval_every: int
+    coord_range: tuple[int, int]
+    """(min_prompts, max_prompts) the coordinator may choose from."""
+    gains: list[float]
+    """Targets = base validation reward + each gain."""
+    warm_start_steps: int = 800
+    """Supervised steps of the shared base. Measured on the held-out mix (lr 1e-3, batch 64,
+    each stage continuing the last): 800 → validation 0.28, 1600 → 0.37, 3200 → 0.77."""
+    num_val: int = 600
+    lr_ref: float = 1.0e-4
+    """LR validated at p_ref prompts × 16 (the demo's setting)."""
+    p_ref: int = 32
+    timeout_s: int = 1800
+
+
+MODES = {
+    # gains: the quick mode's best fixed run (8 × 16) gained 0.06 in 17 steps and 0.10 in ~24;
+    # +0.20 is meant to take it ~40-80 steps (an extrapolation: check the full run's steps).
+    "full": Mode([8, 16, 32, 64], [0.5, 1.0, 2.0], 3, 150, 5, (4, 128), [0.10, 0.20]),
+    "quick": Mode([8, 32], [1.0], 1, 40, 4, (4, 64), [0.03, 0.06], timeout_s=600),
 }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.45)
-    ap.add_argument("--max-steps", type=int, default=120)
-    ap.add_argument("--out", default=str(ROOT / "runs/bench_ttt"))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    args = ap.parse_args()
-    out = Path(args.out)
+def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[runs.Variant, int]]:
+    """(variant, seed) in run order; the seeds after the first need the sweep's best setting."""
+    lo, hi = mode.coord_range
+    small = runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    large = runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    first = runs.interleave(
+        runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref), [small, runs.library_default(), large]
+    )
+    order = [(v, 1) for v in first]
+    if best is not None:
+        for seed in range(2, mode.seeds + 1):
+            group = [best, small, runs.library_default(), large]
+            k = seed % len(group)  # rotate, so no variant always runs first in its round
+            order += [(v, seed) for v in group[k:] + group[:k]]
+    return order
+
+
+def make_base(out: Path, mode: Mode) -> dict[str, Any]:
+    """Task file + warm-started actor, once (cached like a run)."""
+    settings = [f"warm_start.steps={mode.warm_start_steps}", f"num_val={mode.num_val}", "num_train=20000"]
+    cached = runs.cache_load(out, "base", settings)
+    if cached is not None:
+        return cached
+    counts = write_task_file(out / "tasks.jsonl", num_train=20000, num_val=mode.num_val)
     t0 = time.time()
-    base = out / "base"
-    if not (base / "hf_final" / "model.safetensors").exists():
-        run_train(CONFIG, ["train.steps=0", f"train.run_dir={base}"], out / "logs/base.log")
-    common = [f"model.init_from={base / 'hf_final'}", "warm_start.steps=0", f"train.steps={args.max_steps}",
-              "train.eval_every=5", f"train.target_val_reward={args.target}", "train.tensorboard=false",
-              "optim.lr=1e-4"]
-    rows = []
-    for seed in range(args.seeds):
-        for name in args.variants.split(","):
-            run = out / f"{name}_s{seed}"
-            s = run_train(CONFIG, common + VARIANTS[name] + [f"train.seed={seed + 1}", f"train.run_dir={run}"],
-                          out / f"logs/{name}_s{seed}.log")
-            rows.append({"variant": name, "seed": seed, "reached": "time_to_target_s" in s,
-                         "time_s": s.get("time_to_target_s"), "steps": s.get("steps_to_target"),
-                         "samples": s.get("samples_to_target"), "val_start": s.get("val/reward_start"),
-                         "rl_wall_s": s.get("rl_wall_s")})
-            print(json.dumps(rows[-1]), flush=True)
-    print(table(rows, ["variant", "seed", "reached", "time_s", "steps", "samples", "val_start", "rl_wall_s"]))
-    ratios: dict[str, float | None] = {}
-    coord = [r for r in rows if r["variant"] == "coordinator"]
-    for name in VARIANTS:
-        if name == "coordinator":
-            continue
-        fixed = [r for r in rows if r["variant"] == name]
-        for key in ("time_s", "samples"):
-            pairs = [(f[key], c[key]) for f in fixed for c in coord if f["seed"] == c["seed"] and f[key] and c[key]]
-            ratios[f"{name}/coordinator_{key}"] = statistics.mean(a / b for a, b in pairs) if pairs else None
-    ratios["reached"] = {n: sum(r["reached"] for r in rows if r["variant"] == n) for n in VARIANTS}  # type: ignore[assignment]
-    print(json.dumps({"benchmark": "time_to_target", "target": args.target, "seeds": args.seeds,
-                      "wall_s": time.time() - t0, **ratios}))
+    s = run_train(
+        CONFIG,
+        [
+            *data_sets(out, mode),
+            "train.steps=0",
+            f"warm_start.steps={mode.warm_start_steps}",
+            f"train.run_dir={out / 'base'}",
+        ],
+        out / "logs/base.log",
+        timeout=mode.timeout_s,
+    )
+    base = {
+        "val": s["val/reward_start"],
+        "warm_start_nll": s.get("warm_start/final_nll"),
+        "wall_s": time.time() - t0,
+        "train_rows": counts["train"],
+        "val_rows": counts["val"],
+    }
+    runs.cache_store(out, "base", settings, base)
+    return base
+
+
+def data_sets(out: Path, mode: Mode) -> list[str]:
+    return [f"data.source={out / 'tasks.jsonl'}", f"data.num_val={mode.num_val}"]
+
+
+def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
+    """The overrides every RL run shares (part of each cached result's settings)."""
+    return [
+        *data_sets(out, mode),
+        f"model.init_from={out / 'base/hf_final'}",
+        "model.tokenizer=builtin",  # the base's own SentencePiece model, copied in by execute()
+        "warm_start.steps=0",
+        f"train.steps={mode.max_steps}",
+        f"train.eval_every={mode.eval_every}",
+        f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
+    ]
+
+
+def run_all(
+    out: Path,
+    mode: Mode,
+    common: list[str],
+    coord_extra: list[str],
+    execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
+) -> tuple[list[dict[str, Any]], runs.Variant]:
+    """Every planned run's result, in plan order: from the cache, or ``execute``d and cached.
+
+    The plan grows once the sweep's best setting is known (its extra seeds)."""
+    results: list[dict[str, Any]] = []
+    best: runs.Variant | None = None
+    done: set[str] = set()
+    while True:
+        todo = [(v, s) for v, s in plan(mode, best, coord_extra) if runs.run_key(v, s) not in done]
+        if not todo:
+            break
+        for v, seed in todo:
+            key = runs.run_key(v, seed)
+            done.add(key)
+            settings = common + v.overrides() + [f"train.seed={seed}"]
+            res = runs.cache_load(out, key, settings)
+            if res is None:
+                runs.cache_store(out, key, settings, execute(v, seed, settings))
+                res = runs.cache_load(out, key, settings)  # as a resumed run will see it
+                assert res is not None
+            results.append(res)
+        if best is None:
+            top = min(
+                (r for r in results if r["kind"] == "sweep"), key=lambda r: (not r["reached"][-1], r["time_s"][-1])
+            )
+            best = next(
+                v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref) if v.name == top["variant"]
+            )
+    assert best is not None
+    return results, best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small mode (~4 min on 2 idle cores): validates the machinery")
+    ap.add_argument("--out", help="output folder (default runs/bench_ttt[_quick]); a rerun resumes it")
+    ap.add_argument("--gains", help="comma-separated target gains over the base's validation reward")
+    ap.add_argument(
+        "--coord-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra --set for the coordinator runs (e.g. coordinator.warmup_steps=3)",
+    )
+    ap.add_argument("--warm-start-steps", type=int, help="supervised steps of the shared base (mode default)")
+    ap.add_argument("--max-steps", type=int, help="RL steps cap per run (mode default)")
+    ap.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
+    args = ap.parse_args()
+    mode = MODES["quick" if args.quick else "full"]
+    changes: dict[str, Any] = {}
+    if args.gains:
+        changes["gains"] = [float(g) for g in args.gains.split(",")]
+    if args.warm_start_steps is not None:
+        changes["warm_start_steps"] = args.warm_start_steps
+    if args.max_steps is not None:
+        changes["max_steps"] = args.max_steps
+    mode = Mode(**{**mode.__dict__, **changes})
+    out = Path(args.out or ROOT / ("runs/bench_ttt_quick" if args.quick else "runs/bench_ttt"))
+    if args.dry_run:
+        for v, seed in plan(mode, runs.Variant("<best of sweep>", "sweep", 0, 16, 0.0), args.coord_set):
+            print(f"seed {seed}  {v.name:18s} {' '.join(v.overrides())}")
+        return 0
+    t0 = time.time()
+    base = make_base(out, mode)
+    targets = [round(base["val"] + g, 4) for g in mode.gains]
+    print(json.dumps({"base": base, "targets": targets}), flush=True)
+    common = common_sets(out, mode, targets)
+
+    def execute(v: runs.Variant, seed: int, settings: list[str]) -> dict[str, Any]:
+        key = runs.run_key(v, seed)
+        run_dir = out / "runs" / key
+        runs.clean_run_dir(run_dir)
+        runs.copy_tokenizer(out / "base/hf_final", run_dir)
+        t1 = time.time()
+        summary = run_train(
+            CONFIG, settings + [f"train.run_dir={run_dir}"], out / f"logs/{key}.log", timeout=mode.timeout_s
+        )
+        res = run_result(v, seed, run_dir, summary, targets, time.time() - t1)
+        print(json.dumps({k: res[k] for k in ("key", "time_s", "steps", "samples", "reached")}), flush=True)
+        return res
+
+    results, best = run_all(out, mode, common, args.coord_set, execute)
+    report = analyse(results, targets, best.name)
+    cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
+    print(table(report["rows"], cols))
+    print(report["calibration_line"])
+    (out / "sweep.json").write_text(json.dumps(report["sweep"], indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "time_to_target",
+                "mode": "quick" if args.quick else "full",
+                "targets": targets,
+                "wall_s": round(time.time() - t0, 1),
+                **report["ratios"],
+            }
+        )
+    )
+    print(estimate_line(results))
     return 0
+
+
+def estimate_line(results: list[dict[str, Any]]) -> str:
+    """The full mode's wall time predicted from this run's measured costs (coordinator runs and
+    the best of sweep counted at 32 prompts × 16; every run 80 steps, or all 150 at worst)."""
+    full = MODES["full"]
+    mid = runs.Variant("mid", "sweep", 32, runs.SAMPLES, 0.0)
+    batches = [v.batch if v.kind == "sweep" or v.kind == "default" else mid.batch for v, _ in plan(full, mid, [])]
+    typical = estimate_wall_s(results, batches, 80, full.eval_every)
+    worst = estimate_wall_s(results, batches, full.max_steps, full.eval_every)
+    if typical is None or worst is None:
+        return "full-mode estimate: needs fixed runs at 2+ batch sizes"
+    return (
+        f"full-mode estimate from these costs: {len(batches)} runs, {typical / 3600:.1f} h at 80 steps per run, "
+        f"{worst / 3600:.1f} h if every run goes {full.max_steps} steps"
+    )
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from megarl.report import draw
 
-    page = draw(args.run_dir, args.out)
+    page = draw(args.run_dir, args.out, args.sweep)
     logging.getLogger("megarl").info("wrote %s", page)
     return 0
 
@@ -187,6 +187,11 @@ def _dispatch(args_list: list[str]) -> int:
     r = sub.add_parser("report", help="plots + HTML page of a run's metrics")
     r.add_argument("run_dir")
     r.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    r.add_argument(
+        "--sweep",
+        metavar="DIR",
+        help="a benchmarks/time_to_target.py output folder: also show its sweep's optimum batch and fitted B_crit",
+    )
     r.set_defaults(fn=cmd_report)
     sub.add_parser("convert", help="HF <-> megarl checkpoint: hf-to-megarl | megarl-to-hf (megarl convert -h)")
     args = ap.parse_args(args_list)

@@ -2,13 +2,18 @@
 
 Panels: rollout reward and validation reward; KL; the coordinator's B_noise per model with
 its approximate band next to the chosen batch; learning rate per model; throughput (gen
-tokens/s, responses/s) and the step-time split. Reads ``metrics.jsonl`` only.
+tokens/s, responses/s) and the step-time split. Reads ``metrics.jsonl`` only — and, with
+``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
+folder, so the batch the coordinator chose can be read against the best fixed batch of a
+sweep and the critical batch fitted from it (both drawn as lines on the B_noise panel and
+listed in the summary).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +35,27 @@ def _series(recs: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
 
 def _keys(recs: list[dict[str, Any]], prefix: str) -> list[str]:
     return sorted({k for r in recs for k in r if k.startswith(prefix)})
+
+
+SWEEP_FILE = "sweep.json"
+"""Written by benchmarks/time_to_target.py: {"best": {"batch", "lr", "variant", ...}, "b_crit", ...}."""
+
+
+def read_sweep(folder: str | Path) -> dict[str, Any]:
+    """The sweep summary in ``folder``; :class:`ReportError` names what is missing."""
+    path = Path(folder) / SWEEP_FILE
+    if not path.is_file():
+        raise ReportError(
+            f"--sweep {folder}: no {SWEEP_FILE} there (benchmarks/time_to_target.py --out {folder} writes it)"
+        )
+    try:
+        sweep = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    best = sweep.get("best") if isinstance(sweep, dict) else None
+    if not isinstance(best, dict) or not isinstance(best.get("batch"), (int, float)):
+        raise ReportError(f"{path}: expected 'best' with a numeric 'batch' (the sweep's optimum), found {best!r}")
+    return dict(sweep)
 
 
 def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]], dict[str, Any]]]:
@@ -55,8 +81,9 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
     return panels
 
 
-def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write report.html and one PNG per panel; returns the HTML path."""
+def draw(run_dir: str | Path, out_dir: str | Path | None = None, sweep_dir: str | Path | None = None) -> Path:
+    """Write report.html and one PNG per panel; returns the HTML path. ``sweep_dir``: a
+    time-to-target benchmark folder whose sweep optimum (and fitted B_crit) is shown too."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,6 +91,7 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     run = Path(run_dir)
     recs = read_metrics(run)
+    sweep = read_sweep(sweep_dir) if sweep_dir is not None else None
     if not recs:
         raise ReportError(f"{run}/metrics.jsonl has no records: the run logged no step yet")
     out = Path(out_dir) if out_dir else run / "report"
@@ -90,6 +118,10 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
                 xs = sorted(set(low) & set(high))  # steps where both band ends are finite
                 if xs:
                     ax.fill_between(xs, [low[x] for x in xs], [high[x] for x in xs], alpha=0.2, label=f"band {m}")
+            if opts.get("bands") and sweep is not None:
+                ax.axhline(sweep["best"]["batch"], color="k", ls="--", lw=1, label="sweep optimum batch")
+                if sweep.get("b_crit"):
+                    ax.axhline(sweep["b_crit"], color="k", ls=":", lw=1, label="B_crit fitted on the sweep")
         if not drawn:
             plt.close(fig)
             continue
@@ -105,7 +137,9 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         plt.close(fig)
         images.append((title, path))
     last = recs[-1]
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.6g}</td></tr>" for k, v in _summary(recs, last))
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in summary(recs, last, sweep)
+    )
     body = "".join(
         f"<h3>{html.escape(t)}</h3><img src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
         for t, p in images
@@ -119,12 +153,44 @@ def draw(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return page
 
 
-def _summary(recs: list[dict[str, Any]], last: dict[str, Any]) -> Iterable[tuple[str, float]]:
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def summary(
+    recs: list[dict[str, Any]], last: dict[str, Any], sweep: dict[str, Any] | None = None
+) -> Iterable[tuple[str, str]]:
+    """(label, value) rows of the report's table."""
     vals = [r["val/reward"] for r in recs if "val/reward" in r]
     if vals:
-        yield "validation reward (first)", vals[0]
-        yield "validation reward (last)", vals[-1]
-    yield "steps", float(max(r["step"] for r in recs))
-    for k in ("coord/batch", "train/lr"):
-        if k in last:
-            yield k + " (last)", last[k]
+        yield "validation reward (first)", f"{vals[0]:.6g}"
+        yield "validation reward (last)", f"{vals[-1]:.6g}"
+    yield "steps", f"{max(r['step'] for r in recs)}"
+    for m in sorted({k.split("/")[-1] for k in _keys(recs, "coord/b_noise/")}):
+        keys = (f"coord/b_noise/{m}", f"coord/b_noise_low/{m}", f"coord/b_noise_high/{m}")
+        rec = next((r for r in reversed(recs) if _finite(r.get(keys[0]))), None)
+        if rec is None:
+            yield f"B_noise {m} (responses)", "no estimate yet"
+            continue
+        lo, hi = rec.get(keys[1]), rec.get(keys[2])
+        # the high end is inf while |G|² is not yet resolved from zero: shown as such
+        band = f"band {lo:.4g} .. {hi:.4g}" if _finite(lo) and _finite(hi) or hi == math.inf else "no band yet"
+        yield f"B_noise {m} (responses, step {rec['step']})", f"{rec[keys[0]]:.4g} ({band})"
+    for k in ("coord/batch", "train/lr"):  # the last step's (the final record is often validation only)
+        v = next((r[k] for r in reversed(recs) if _finite(r.get(k))), None)
+        if v is not None:
+            yield k + " (last)", f"{v:.6g}"
+    if sweep is not None:
+        best = sweep["best"]
+        yield (
+            "sweep optimum batch (responses)",
+            f"{best['batch']:.6g}" + (f" at lr {best['lr']:.4g}" if isinstance(best.get("lr"), (int, float)) else ""),
+        )
+        chosen = next((r["coord/batch"] for r in reversed(recs) if _finite(r.get("coord/batch"))), None)
+        if chosen is not None:
+            yield "chosen batch / sweep optimum", f"{chosen / best['batch']:.3g}"
+        b_crit = sweep.get("b_crit")
+        if isinstance(b_crit, (int, float)):
+            yield "B_crit fitted on the sweep (responses)", f"{b_crit:.4g}"
+        else:
+            yield "B_crit fitted on the sweep", f"not identified ({sweep.get('fit_refused') or 'no fit'})"

@@ -1,0 +1,187 @@
+"""From finished runs to the benchmark's table, ratios, calibration and sweep summary.
+
+``run_result`` turns one run folder into a JSON-able result (what the cache holds);
+``analyse`` combines results: best-of-sweep, ratios (``fit.py``), the critical batch fitted
+from the sweep against the coordinators' online B_noise, and ``sweep.json`` for
+``megarl report --sweep``. ``estimate_wall_s`` predicts a plan's wall time from the per-step
+and per-run costs the results measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ttt import fit
+from benchmarks.ttt.curves import crossing, curve_from_records
+from benchmarks.ttt.runs import Variant
+
+
+def _finite(xs: list[Any]) -> list[float]:
+    return [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The coordinator's B_noise (median over the run's second half, responses), its band,
+    the batches it chose, and probe + planning time as a fraction of step time."""
+    models = sorted({k.split("/")[-1] for r in recs for k in r if k.startswith("coord/b_noise/")})
+    if not models:
+        return None
+    steps = [r for r in recs if "coord/batch" in r]
+    late = steps[len(steps) // 2 :]
+    m = "actor" if "actor" in models else models[0]
+
+    def med(key: str) -> float | None:
+        xs = _finite([r.get(key) for r in late])
+        return statistics.median(xs) if xs else None
+
+    step_s = _finite([r.get("timing/step/total") for r in steps])
+    overhead = _finite(  # the micro-batch probe (coord/probe_s/<model>) + the plan phase
+        [sum(v for k, v in r.items() if k.startswith("coord/probe_s/")) + r.get("timing/step/plan", 0.0) for r in steps]
+    )
+    return {
+        "model": m,
+        "b_noise": med(f"coord/b_noise/{m}"),
+        "b_noise_low": med(f"coord/b_noise_low/{m}"),
+        "b_noise_high": med(f"coord/b_noise_high/{m}"),
+        "batches": sorted({int(r["coord/batch"]) for r in steps}),
+        "final_batch": int(steps[-1]["coord/batch"]) if steps else None,
+        "overhead_frac": sum(overhead) / sum(step_s) if step_s else None,
+    }
+
+
+def run_result(
+    v: Variant, seed: int, run_dir: Path, summary: dict[str, Any], targets: list[float], wall_s: float
+) -> dict[str, Any]:
+    from megarl.metrics import read_metrics
+
+    recs = read_metrics(run_dir)
+    curve = curve_from_records(recs)
+    cross = [crossing(curve, t, half=2) for t in targets]
+    n_evals = max(len(curve.steps) - 1, 1)
+    steps_run = curve.steps[-1]
+    return {
+        "key": f"{v.name}_s{seed}",
+        "variant": v.name,
+        "kind": v.kind,
+        "seed": seed,
+        "prompts": v.prompts,
+        "batch": v.batch,
+        "lr": v.lr,
+        "curve": curve.to_dict(),
+        "reached": [c.reached for c in cross],
+        "time_s": [c.time_s for c in cross],
+        "steps": [c.steps for c in cross],
+        "samples": [c.samples for c in cross],
+        "val_start": curve.reward[0],
+        "steps_run": steps_run,
+        "step_s": curve.train_s[-1] / max(steps_run, 1),
+        "val_s": max(float(summary.get("rl_wall_s", 0.0)) - curve.train_s[-1], 0.0) / n_evals,
+        "overhead_s": wall_s - float(summary.get("rl_wall_s", 0.0)),
+        "coord": coordinator_stats(recs),
+    }
+
+
+def _times(results: list[dict[str, Any]], variant: str, i: int = -1) -> dict[int, float]:
+    return {r["seed"]: r["time_s"][i] for r in results if r["variant"] == variant}
+
+
+def analyse(results: list[dict[str, Any]], targets: list[float], best: str) -> dict[str, Any]:
+    """Table rows, ratios (JSON line), calibration line and sweep summary, for the last target."""
+    sweep = [r for r in results if r["kind"] == "sweep" and r["seed"] == 1]
+    best_r = next(r for r in sweep if r["variant"] == best)
+    censored = sum(not r["reached"][-1] for r in results)
+    ratios: dict[str, Any] = {"best_of_sweep": best, "censored_runs": censored}
+    for start in ("coord_small", "coord_large"):
+        coord = _times(results, start)
+        for name, other in (("best", _times(results, best)), ("default", _times(results, "default"))):
+            gm, per_seed = fit.paired_ratio(other, coord)
+            ratios[f"{name}/{start}"] = _round(gm)
+            ratios[f"{name}/{start}_per_seed"] = {s: _round(x) for s, x in per_seed.items()}
+        ratios[f"median/{start}"] = _round(fit.median_ratio([r["time_s"][-1] for r in sweep], coord))
+    gm, _ = fit.paired_ratio(_times(results, "coord_small"), _times(results, "coord_large"))
+    ratios["coord_small/coord_large"] = _round(gm)
+    ratios["by_target"] = {  # the headline ratios at every target (the keys above: the last one)
+        str(t): {
+            f"{name}/{start}": _round(fit.paired_ratio(_times(results, other, i), _times(results, start, i))[0])
+            for start in ("coord_small", "coord_large")
+            for name, other in (("best", best), ("default", "default"))
+        }
+        for i, t in enumerate(targets)
+    }
+
+    points = fit.best_steps_per_batch([(r["batch"], r["steps"][-1], r["reached"][-1]) for r in sweep])
+    cb, why = fit.fit_critical_batch(points)
+    online = _finite([(r["coord"] or {}).get("b_noise") for r in results if r["kind"] == "coord"])
+    b_online = statistics.median(online) if online else None
+    chosen = [r["coord"]["final_batch"] for r in results if r["kind"] == "coord" and r["coord"]]
+    if cb is not None:
+        ratios["b_crit_fit"] = _round(cb.b_crit)
+        calib = f"critical batch from the sweep: B_crit = {cb.b_crit:.0f} responses (S_min {cb.s_min:.1f}, E_min {cb.e_min:.0f})"
+    else:
+        ratios["b_crit_fit"] = None
+        calib = f"critical batch from the sweep: not identified ({why})"
+    ratios["b_noise_online"] = _round(b_online)
+    ratios["b_noise_online/b_crit_fit"] = _round(b_online / cb.b_crit) if cb and b_online else None
+    ratios["chosen_batch/best_batch"] = [_round(b / best_r["batch"]) for b in chosen]
+    calib += f"; online B_noise (median of coordinator runs) = {_fmt(b_online)}; ratio online/fit = {_fmt(ratios['b_noise_online/b_crit_fit'])}"
+    overheads = _finite([(r["coord"] or {}).get("overhead_frac") for r in results if r["kind"] == "coord"])
+    if overheads:
+        ratios["coord_overhead_frac_max"] = _round(max(overheads))
+    summary = {
+        "targets": targets,
+        "best": {k: best_r[k] for k in ("variant", "prompts", "batch", "lr")} | {"time_s": best_r["time_s"][-1]},
+        "median_time_s": statistics.median(r["time_s"][-1] for r in sweep),
+        "b_crit": cb.b_crit if cb else None,
+        "s_min": cb.s_min if cb else None,
+        "e_min": cb.e_min if cb else None,
+        "fit_refused": why or None,
+        "points": points,
+        "settings": [
+            {k: r[k] for k in ("variant", "batch", "lr", "reached", "time_s", "steps", "samples")} for r in sweep
+        ],
+    }
+    return {"rows": [_row(r) for r in results], "ratios": ratios, "calibration_line": calib, "sweep": summary}
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    c = r["coord"] or {}
+    batch = f"{r['batch']}->{c['final_batch']}" if c.get("final_batch") else r["batch"]
+    return {
+        "key": r["key"],
+        "batch": batch,
+        "lr": r["lr"],
+        "val_start": r["val_start"],
+        "reached": "".join("y" if x else "n" for x in r["reached"]),
+        "time_s": "/".join(("" if ok else ">") + f"{t:.1f}" for ok, t in zip(r["reached"], r["time_s"])),
+        "steps": "/".join(f"{s:.1f}" for s in r["steps"]),
+        "samples": round(r["samples"][-1]),
+        "step_s": r["step_s"],
+        "b_noise": c.get("b_noise"),
+    }
+
+
+def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], steps: int, eval_every: int) -> float | None:
+    """Wall time of runs at ``batches`` for ``steps`` steps each, from the measured costs:
+    step time t(B) = a + b·B (least squares over fixed runs), validation per evaluation and
+    start-up/shutdown per run (means)."""
+    fixed = [r for r in results if r["kind"] != "coord" and r["steps_run"] > 0]
+    if len({r["batch"] for r in fixed}) < 2:
+        return None
+    xs, ys = [float(r["batch"]) for r in fixed], [r["step_s"] for r in fixed]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    val_s = statistics.mean(r["val_s"] for r in results)
+    over = statistics.mean(r["overhead_s"] for r in results)
+    return sum(over + steps * (a + b * bb) + (steps // eval_every) * val_s for bb in batches)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"

@@ -1,0 +1,111 @@
+"""benchmarks/ttt/analysis.py: one run folder → result (curve, crossings, coordinator
+stats) from a real metrics.jsonl, and the ratios / calibration assembled from results."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks.ttt import runs
+from benchmarks.ttt.analysis import analyse, estimate_wall_s, run_result
+
+
+def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
+    run.mkdir(parents=True)
+    lines = [{"step": 0, "val/reward": 0.30}]
+    for s in range(1, 21):
+        rec = {"step": s, "timing/step/total": step_s, "rollout/responses": batch_of_step(s)}
+        if s % 5 == 0:
+            rec["val/reward"] = 0.30 + 0.01 * s  # linear: 0.40 at step 10, 0.50 at step 20
+        if b_noise is not None:
+            rec |= {
+                "coord/batch": batch_of_step(s),
+                "coord/b_noise/actor": b_noise(s),
+                "coord/b_noise_low/actor": b_noise(s) / 2,
+                "coord/b_noise_high/actor": b_noise(s) * 2,
+                "coord/probe_s/actor": 0.003,
+                "coord/probe_s/critic": 0.002,
+                "timing/step/plan": 0.005,
+            }
+        lines.append(rec)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_run_result_reads_crossings_and_the_coordinator_from_a_run_folder(tmp_path):
+    v = runs.coordinator("coord_small", 8, 4, 64, 1e-4, 32, [])
+    _metrics(tmp_path / "r", lambda s: 128 if s <= 10 else 512, b_noise=lambda s: 100.0 * s)
+    res = run_result(v, 2, tmp_path / "r", {"rl_wall_s": 14.0}, [0.40, 0.45, 0.60], wall_s=40.0)
+    assert res["key"] == "coord_small_s2" and res["kind"] == "coord"
+    assert res["reached"] == [True, True, False]
+    assert res["steps"][:2] == pytest.approx([10.0, 15.0])
+    assert res["time_s"][:2] == pytest.approx([5.0, 7.5])
+    assert res["samples"][:2] == pytest.approx([1280.0, 1280 + 5 * 512])
+    assert res["time_s"][2] == pytest.approx(10.0)  # censored: all 20 steps
+    assert res["val_s"] == pytest.approx((14.0 - 10.0) / 4)
+    assert res["overhead_s"] == pytest.approx(26.0)
+    c = res["coord"]
+    assert c["b_noise"] == pytest.approx(100.0 * 15.5)  # median over steps 11..20
+    assert (c["b_noise_low"], c["b_noise_high"]) == pytest.approx((775.0, 3100.0))
+    assert c["batches"] == [128, 512] and c["final_batch"] == 512
+    assert c["overhead_frac"] == pytest.approx(0.01 / 0.5)
+
+
+def _result(variant, kind, seed, batch, time_s, steps, reached=True, coord=None):
+    return {
+        "key": f"{variant}_s{seed}",
+        "variant": variant,
+        "kind": kind,
+        "seed": seed,
+        "prompts": batch // 16,
+        "batch": batch,
+        "lr": 1e-4,
+        "reached": [reached],
+        "time_s": [time_s],
+        "steps": [steps],
+        "samples": [steps * batch],
+        "val_start": 0.3,
+        "steps_run": 60,
+        "step_s": 0.001 * batch + 0.2,
+        "val_s": 1.0,
+        "overhead_s": 30.0,
+        "coord": coord,
+    }
+
+
+def test_analyse_ratios_and_calibration():
+    s_min, e_min = 20.0, 20.0 * 400  # B_crit = 400 responses
+    sweep = [
+        _result(f"sweep_p{b // 16}_m1", "sweep", 1, b, t, s_min + e_min / b)
+        for b, t in ((128, 90.0), (256, 60.0), (512, 70.0), (1024, 100.0))
+    ]
+    sweep.append(_result("sweep_p64_m2", "sweep", 1, 1024, 500.0, 150, reached=False))
+    coord = {"b_noise": 200.0, "final_batch": 512, "overhead_frac": 0.01}
+    others = []
+    for seed, (small, large, dflt, best) in {1: (50.0, 75.0, 120.0, None), 2: (80.0, 80.0, 160.0, 40.0)}.items():
+        others += [
+            _result("coord_small", "coord", seed, 128, small, 30, coord=coord),
+            _result("coord_large", "coord", seed, 1024, large, 30, coord=coord | {"b_noise": 600.0}),
+            _result("default", "default", seed, 128, dflt, 80),
+        ]
+        if best:
+            others.append(_result("sweep_p16_m1", "sweep", seed, 256, best, 40))
+    rep = analyse(sweep + others, [0.5], "sweep_p16_m1")
+    r = rep["ratios"]
+    assert r["best/coord_small_per_seed"] == {1: 1.2, 2: 0.5}
+    assert r["best/coord_small"] == pytest.approx(math.sqrt(1.2 * 0.5), abs=1e-3)
+    assert r["default/coord_large"] == pytest.approx(math.sqrt(120 / 75 * 2), abs=1e-3)
+    assert r["median/coord_small"] == pytest.approx(90.0 / math.sqrt(50 * 80), abs=1e-3)  # median of 5 settings: 90
+    assert r["coord_small/coord_large"] == pytest.approx(math.sqrt(50 / 75), abs=1e-3)
+    assert r["b_crit_fit"] == pytest.approx(400.0)
+    assert r["b_noise_online"] == pytest.approx(400.0)  # median of 200, 200, 600, 600
+    assert r["b_noise_online/b_crit_fit"] == pytest.approx(1.0)
+    assert r["chosen_batch/best_batch"] == [2.0] * 4
+    assert r["censored_runs"] == 1
+    assert rep["sweep"]["best"]["batch"] == 256 and rep["sweep"]["b_crit"] == pytest.approx(400.0)
+    assert "B_crit = 400 responses" in rep["calibration_line"]
+    assert next(row for row in rep["rows"] if row["key"] == "sweep_p64_m2_s1")["time_s"] == ">500.0"
+    assert r["by_target"] == {
+        "0.5": {k: r[k] for k in ("best/coord_small", "default/coord_small", "best/coord_large", "default/coord_large")}
+    }
+    # step time 0.2 + 0.001 B, 1 s per evaluation, 30 s per run: two runs of 10 steps at B = 100, 300
+    assert estimate_wall_s(sweep, [100, 300], 10, 5) == pytest.approx(2 * 30 + 10 * (0.3 + 0.5) + 2 * 2 * 1.0)

@@ -1,0 +1,80 @@
+"""benchmarks/ttt/curves.py: the curve read from real metrics.jsonl lines, the running-line
+smoother, and the interpolated crossing (hand-computed numbers)."""
+
+import json
+
+import pytest
+
+from benchmarks.ttt.curves import Curve, crossing, curve_from_records, smooth
+from megarl.metrics import read_metrics
+
+
+def _write_metrics(path, lines):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_curve_sums_step_times_between_evaluations_and_skips_validation(tmp_path):
+    lines = [{"step": 0, "val/reward": 0.2}]
+    for s in range(1, 7):
+        rec = {"step": s, "timing/step/total": 0.5 * s, "rollout/responses": 128}
+        if s % 3 == 0:
+            rec["val/reward"] = 0.2 + 0.05 * s
+        lines.append(rec)
+    lines.append({"step": 6, "val/reward": 0.52})  # the final validation at the same step: averaged
+    lines.append({"step": 6, "timing/checkpoint_blocked_s": 9.0})  # not training time
+    _write_metrics(tmp_path / "run", lines)
+    c = curve_from_records(read_metrics(tmp_path / "run"))
+    assert c.steps == [0, 3, 6]
+    assert c.train_s == pytest.approx([0.0, 0.5 + 1.0 + 1.5, 0.5 * 21])
+    assert c.samples == [0, 384, 768]
+    assert c.reward == pytest.approx([0.2, 0.35, (0.5 + 0.52) / 2])
+
+
+def test_curve_refuses_a_validation_without_its_step_times():
+    recs = [{"step": 0, "val/reward": 0.1}, {"step": 2, "timing/step/total": 1.0, "val/reward": 0.3}]
+    with pytest.raises(ValueError, match="validation at step 2 but no step time for step 1"):
+        curve_from_records(recs)
+
+
+def test_smooth_keeps_a_line_and_averages_noise_in_the_interior():
+    line = [0.1 + 0.02 * i for i in range(8)]
+    assert smooth(line, half=2) == pytest.approx(line)  # the running line reproduces a trend, ends included
+    zigzag = [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    s = smooth(zigzag, half=1)
+    assert s[2] == pytest.approx(2 / 3)  # interior: the centred mean of 3 (1, 0, 1)
+    assert s[3] == pytest.approx(1 / 3)
+    assert s[0] == pytest.approx(0.0)  # end: the line through (0, 0), (1, 1) evaluated at 0
+    assert s[-1] == pytest.approx(0.0)  # the line through (5, 1), (6, 0) evaluated at 6
+
+
+def test_crossing_interpolates_time_steps_and_samples():
+    c = Curve(
+        steps=[0, 5, 10, 15],
+        train_s=[0.0, 10.0, 22.0, 30.0],
+        samples=[0, 640, 1280, 1920],
+        reward=[0.30, 0.40, 0.50, 0.60],
+    )
+    x = crossing(c, 0.45, half=1)  # linear curve: smoothing changes nothing; 0.45 is halfway 5→10
+    assert x.reached
+    assert x.time_s == pytest.approx(16.0)
+    assert x.steps == pytest.approx(7.5)
+    assert x.samples == pytest.approx(960.0)
+
+
+def test_a_lucky_evaluation_does_not_count_as_the_crossing():
+    c = Curve(
+        steps=[0, 5, 10, 15, 20],
+        train_s=[0, 5, 10, 15, 20],
+        samples=[0, 1, 2, 3, 4],
+        reward=[0.30, 0.30, 0.46, 0.30, 0.30],
+    )
+    assert crossing(c, 0.45, half=0).reached  # raw: the spike crosses
+    x = crossing(c, 0.45, half=1)  # smoothed: (0.30+0.46+0.30)/3 = 0.353 < 0.45
+    assert not x.reached
+    assert x.time_s == 20 and x.steps == 20  # censored: the whole run, a lower bound
+
+
+def test_crossing_at_the_start_is_zero():
+    c = Curve(steps=[0, 5], train_s=[0.0, 3.0], samples=[0, 10], reward=[0.5, 0.6])
+    assert crossing(c, 0.4) == crossing(c, 0.4).__class__(True, 0.0, 0.0, 0.0)

@@ -1,0 +1,79 @@
+"""megarl/report.py: B_noise with its band, the chosen batch and — with ``--sweep`` — the
+time-to-target sweep's optimum batch and fitted B_crit, drawn from real files through the CLI."""
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megarl import cli
+
+
+def _run_with_coordinator(run: Path) -> None:
+    run.mkdir()
+    lines = [{"step": 0, "val/reward": 0.3}]
+    for s in range(1, 9):
+        lines.append(
+            {
+                "step": s,
+                "rollout/reward_mean": 0.3 + 0.01 * s,
+                "coord/b_noise/actor": 300.0 + 10 * s,
+                "coord/b_noise_low/actor": 200.0 + 10 * s,
+                "coord/b_noise_high/actor": 450.0 + 10 * s,
+                "coord/batch": 128.0 if s < 5 else 512.0,
+                "coord/lr/actor": 1e-4,
+            }
+        )
+    nan = float("nan")  # a last step without an estimate: the report shows step 8's, band and all
+    lines.append({"step": 9, "coord/b_noise/actor": nan, "coord/b_noise_low/actor": nan, "coord/batch": 512.0})
+    lines.append({"step": 9, "val/reward": 0.4})  # the final validation: a record of its own
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _table(page: Path) -> dict[str, str]:
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", page.read_text())
+    return {html.unescape(k): html.unescape(v) for k, v in rows}
+
+
+def test_report_shows_b_noise_band_chosen_batch_and_the_sweep_optimum(tmp_path: Path) -> None:
+    _run_with_coordinator(tmp_path / "run")
+    sweep = tmp_path / "bench"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(
+        json.dumps({"best": {"variant": "sweep_p16_m1", "batch": 256, "lr": 7.07e-5}, "b_crit": 420.0})
+    )
+    assert cli.main(["report", str(tmp_path / "run")]) == 0
+    plain = _table(tmp_path / "run" / "report" / "report.html")
+    assert plain["B_noise actor (responses, step 8)"] == "380 (band 280 .. 530)"
+    assert plain["coord/batch (last)"] == "512"
+    assert not any("sweep" in k for k in plain)
+    lines = (
+        (tmp_path / "run" / "metrics.jsonl")
+        .read_text()
+        .replace('"coord/b_noise_high/actor": 530.0', '"coord/b_noise_high/actor": Infinity')
+    )
+    (tmp_path / "run" / "metrics.jsonl").write_text(lines)
+    assert cli.main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "r_inf")]) == 0
+    assert _table(tmp_path / "r_inf" / "report.html")["B_noise actor (responses, step 8)"] == "380 (band 280 .. inf)"
+    assert cli.main(["report", str(tmp_path / "run"), "--sweep", str(sweep), "--out", str(tmp_path / "r2")]) == 0
+    rows = _table(tmp_path / "r2" / "report.html")
+    assert rows["sweep optimum batch (responses)"] == "256 at lr 7.07e-05"
+    assert rows["chosen batch / sweep optimum"] == "2"
+    assert rows["B_crit fitted on the sweep (responses)"] == "420"
+    panel = next((tmp_path / "r2").glob("*critical*.png"))
+    assert panel.stat().st_size > 1000
+
+
+def test_report_sweep_errors_name_the_file(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _run_with_coordinator(tmp_path / "run")
+    assert cli.main(["report", str(tmp_path / "run"), "--sweep", str(tmp_path)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err == (
+        f"megarl: report error: --sweep {tmp_path}: no sweep.json there "
+        f"(benchmarks/time_to_target.py --out {tmp_path} writes it)"
+    )
+    (tmp_path / "sweep.json").write_text(json.dumps({"best": {"lr": 1e-4}}))
+    assert cli.main(["report", str(tmp_path / "run"), "--sweep", str(tmp_path)]) == 2
+    assert "expected 'best' with a numeric 'batch'" in capfd.readouterr().err
