@@ -41,7 +41,7 @@ from megarl.rollout.fleet import Fleet
 from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.reward_runner import RewardRunner
-from megarl.rollout.tokenizer import PromptTokenizer
+from megarl.rollout.tokenizer import PromptTokenizer, Tokenizer, write_hf_tokenizer
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
@@ -109,6 +109,8 @@ class Components:
             save_hf_folder(path, sd, hf_cfg)
             for f in self.tok.files():
                 shutil.copyfile(f, path / f.name)
+            if isinstance(self.tok, Tokenizer):  # the built-in one, as transformers and vLLM read it
+                write_hf_tokenizer(self.tok.path, path)
 
     def close(self) -> None:
         if self.ahead is not None:

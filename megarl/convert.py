@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.rollout.hf_tokenizer import GENERATION_CONFIG, HF_TOKENIZER_FILES
+from megarl.rollout.tokenizer import is_builtin_model, write_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,6 +261,9 @@ def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
             shutil.copyfile(ckpt / GENERATION_CONFIG, out / GENERATION_CONFIG)
         for src in _tokenizer_files(args.tokenizer, ckpt):
             shutil.copyfile(src, out / src.name)
+        spm = out / "tokenizer.model"
+        if spm.is_file() and not (out / "tokenizer.json").is_file() and is_builtin_model(spm):
+            write_hf_tokenizer(spm, out)  # megarl's own tokenizer, readable by transformers and vLLM
         logger.info("wrote %s (%d tensors, %s) from %s", out, len(tensors), dtype, ckpt)
     dist.barrier()
     return out

@@ -44,6 +44,12 @@ def has_hf_tokenizer(folder: str | Path) -> bool:
     return any((f / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
+def has_fast_tokenizer(folder: str | Path) -> bool:
+    """Whether ``folder`` describes its tokenizer for transformers (not a bare ``tokenizer.model``)."""
+    f = Path(folder)
+    return (f / "tokenizer.json").is_file() or (f / "tokenizer_config.json").is_file()
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -173,12 +179,15 @@ def open_tokenizer(cfg: Any, texts: list[str], train: bool) -> Any:
     ``train.run_dir/tokenizer``, trained on ``texts`` first when absent and ``train`` is set.
     The launcher's data check and the trainer both open the run's tokenizer through here."""
     from megarl.errors import ConfigError
-    from megarl.rollout.tokenizer import Tokenizer, train_tokenizer
+    from megarl.rollout.tokenizer import Tokenizer, is_builtin_model, train_tokenizer
 
     m, d = cfg.model, cfg.data
     choice = m.tokenizer
     if choice == "auto":
         choice = "hf" if m.init_from and has_hf_tokenizer(m.init_from) else "builtin"
+        spm = Path(m.init_from or ".") / "tokenizer.model"
+        if choice == "hf" and not has_fast_tokenizer(m.init_from) and is_builtin_model(spm):
+            return Tokenizer(spm)  # an export of a built-in-tokenizer run from before tokenizer.json
     if choice != "builtin":
         folder = m.init_from if choice == "hf" else choice
         if not folder:

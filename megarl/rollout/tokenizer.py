@@ -119,3 +119,50 @@ def train_tokenizer(texts: list[str], out_dir: str | Path, vocab_size: int = 48)
     tmp.write_bytes(buf.getvalue())
     tmp.replace(out / "tokenizer.model")
     return Tokenizer(out / "tokenizer.model")
+
+
+def is_builtin_model(model_file: str | Path) -> bool:
+    """Whether ``model_file`` is a SentencePiece model with megarl's fixed ids (pad/bos/eos 0/1/2)."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    except (OSError, RuntimeError):
+        return False
+    return (sp.pad_id(), sp.bos_id(), sp.eos_id()) == (PAD, BOS, EOS)
+
+
+def write_hf_tokenizer(model_file: str | Path, out_dir: str | Path) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` in ``out_dir`` that encode and decode as
+    :class:`Tokenizer` does (BOS first, SentencePiece's whitespace rules), so a megarl export
+    opens in transformers and vLLM (and as ``model.tokenizer: auto``) with the ids it was
+    trained on. transformers' own conversion of a bare ``tokenizer.model`` drops the BOS."""
+    from tokenizers import Regex, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer as FastTokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    ex = SentencePieceExtractor(str(model_file))
+    spec = ex.proto.normalizer_spec
+    if ex.proto.trainer_spec.model_type != 2:  # BPE
+        raise ValueError(f"{model_file}: only megarl's BPE SentencePiece models convert")
+    parts: dict[str, Any] = ex.extract(models.BPE)  # type: ignore[assignment]  # (stubs say a tuple)
+    fast = FastTokenizer(models.BPE(parts["vocab"], parts["merges"], unk_token="<unk>", fuse_unk=True))
+    steps: list[normalizers.Normalizer] = (
+        [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    )
+    if spec.remove_extra_whitespaces:  # SentencePiece: runs of spaces collapse, ends are trimmed
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip()]
+    if spec.add_dummy_prefix:
+        steps.append(normalizers.Prepend("▁"))
+    fast.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    fast.decoder = decoders.Metaspace(
+        replacement="▁", prepend_scheme="always", split=False
+    )  # as SentencePiece: the first piece loses its leading space
+    fast.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=fast, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    hf.save_pretrained(str(out_dir))

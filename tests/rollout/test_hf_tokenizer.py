@@ -231,3 +231,45 @@ def test_tokenizer_setting_picks_the_model_folders_own(folder: Path, tmp_path: P
     texts = [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)]
     built = open_tokenizer(cfg, texts, train=True)
     assert isinstance(built, Tokenizer) and (tmp_path / "run" / "tokenizer" / "tokenizer.model").exists()
+
+
+def test_builtin_tokenizer_exports_as_transformers_reads_it(tmp_path: Path) -> None:
+    """A megarl export of a built-in-tokenizer run: transformers encodes every text as the
+    built-in SentencePiece model does (BOS first, its whitespace rules) and decodes it back the
+    same; ``model.tokenizer=auto`` on the folder gives the ids the model was trained on, also
+    for an older export that holds only ``tokenizer.model`` (transformers alone drops the BOS)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from megarl.config import RunConfig
+    from megarl.rollout.hf_tokenizer import open_tokenizer
+    from megarl.rollout.tokenizer import Tokenizer, train_tokenizer, write_hf_tokenizer
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat what is plus minus times answer seven eleven apples".split()
+    corpus = [" ".join(rng.choice(words) for _ in range(8)) + f" {rng.randint(0, 999)}+{rng.randint(0, 99)}=" for _ in range(300)]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 9))) for _ in range(300)]
+    texts += ["Q: 12+7= A:", "  two  spaces\tand a tab\n", "", "ünïcode ½ Ａ 42"]
+    texts += ["".join(rng.choice("abcxyz0123 +=?\n\t é") for _ in range(rng.randint(1, 30))) for _ in range(300)]
+    for vocab in (48, 200):
+        builtin = train_tokenizer(corpus, tmp_path / f"sp{vocab}", vocab_size=vocab)
+        out = tmp_path / f"export{vocab}"
+        out.mkdir()
+        (out / "tokenizer.model").write_bytes(builtin.path.read_bytes())
+        cfg = RunConfig()
+        cfg.train.run_dir, cfg.model.init_from = str(tmp_path / "run"), str(out)
+        old = open_tokenizer(cfg, [], train=False)  # a bare tokenizer.model: the built-in reading
+        assert isinstance(old, Tokenizer)
+        write_hf_tokenizer(builtin.path, out)
+        hf = AutoTokenizer.from_pretrained(str(out))
+        auto = open_tokenizer(cfg, [], train=False)
+        assert isinstance(auto, HFTokenizer)
+        assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, len(hf)) == (1, 2, 0, builtin.vocab_size)
+        for text in texts:
+            ids = builtin.encode(text)
+            assert ids[0] == 1 and hf(text)["input_ids"] == ids, text
+            assert auto.encode_prompt(PromptRecord(text, "", "x")) == ids == old.encode(text)
+            assert auto.encode_answer(PromptRecord("p", text, "x")) == builtin.encode_answer(PromptRecord("p", text, "x"))
+            if ids[1:2] != [3]:  # (a response that opens with <unk>: transformers keeps a space)
+                assert hf.decode(ids, skip_special_tokens=True) == builtin.decode(ids), text
