@@ -39,7 +39,7 @@ FAULTS = [
     "kill_engine_at=sync_commit:version=5:engine=1",  # step 4's sync: engine0 committed 5, engine1 dies first
 ]
 # wall-clock measurements and the restart counters differ by design; everything else must not
-SKIP_PREFIXES = ("time", "timing/", "fleet/", "coord/probe_s/")
+SKIP_PREFIXES = ("time", "timing/", "fleet/", "coord/probe_s/", "pipeline/trainer_wait", "pipeline/fleet_wait")
 SKIP_SUFFIXES = ("_s",)
 
 
