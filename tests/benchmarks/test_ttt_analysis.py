@@ -109,3 +109,32 @@ def test_analyse_ratios_and_calibration():
     }
     # step time 0.2 + 0.001 B, 1 s per evaluation, 30 s per run: two runs of 10 steps at B = 100, 300
     assert estimate_wall_s(sweep, [100, 300], 10, 5) == pytest.approx(2 * 30 + 10 * (0.3 + 0.5) + 2 * 2 * 1.0)
+
+
+def test_headline_is_the_last_target_the_best_reached_and_censored_pairs_are_left_out():
+    """Two targets; the best setting misses the second on seed 2, the small coordinator misses
+    the first on seed 1: the headline is the first target, and seed 1 has no small-start pair."""
+
+    def res(variant, kind, seed, times, reached):
+        r = _result(variant, kind, seed, 256, times[0], 20)
+        return r | {"time_s": times, "reached": reached, "steps": [20, 40], "samples": [5120, 10240]}
+
+    results = [
+        res("sweep_p16_m1", "sweep", 1, [10.0, 30.0], [True, True]),
+        res("sweep_p16_m1", "sweep", 2, [12.0, 50.0], [True, False]),
+        res("coord_small", "coord", 1, [40.0, 40.0], [False, False]),
+        res("coord_small", "coord", 2, [24.0, 60.0], [True, True]),
+        res("coord_large", "coord", 1, [20.0, 45.0], [True, True]),
+        res("coord_large", "coord", 2, [6.0, 45.0], [True, True]),
+        res("default", "default", 1, [30.0, 90.0], [True, True]),
+        res("default", "default", 2, [36.0, 90.0], [True, True]),
+    ]
+    for r in results:
+        r["coord"] = {"b_noise": 300.0, "final_batch": 256} if r["kind"] == "coord" else None
+    r = analyse(results, [0.4, 0.5], "sweep_p16_m1")["ratios"]
+    assert r["headline_target"] == 0.4
+    assert r["best/coord_small_per_seed"] == {2: 0.5}  # seed 1: the coordinator's 40 s is a bound
+    assert r["best/coord_large_per_seed"] == {1: 0.5, 2: 2.0}
+    assert r["best/coord_large"] == pytest.approx(1.0)
+    assert r["coord_small/coord_large"] == pytest.approx(4.0)  # seed 2 only: 24 / 6
+    assert r["by_target"]["0.5"]["best/coord_large"] == pytest.approx(30 / 45, abs=1e-3)  # seed 2's best missed

@@ -1,0 +1,88 @@
+"""The README's demo figures: `make demo`'s run (examples/grpo_cpu.yaml, coordinator on) for
+several seeds, one after the other, with mean and spread.
+
+Per seed: validation reward before RL (after the warm start) and after, RL wall time and
+total wall time, the mean phase split of a step, and the sequence of rollout batches the
+coordinator chose (responses, with the step each took effect) and the LR it ended at.
+
+    python benchmarks/demo_seeds.py [--seeds 1,2,3] [--out runs/bench_demo_seeds]
+
+Prints a table and one JSON line (means, sample standard deviations, per-seed values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import ROOT, run_train, table  # noqa: E402
+
+PHASES = ("generate", "logprobs", "update", "sync", "plan")
+
+
+def batch_path(records: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], float]:
+    """[(step, responses)] at each change of the rollout batch, and the last step's LR."""
+    path: list[tuple[int, int]] = []
+    lr = float("nan")
+    for r in records:
+        if "rollout/responses" not in r:
+            continue
+        b = int(r["rollout/responses"])
+        if not path or path[-1][1] != b:
+            path.append((int(r["step"]), b))
+        lr = float(r.get("train/lr", lr))
+    return path, lr
+
+
+def one(seed: int, out: Path) -> dict[str, Any]:
+    run = out / f"seed{seed}"
+    s = run_train(
+        str(ROOT / "examples/grpo_cpu.yaml"),
+        ["train.resume=never", f"train.seed={seed}", f"train.run_dir={run}"],
+        out / f"seed{seed}.log",
+    )
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in recs if "timing/step/update" in r]
+    path, lr = batch_path(recs)
+    row: dict[str, Any] = {
+        "seed": seed,
+        "val_start": s["val/reward_start"],
+        "val_end": s["val/reward_end"],
+        "rl_s": s["rl_wall_s"],
+        "total_s": s["wall_s"],
+        "batches": " → ".join(f"{b}@{st}" for st, b in path),
+        "final_lr": lr,
+    }
+    for p in PHASES:
+        row[p] = statistics.mean(float(r.get(f"timing/step/{p}", 0.0)) for r in steps)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--out", default=str(ROOT / "runs/bench_demo_seeds"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    rows = [one(int(s), out) for s in args.seeds.split(",")]
+    print(table(rows, ["seed", "val_start", "val_end", "rl_s", "total_s", *PHASES, "final_lr", "batches"]))
+    summary: dict[str, Any] = {"benchmark": "demo_seeds", "seeds": [r["seed"] for r in rows]}
+    for k in ("val_start", "val_end", "rl_s", "total_s", *PHASES):
+        vals = [float(r[k]) for r in rows]
+        summary[k] = {
+            "mean": round(statistics.mean(vals), 4),
+            "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else 0.0,
+            "per_seed": [round(v, 4) for v in vals],
+        }
+    summary["batches"] = [r["batches"] for r in rows]
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
