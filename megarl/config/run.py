@@ -50,6 +50,9 @@ class CoordinatorConfig:
     first batch change; the first change then goes straight to the goodput optimum."""
     cooldown_steps: int = 3
     """Steps after a change before the next one, steps."""
+    track_factor: float = 2.0
+    """After the first jump, one change moves the batch by at most this factor (0: any): a
+    settled estimate drifts, so a larger move is more likely noise than news (docs/COORDINATOR.md §2)."""
     ema_beta: float = 0.9
     """EMA decay per step of |G|², tr(Σ) (each step weighted by its degrees of freedom),
     per-rank throughput and timings."""

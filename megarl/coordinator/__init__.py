@@ -34,7 +34,7 @@ from megarl.coordinator.noise import (
     parts_dof,
     two_batch_estimates,
 )
-from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, optimum_band
+from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move, optimum_band
 from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
 
@@ -62,6 +62,7 @@ __all__ = [
     "efficiency",
     "goodput",
     "hold_or_move",
+    "limit_move",
     "jump",
     "linear_rule",
     "microbatch_estimates",

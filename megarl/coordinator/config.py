@@ -70,6 +70,8 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"warmup_steps={s.warmup_steps} and cooldown_steps={s.cooldown_steps} must be >= 0")
     if not 0.0 <= s.ema_beta < 1.0:
         raise ValueError(f"ema_beta={s.ema_beta} must be in [0, 1)")
+    if not (s.track_factor == 0 or s.track_factor > 1):
+        raise ValueError(f"track_factor={s.track_factor} must be 0 (no limit) or > 1")
     if not s.band_z > 0:
         raise ValueError(f"band_z={s.band_z} must be > 0")
     if s.noise_kind != "plain":

@@ -41,7 +41,7 @@ from megarl.coordinator.config import CoordinatorRun, grid, validate
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
 from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
-from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump
+from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
@@ -269,6 +269,9 @@ class Coordinator:
         else:
             band = self._band_responses(model)
             d = hold_or_move(self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0)
+            step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
+            if step_to != d.prompts:
+                return step_to, f"{d.reason}; limited to {step_to} prompts (track_factor={cfg.track_factor:g})"
         return d.prompts, d.reason
 
     def next_plan(self) -> StepPlan:

@@ -15,6 +15,12 @@
    predicted gain exceeds `min_gain`. An estimate must then drift by more than its own
    uncertainty to move the batch, and one move cannot be undone by noise of the same size.
 
+   A move after the first jump changes the batch by at most ``track_factor`` (2×): once the
+   estimate has settled, B_noise drifts over tens of steps, so a decision asking for more is
+   far more likely a dip of the |G|² estimate than news (measured: one such dip sent a run
+   from 192 to 704 responses for ten steps, docs/COORDINATOR.md §5); a real change is
+   followed in several moves, one per cooldown.
+
 3. **Adam's second moments follow the batch** (`adam_v_scale`). Per element, Adam's v
    tracks E[g²] = G² + σ²/B. Summed over parameters, E|g_B|² = |G|² + tr(Σ)/B, so a change
    B_old → B_new changes the expected second moment by
@@ -85,6 +91,18 @@ def hold_or_move(
             )
     c = choose_batch(grid, b_noise, time_model, current, min_gain=min_gain, b0=b0)
     return Decision(prompts=c.num_prompts, reason=c.reason)
+
+
+def limit_move(grid: BatchGrid, current: int, target: int, factor: float) -> int:
+    """Rule 2's step limit: ``target``, or the grid point nearest it within [current/factor,
+    current·factor] on its side (``current`` when there is none); ``factor`` 0: no limit."""
+    if factor <= 0 or current / factor <= target <= current * factor:
+        return target
+    if target > current:
+        ok = [p for p in grid.prompts() if current < p <= current * factor]
+        return max(ok, default=current)
+    ok = [p for p in grid.prompts() if current / factor <= p < current]
+    return min(ok, default=current)
 
 
 def adam_v_scale(b_old: float, b_new: float, b_noise: float | None) -> float:

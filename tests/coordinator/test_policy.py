@@ -26,6 +26,7 @@ from megarl.coordinator import (
     adam_v_scale,
     choose_batch,
     hold_or_move,
+    limit_move,
     optimum_band,
 )
 
@@ -202,3 +203,34 @@ def test_adam_v_scale_on_a_batch_change() -> None:
     want = adam_v_scale(64, jumped.batch_responses, bn)
     assert jumped.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
     assert _coord(adam_rescale=False).next_plan().adam_v_scale == {}
+
+
+def test_a_settled_batch_moves_at_most_track_factor_per_change() -> None:
+    """limit_move keeps a target within [cur/2, 2·cur] on the grid; on the synthetic trainer a
+    6-step dip of |G|² (B_noise ×50) after settling moves the batch at most one
+    2× step, and a lasting 8× rise of B_noise is still followed, in several moves."""
+    coord = _coord()
+    grid = coord.grid.prompts()
+    assert limit_move(coord.grid, 16, 64, 2.0) == 32 and limit_move(coord.grid, 16, 23, 2.0) == 23
+    assert limit_move(coord.grid, 64, 8, 2.0) == 32 and limit_move(coord.grid, 64, 8, 0.0) == 8
+    assert limit_move(coord.grid, grid[-1], 10**6, 2.0) == grid[-1]
+
+    class Dip(PartsTrainer):
+        def __init__(self, seed: int, dip: range, rise_at: int) -> None:
+            super().__init__(seed, parts=4)
+            self.n, self.dip, self.rise_at, self.sd0 = 0, dip, rise_at, self.sd
+
+        def step(self, plan: StepPlan) -> tuple[list[ModelGradStats], StepTimings]:
+            scale = 50.0 if self.n in self.dip else 8.0 if self.n >= self.rise_at else 1.0
+            self.sd, self.n = self.sd0 * math.sqrt(scale), self.n + 1
+            return super().step(plan)
+
+    for seed in (1, 2, 3):
+        coord = _coord()
+        prompts = _run(coord, Dip(seed, range(60, 66), rise_at=120), 240)
+        settled = prompts[59]
+        assert max(prompts[60:120]) <= 2 * settled, (seed, settled, _changes(prompts))
+        moves = [c for c in _changes(prompts) if c[0] > 120]
+        assert all(b <= 2 * a and a <= 2 * b for _, a, b in moves)
+        best = choose_batch(coord.grid, 8 * B_NOISE, TrueTime(), 8, min_gain=0.0, b0=64.0).best_prompts
+        assert abs(grid.index(prompts[-1]) - grid.index(best)) <= 1, (seed, _changes(prompts), best)
