@@ -12,6 +12,9 @@ Why cutting columns changes nothing: attention is causal, so the outputs at posi
 last of which, ``t``, needs the label ``tokens[t+1]``, so a row needs ``L = t + 2`` columns
 (:func:`row_lengths`). Losses are divided by a GLOBAL denominator
 (``megarl.algo.aggregation``), so any grouping of rows sums to the same objective.
+
+With ``parallel.pack_sequences`` a micro-batch runs padding-free (``megarl.model.packing``): it
+then carries its rows' lengths, and the split minimises micro-batches instead of padding.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class MicroBatch:
     rows: torch.Tensor  # (b,) long, indices into the rank's batch, ascending
     width: int
     """Columns kept: the longest of its rows' lengths."""
+    lengths: torch.Tensor | None = None  # (b,) long, each row's length when it runs packed
 
 
 def row_lengths(mask: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B,) long
@@ -39,9 +43,15 @@ def row_lengths(mask: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B,) long
     return (last + 2).clamp(min=1, max=S).long().cpu()
 
 
-def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | None = None) -> list[MicroBatch]:
+def token_budget_split(
+    lengths: torch.Tensor, max_tokens: int, overhead: int | None = None, packed: bool = False
+) -> list[MicroBatch]:
     """Rows sorted by length (longest first, ties by index), cut into runs that minimise
     ``Σ rows × width + overhead × micro-batches`` subject to ``rows × width ≤ max_tokens``.
+
+    ``packed``: the micro-batches run padding-free (``megarl.model.packing``), so a run costs
+    its real tokens and the optimum is the fewest micro-batches; the constraint stays
+    ``rows × width ≤ max_tokens``, which also bounds the unpacked (b, width, vocab) logits.
 
     ``overhead``: what one more micro-batch costs, in tokens (default: one row of the longest
     length) — without it the optimum would be one row per micro-batch. Runs of similar lengths
@@ -55,13 +65,16 @@ def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | N
     ls = [lens[i] for i in order]
     n = len(ls)
     over = (ls[0] if ls else 0) if overhead is None else overhead
+    prefix = [0]
+    for x in ls:
+        prefix.append(prefix[-1] + x)
     best = [0] + [-1] * n  # best[j]: least cost of the first j sorted rows; cut[j]: its last run's start
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j - 1, -1, -1):  # last run = sorted rows i..j-1, width ls[i]
             if i < j - 1 and (j - i) * ls[i] > max_tokens:
                 break  # wider and longer runs only cost more tokens
-            c = best[i] + (j - i) * ls[i] + over
+            c = best[i] + ((prefix[j] - prefix[i]) if packed else (j - i) * ls[i]) + over
             if best[j] < 0 or c < best[j]:
                 best[j], cut[j] = c, i
     runs: list[tuple[int, int]] = []
@@ -69,7 +82,11 @@ def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | N
     while j > 0:
         runs.append((cut[j], j))
         j = cut[j]
-    return [MicroBatch(torch.tensor(sorted(order[i:j]), dtype=torch.long), ls[i]) for i, j in reversed(runs)]
+    mbs = []
+    for i, j in reversed(runs):
+        rows = torch.tensor(sorted(order[i:j]), dtype=torch.long)
+        mbs.append(MicroBatch(rows, ls[i], torch.tensor([lens[r] for r in rows.tolist()]) if packed else None))
+    return mbs
 
 
 def balance_rows(lengths: torch.Tensor, parts: int, shares: list[float] | None = None) -> list[torch.Tensor]:
@@ -96,5 +113,5 @@ def take(batch: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tens
 
 
 def padded_tokens(mbs: list[MicroBatch]) -> int:
-    """Tokens the micro-batches compute, padding included (Σ rows × width)."""
-    return sum(int(mb.rows.numel()) * mb.width for mb in mbs)
+    """Tokens the micro-batches compute, padding included (Σ rows × width; real tokens when packed)."""
+    return sum(int(mb.lengths.sum()) if mb.lengths is not None else int(mb.rows.numel()) * mb.width for mb in mbs)
