@@ -102,8 +102,12 @@ def _run_schedule(
     loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[Any, ...]],
     forward_only: bool,
     packings: list[Packing | None] | None = None,
+    per_token: bool = False,
 ) -> list[Any]:
-    """Run ``mbs`` through megatron's schedule; ``packings[i]``: run micro-batch i packed."""
+    """Run ``mbs`` through megatron's schedule; ``packings[i]``: run micro-batch i packed. Its
+    output reaches ``loss_fn`` unpacked to (b, width, ...), or, when ``loss_fn`` works token by
+    token (``per_token``: forward-only log-probs, values), packed as it is, with the
+    micro-batch's per-token tensors packed alike (the caller unpacks the results)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -119,7 +123,11 @@ def _run_schedule(
         if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
             params = packing.seq_params(tokens.device)
             out = module(packing.pack(tokens), packing.positions.to(tokens.device), None, packed_seq_params=params)
-            return (packing.unpack(out) if dims.is_last_stage else out), partial(loss_fn, mb)
+            if not dims.is_last_stage:
+                return out, partial(loss_fn, mb)
+            if per_token:  # no loss-head work on padding
+                return out, partial(loss_fn, {k: packing.pack(v) for k, v in mb.items()})
+            return packing.unpack(out), partial(loss_fn, mb)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         out = module(tokens, positions, None)
         return out, partial(loss_fn, mb)
@@ -266,9 +274,9 @@ def _forward_collect_budget(
 ) -> dict[str, torch.Tensor]:
     """:func:`_forward_collect` in token-budget micro-batches: DP ranks take token-balanced
     rows (when there are at least DP rows), run them grouped by length and cut to each
-    group's width; the outputs go back to their rows and full width (0 beyond a row's
-    length, so the result does not depend on the grouping), are broadcast over the pipeline
-    and all-gathered over DP."""
+    group's width (or packed: ``fn`` then sees only real tokens); the outputs go back to their
+    rows and full width (0 beyond a row's length, so the result does not depend on the
+    grouping), are broadcast over the pipeline and all-gathered over DP."""
     dims = model.dims
     B, S = tokens.shape
     split = dims.dp > 1 and B >= dims.dp
@@ -276,20 +284,21 @@ def _forward_collect_budget(
     mine = parts[dims.dp_rank] if split else parts[0]
     local = {"tokens": tokens[mine], "labels": labels_of(tokens[mine])}
     plan = token_budget_split(lengths[mine], max_tokens, packed=pack)
+    packs = packings_of(plan)
 
     def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
     model.module.eval()
     with torch.no_grad():
-        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packings_of(plan))
+        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packs, per_token=True)
     most = max(int(p.numel()) for p in parts)  # all_gather needs equal shapes: pad each rank's rows
     result: dict[str, torch.Tensor] = {}
     for k in keys:
         t = torch.zeros((most, S), dtype=torch.float32, device=tokens.device)
         if dims.is_last_stage:
-            for mb, d in zip(plan, store, strict=True):
-                t[mb.rows, : mb.width] = d[k].float()
+            for mb, pk, d in zip(plan, packs, store, strict=True):
+                t[mb.rows, : mb.width] = (d[k] if pk is None else pk.unpack(d[k])).float()
         if dims.pp > 1:
             src = dist.get_process_group_ranks(dims.pp_group)[-1]
             dist.broadcast(t, src=src, group=dims.pp_group)

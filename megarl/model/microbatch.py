@@ -13,8 +13,8 @@ last of which, ``t``, needs the label ``tokens[t+1]``, so a row needs ``L = t + 
 (:func:`row_lengths`). Losses are divided by a GLOBAL denominator
 (``megarl.algo.aggregation``), so any grouping of rows sums to the same objective.
 
-With ``parallel.pack_sequences`` a micro-batch runs padding-free (``megarl.model.packing``): it
-then carries its rows' lengths, and the split minimises micro-batches instead of padding.
+With ``parallel.pack_sequences`` the same micro-batches run padding-free
+(``megarl.model.packing``): each then carries its rows' lengths.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def token_budget_split(
     """Rows sorted by length (longest first, ties by index), cut into runs that minimise
     ``Σ rows × width + overhead × micro-batches`` subject to ``rows × width ≤ max_tokens``.
 
-    ``packed``: the micro-batches run padding-free (``megarl.model.packing``), so a run costs
-    its real tokens and the optimum is the fewest micro-batches; the constraint stays
-    ``rows × width ≤ max_tokens``, which also bounds the unpacked (b, width, vocab) logits.
+    ``packed``: the same micro-batches carry their rows' lengths and run padding-free
+    (``megarl.model.packing``). The cut stays the padded one on purpose: a training loss reads
+    the packed output unpacked to (rows, width, vocab/TP) logits, so rows × width still costs
+    memory-bound loss-head work (a cut for the fewest micro-batches, 3 instead of 6 on
+    ``benchmarks/token_budget.py``, was no faster on CPU: 2.150 s vs 2.147 s padded), and
+    ``rows × width ≤ max_tokens`` keeps bounding those logits.
 
     ``overhead``: what one more micro-batch costs, in tokens (default: one row of the longest
     length) — without it the optimum would be one row per micro-batch. Runs of similar lengths
@@ -65,16 +68,13 @@ def token_budget_split(
     ls = [lens[i] for i in order]
     n = len(ls)
     over = (ls[0] if ls else 0) if overhead is None else overhead
-    prefix = [0]
-    for x in ls:
-        prefix.append(prefix[-1] + x)
     best = [0] + [-1] * n  # best[j]: least cost of the first j sorted rows; cut[j]: its last run's start
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j - 1, -1, -1):  # last run = sorted rows i..j-1, width ls[i]
             if i < j - 1 and (j - i) * ls[i] > max_tokens:
                 break  # wider and longer runs only cost more tokens
-            c = best[i] + ((prefix[j] - prefix[i]) if packed else (j - i) * ls[i]) + over
+            c = best[i] + (j - i) * ls[i] + over
             if best[j] < 0 or c < best[j]:
                 best[j], cut[j] = c, i
     runs: list[tuple[int, int]] = []

@@ -13,11 +13,13 @@ megatron ``thd`` layout (``PackedSeqParams(qkv_format="thd", cu_seqlens=...)``):
   sequence, :func:`megarl.model.sdpa.varlen_causal_attention`: no work on the masked blocks);
 * every other layer is per-token, so each packed token's output equals the padded row's.
 
-The last stage's output is unpacked to the micro-batch's padded ``(b, width, ...)`` layout right
-after the forward (:meth:`Packing.unpack`, zeros at padding, differentiable), so loss functions,
-log-probs and values read exactly what the unpacked token-budget path gives them. Exactness
-needs each row's ``length`` to cover every position a consumer reads (``row_lengths``: last
-response position + 2); positions at or beyond it read zeros.
+For a training loss the last stage's output is unpacked to the micro-batch's padded
+``(b, width, ...)`` layout right after the forward (:meth:`Packing.unpack`, zeros at padding,
+differentiable), so every loss function reads what the padded token-budget path gives it.
+Forward-only passes (log-probs, entropy, values) work token by token: they run on the packed
+output and only their ``(1, T)`` results are unpacked. Exactness needs each row's ``length`` to
+cover every position a consumer reads (``row_lengths``: last response position + 2);
+positions at or beyond it read zeros.
 """
 
 from __future__ import annotations

@@ -49,11 +49,9 @@ def test_split_covers_every_row_once_within_the_budget() -> None:
     assert padded_tokens(mbs) < 1.1 * int(lengths.sum())
 
 
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_split_is_the_best_cut_of_the_sorted_rows(seed: int, packed: bool) -> None:
-    """The dynamic programme against brute force over every cut of the sorted rows; packed
-    runs (``parallel.pack_sequences``) cost their real tokens, not rows × width."""
+def test_split_is_the_best_cut_of_the_sorted_rows(seed: int) -> None:
+    """The dynamic programme against brute force over every cut of the sorted rows."""
     import itertools
 
     g = torch.Generator().manual_seed(seed)
@@ -66,17 +64,12 @@ def test_split_is_the_best_cut_of_the_sorted_rows(seed: int, packed: bool) -> No
         runs = [(ls[i], j - i) for i, j in zip(edges, edges[1:])]
         if any(n > 1 and n * w > budget for w, n in runs):
             return float("inf")
-        if packed:
-            return sum(sum(ls[i:j]) + over for i, j in zip(edges, edges[1:]))
         return sum(n * w + over for w, n in runs)
 
     brute = min(cost(c) for k in range(len(ls)) for c in itertools.combinations(range(1, len(ls)), k))
-    mbs = token_budget_split(lengths, budget, overhead=over, packed=packed)
+    mbs = token_budget_split(lengths, budget, overhead=over)
     assert padded_tokens(mbs) + over * len(mbs) == brute
     assert sorted(torch.cat([mb.rows for mb in mbs]).tolist()) == list(range(9))
-    for mb in mbs:  # a packed micro-batch carries its rows' own lengths, in row order
-        assert (mb.lengths is not None) == packed
-        assert mb.lengths is None or mb.lengths.tolist() == lengths[mb.rows].tolist()
 
 
 def test_a_row_longer_than_the_budget_runs_alone() -> None:

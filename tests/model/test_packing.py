@@ -57,8 +57,11 @@ def test_packed_plan_round_trips_a_batch() -> None:
     lengths = row_lengths(mask)
     tokens = torch.randint(3, 100, (24, 40), generator=g)
     plan = token_budget_split(lengths, 120, packed=True)
-    assert padded_tokens(plan) == int(lengths.sum())  # no padding computed
-    assert len(plan) <= len(token_budget_split(lengths, 120))  # no more micro-batches than padded
+    padded = token_budget_split(lengths, 120)
+    assert padded_tokens(plan) == int(lengths.sum()) < padded_tokens(padded)  # no padding computed
+    # the padded split's micro-batches, each with its rows' own lengths in row order
+    assert [(mb.rows.tolist(), mb.width) for mb in plan] == [(mb.rows.tolist(), mb.width) for mb in padded]
+    assert all(mb.lengths is not None and mb.lengths.tolist() == lengths[mb.rows].tolist() for mb in plan)
     seen = 0
     for mb, pk in zip(plan, packings_of(plan), strict=True):
         assert pk is not None and mb.rows.numel() * mb.width <= 120
@@ -68,7 +71,7 @@ def test_packed_plan_round_trips_a_batch() -> None:
         assert torch.equal(pk.unpack(pk.pack(part["tokens"])), part["tokens"] * inside)
         seen += pk.tokens
     assert seen == int(lengths.sum())
-    assert packings_of(token_budget_split(lengths, 120)) == [None] * len(token_budget_split(lengths, 120))
+    assert packings_of(padded) == [None] * len(padded)
 
 
 @pytest.mark.parametrize("heads", [1, 4])
