@@ -1,4 +1,4 @@
-"""Trainer time with fixed-row micro-batches vs token-budget micro-batches, same batch.
+"""Trainer time with fixed-row micro-batches vs token-budget micro-batches (padded and packed), same batch.
 
 A GRPO-like batch with realistic mixed lengths: ``--rows`` responses drawn uniformly from
 5–256 tokens after prompts of 8–16 tokens, right-padded to the batch's longest row. One
@@ -7,11 +7,14 @@ A GRPO-like batch with realistic mixed lengths: ``--rows`` responses drawn unifo
 ``fixed``: ``--mbs`` rows per micro-batch, every row padded to the batch's longest (today's
 path, ``parallel.max_tokens_per_micro_batch: 0``). ``budget``: rows grouped by length into
 micro-batches of at most ``--mbs × S`` tokens (the fixed path's own padded micro-batch, so
-the activation memory bound is the same), each cut to its longest row. lr = 0 keeps the
-weights identical across repeats, so the two losses (and log-probs) must agree to fp32
+the activation memory bound is the same), each cut to its longest row. ``packed``: the same
+budget, each micro-batch run padding-free as one packed row (``parallel.pack_sequences``:
+per-sequence positions and causal attention; the split then minimises micro-batches). lr = 0
+keeps the weights identical across repeats, so the losses (and log-probs) must agree to fp32
 round-off. Variants are interleaved (order alternates every repeat); the median of
-``--repeats`` is reported after one warm-up each. Prints a table and one JSON line of
-ratios (fixed time / budget time) plus the max abs loss and log-prob differences.
+``--repeats`` is reported after one warm-up each. Prints a table and one JSON line of ratios
+(fixed time / budget time, fixed / packed, budget / packed) plus the max abs loss and
+log-prob differences from the fixed path.
 
     flock /tmp/megarl-heavy.lock torchrun --standalone --nproc-per-node=1 benchmarks/token_budget.py \
         [--rows 64] [--mbs 16] [--layers 4] [--hidden 256] [--threads 2] [--repeats 3]
@@ -86,7 +89,11 @@ def main() -> int:
     B, S = tokens.shape
     lengths = row_lengths(mask)
     budget = args.mbs * S
-    groups = token_budget_split(lengths, budget)
+    plans = {
+        "fixed": None,
+        "budget": token_budget_split(lengths, budget),
+        "packed": token_budget_split(lengths, budget, packed=True),
+    }
     adv = algo.grpo_advantages(torch.rand(B, generator=torch.Generator().manual_seed(1)), torch.arange(B) // 8)
     denom = algo.global_denominator("token-mean", mask)
     old = forward_logprobs(model, tokens, micro_batch_size=args.mbs, temperature=1.0)["logprobs"]
@@ -101,18 +108,24 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
 
     def run(variant: str) -> tuple[float, float]:
-        on = variant == "budget"
+        on, pack = variant != "fixed", variant == "packed"
         t0 = time.perf_counter()
         lp = forward_logprobs(
-            model, tokens, micro_batch_size=args.mbs, temperature=1.0, lengths=lengths, max_tokens=budget if on else 0
+            model,
+            tokens,
+            micro_batch_size=args.mbs,
+            temperature=1.0,
+            lengths=lengths,
+            max_tokens=budget if on else 0,
+            pack=pack,
         )["logprobs"]
         t1 = time.perf_counter()
-        stats, _ = train_step(model, batch, loss_fn, micro_batch_size=args.mbs, lr=0.0, groups=groups if on else None)
+        stats, _ = train_step(model, batch, loss_fn, micro_batch_size=args.mbs, lr=0.0, groups=plans[variant])
         t2 = time.perf_counter()
         results[variant] = {"logprobs": lp, "loss": stats["loss"]}
         return t1 - t0, t2 - t1
 
-    variants = ["fixed", "budget"]
+    variants = ["fixed", "budget", "packed"]
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for v in variants:
         run(v)  # warm-up
@@ -121,8 +134,8 @@ def main() -> int:
             times[v].append(run(v))
 
     real = int(lengths.sum())
-    padded = {"fixed": B * S, "budget": padded_tokens(groups)}
-    n_mbs = {"fixed": B // args.mbs, "budget": len(groups)}
+    padded = {v: B * S if p is None else padded_tokens(p) for v, p in plans.items()}
+    n_mbs = {v: B // args.mbs if p is None else len(p) for v, p in plans.items()}
     rows: list[dict[str, Any]] = []
     med: dict[str, dict[str, float]] = {}
     for v in variants:
@@ -142,9 +155,12 @@ def main() -> int:
             }
         )
     m = mask.bool()
-    loss_diff = abs(results["fixed"]["loss"] - results["budget"]["loss"])
-    lp_diff = float((results["fixed"]["logprobs"] - results["budget"]["logprobs"])[m].abs().max())
-    ratios = {k: round(med["fixed"][k] / med["budget"][k], 3) for k in ("forward", "train", "trainer")}
+    loss_diff = {v: abs(results["fixed"]["loss"] - results[v]["loss"]) for v in ("budget", "packed")}
+    lp_diff = {v: float((results["fixed"]["logprobs"] - results[v]["logprobs"])[m].abs().max()) for v in loss_diff}
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        return {k: round(med[a][k] / med[b][k], 3) for k in ("forward", "train", "trainer")}
+
     if dims.is_rank0:
         print(
             f"{n_params / 1e6:.2f}M params, {B} rows × S={S} (real tokens {real}, {real / (B * S):.0%} of the "
@@ -156,9 +172,13 @@ def main() -> int:
             json.dumps(
                 {
                     "benchmark": "token_budget",
-                    "ratios": ratios,
-                    "max_abs_loss_diff": loss_diff,
-                    "max_abs_logprob_diff": lp_diff,
+                    "ratios": ratio("fixed", "budget"),
+                    "ratios_packed": ratio("fixed", "packed"),
+                    "ratios_budget_over_packed": ratio("budget", "packed"),
+                    "max_abs_loss_diff": loss_diff["budget"],
+                    "max_abs_logprob_diff": lp_diff["budget"],
+                    "max_abs_loss_diff_packed": loss_diff["packed"],
+                    "max_abs_logprob_diff_packed": lp_diff["packed"],
                 }
             )
         )

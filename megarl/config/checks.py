@@ -113,14 +113,26 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
             cfg.warm_start.batch_size,
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
-    _token_budget(cfg, dp)
+    _token_budget(cfg, m, dp)
     _validate_critic_layout(cfg, world_size)
 
 
-def _token_budget(cfg: RunConfig, dp: int) -> None:
-    """parallel.max_tokens_per_micro_batch: every row fits, and the grad probe keeps random parts."""
+def _token_budget(cfg: RunConfig, m: ModelConfig, dp: int) -> None:
+    """parallel.max_tokens_per_micro_batch: every row fits, and the grad probe keeps random parts;
+    parallel.pack_sequences: packs budget micro-batches, with an attention that takes them."""
     p, r = cfg.parallel, cfg.rollout
     budget = p.max_tokens_per_micro_batch
+    if p.pack_sequences and not budget:
+        fail(
+            "parallel.pack_sequences", True, "packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch"
+        )
+    if p.pack_sequences and m.transformer_impl == "local" and m.attention != "sdpa":
+        fail(
+            "parallel.pack_sequences",
+            True,
+            f"needs model.attention=sdpa with the local spec (got {m.attention!r}: megatron's unfused "
+            "attention refuses packed sequences)",
+        )
     if not budget:
         return
     longest = r.max_prompt_len + r.max_response_len

@@ -90,6 +90,12 @@ class ParallelConfig:
     own longest row, in training and forward-only passes; micro_batch_size and
     logprob_micro_batch_size then only fix how the batch divides. Must be ≥
     rollout.max_prompt_len + max_response_len (the longest row runs alone)."""
+    pack_sequences: bool = False
+    """Run each token-budget micro-batch padding-free: its rows back to back in one packed row,
+    positions restarting per sequence, block-diagonal causal attention (megatron's ``thd``
+    layout: Transformer Engine's varlen attention with transformer_impl=transformer_engine,
+    one fused SDPA call per sequence with the local spec). Same loss and gradients. Needs
+    max_tokens_per_micro_batch > 0, and model.attention=sdpa with the local spec."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron distributed optimizer)."""
 

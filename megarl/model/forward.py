@@ -6,8 +6,9 @@ Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:,
 ``tokens[t+1]`` is a response token. The last column is always masked.
 
 Micro-batches are fixed rows at full width, or token-budget groups of rows cut to their
-longest row (``megarl.model.microbatch``; causal attention makes the cut exact); under PP
-the latter send their shapes between stages (megatron's ``variable_seq_lengths``).
+longest row (``megarl.model.microbatch``; causal attention makes the cut exact), optionally
+run padding-free as one packed row (``megarl.model.packing``, unpacked right after the model);
+under PP the latter send their shapes between stages (megatron's ``variable_seq_lengths``).
 
 Log-probs and entropy are computed vocab-parallel (the logits never leave their TP shard);
 logits are divided by the sampling temperature on both sides (trainer and engine).
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from megarl.model.builder import Model
 from megarl.model.microbatch import MicroBatch, balance_rows, take, token_budget_split
+from megarl.model.packing import Packing, packings_of
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, logits_or_values) -> (loss already divided by its global denominator, stats)."""
@@ -99,29 +101,44 @@ def _run_schedule(
     mbs: list[dict[str, torch.Tensor]],
     loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[Any, ...]],
     forward_only: bool,
+    packings: list[Packing | None] | None = None,
+    per_token: bool = False,
 ) -> list[Any]:
+    """Run ``mbs`` through megatron's schedule; ``packings[i]``: run micro-batch i packed. Its
+    output reaches ``loss_fn`` unpacked to (b, width, ...), or, when ``loss_fn`` works token by
+    token (``per_token``: forward-only log-probs, values), packed as it is, with the
+    micro-batch's per-token tensors packed alike (the caller unpacks the results)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     dims = model.dims
     seen = [0]
 
-    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
-        mb = next(data_iterator)
+    def forward_step(data_iterator: Iterator[tuple[dict[str, torch.Tensor], Packing | None]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
+        mb, packing = next(data_iterator)
         if seen[0] > 0 and model.probe is not None and not forward_only:
             model.probe.microbatch_boundary(module)  # the previous micro-batch's backward is done
         seen[0] += 1
         tokens = mb["tokens"]
+        if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
+            params = packing.seq_params(tokens.device)
+            out = module(packing.pack(tokens), packing.positions.to(tokens.device), None, packed_seq_params=params)
+            if not dims.is_last_stage:
+                return out, partial(loss_fn, mb)
+            if per_token:  # no loss-head work on padding
+                return out, partial(loss_fn, {k: packing.pack(v) for k, v in mb.items()})
+            return packing.unpack(out), partial(loss_fn, mb)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         out = module(tokens, positions, None)
         return out, partial(loss_fn, mb)
 
     seq_len = mbs[0]["tokens"].shape[1]
+    packs = packings or [None] * len(mbs)
     # this model's groups, never megatron's globals (which describe the actor's layout)
     groups: dict[str, Any] = {"pg_collection": dims.pgs}
     if dims.pp > 1:
         config = model.config
-        if len({tuple(mb["tokens"].shape) for mb in mbs}) > 1:
+        if len({tuple(mb["tokens"].shape) for mb in mbs}) > 1 or any(p is not None for p in packs):
             # token-budget micro-batches differ in shape: megatron's p2p then sends each
             # tensor's shape before the tensor (``variable_seq_lengths``); only this call's
             # communicator sees the flag, the model's config stays as built
@@ -131,7 +148,7 @@ def _run_schedule(
     fb = get_forward_backward_func(pp_size=dims.pp, vp_size=None)
     return fb(  # type: ignore[no-any-return]
         forward_step_func=forward_step,
-        data_iterator=iter(mbs),
+        data_iterator=iter(zip(mbs, packs, strict=True)),
         model=[model.module],
         num_microbatches=len(mbs),
         seq_length=seq_len,
@@ -154,13 +171,14 @@ def forward_logprobs(
     with_entropy: bool = False,
     lengths: torch.Tensor | None = None,
     max_tokens: int = 0,
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (B, S) (and entropy) of ``tokens`` under ``model``; no grad.
 
     Computed on the last PP stage and broadcast over the pipeline group, so every rank
     returns the same tensors. With ``max_tokens`` and the rows' ``lengths``
     (``megarl.model.microbatch.row_lengths``) the pass runs in token-budget micro-batches and
-    positions at or beyond a row's length are 0.
+    positions at or beyond a row's length are 0; ``pack`` runs each of them packed.
     """
     dims = model.dims
 
@@ -174,7 +192,7 @@ def forward_logprobs(
 
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     if max_tokens and lengths is not None:
-        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys)
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys, pack)
     return _forward_collect(model, tokens, micro_batch_size, fn, keys)
 
 
@@ -185,17 +203,18 @@ def forward_values(
     micro_batch_size: int,
     lengths: torch.Tensor | None = None,
     max_tokens: int = 0,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Critic values (B, S): ``values[:, t] = V(tokens[:, :t+1])``, the state before token t+1.
 
     Each DP rank of the model's layout computes its B / DP rows; every rank returns all B.
-    ``lengths`` / ``max_tokens``: token-budget micro-batches, as in :func:`forward_logprobs`."""
+    ``lengths`` / ``max_tokens`` / ``pack``: token-budget micro-batches, as in :func:`forward_logprobs`."""
 
     def fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"values": out[..., 0].float()}
 
     if max_tokens and lengths is not None:
-        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, ["values"])["values"]
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, ["values"], pack)["values"]
     return _forward_collect(model, tokens, micro_batch_size, fn, ["values"], split_dp=True)["values"]
 
 
@@ -251,33 +270,35 @@ def _forward_collect_budget(
     max_tokens: int,
     fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
     keys: list[str],
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """:func:`_forward_collect` in token-budget micro-batches: DP ranks take token-balanced
     rows (when there are at least DP rows), run them grouped by length and cut to each
-    group's width; the outputs go back to their rows and full width (0 beyond a row's
-    length, so the result does not depend on the grouping), are broadcast over the pipeline
-    and all-gathered over DP."""
+    group's width (or packed: ``fn`` then sees only real tokens); the outputs go back to their
+    rows and full width (0 beyond a row's length, so the result does not depend on the
+    grouping), are broadcast over the pipeline and all-gathered over DP."""
     dims = model.dims
     B, S = tokens.shape
     split = dims.dp > 1 and B >= dims.dp
     parts = balance_rows(lengths, dims.dp) if split else [torch.arange(B)]
     mine = parts[dims.dp_rank] if split else parts[0]
     local = {"tokens": tokens[mine], "labels": labels_of(tokens[mine])}
-    plan = token_budget_split(lengths[mine], max_tokens)
+    plan = token_budget_split(lengths[mine], max_tokens, packed=pack)
+    packs = packings_of(plan)
 
     def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
     model.module.eval()
     with torch.no_grad():
-        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, forward_only=True)
+        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packs, per_token=True)
     most = max(int(p.numel()) for p in parts)  # all_gather needs equal shapes: pad each rank's rows
     result: dict[str, torch.Tensor] = {}
     for k in keys:
         t = torch.zeros((most, S), dtype=torch.float32, device=tokens.device)
         if dims.is_last_stage:
-            for mb, d in zip(plan, store, strict=True):
-                t[mb.rows, : mb.width] = d[k].float()
+            for mb, pk, d in zip(plan, packs, store, strict=True):
+                t[mb.rows, : mb.width] = (d[k] if pk is None else pk.unpack(d[k])).float()
         if dims.pp > 1:
             src = dist.get_process_group_ranks(dims.pp_group)[-1]
             dist.broadcast(t, src=src, group=dims.pp_group)
@@ -306,7 +327,8 @@ def train_step(
     """One optimizer step over ``batch`` (this DP rank's rows). Returns (stats, grad_norm).
 
     Micro-batches: consecutive ``micro_batch_size`` rows at full width, or the given
-    ``groups`` (token-budget micro-batches, ``megarl.model.microbatch``), each cut to its width.
+    ``groups`` (token-budget micro-batches, ``megarl.model.microbatch``), each cut to its width
+    (and run packed when the group carries its rows' lengths).
 
     ``loss_fn`` returns a loss already divided by its global denominator; stats are summed
     over micro-batches here and over DP ranks (all-reduce) — so stats must be sums too
@@ -325,7 +347,7 @@ def train_step(
     if lr is not None:
         for group in model.optimizer.param_groups:
             group["lr"] = lr
-    store = _run_schedule(model, mbs, schedule_loss, forward_only=False)
+    store = _run_schedule(model, mbs, schedule_loss, False, None if groups is None else packings_of(groups))
     ok, grad_norm, _ = model.optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")

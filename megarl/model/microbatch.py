@@ -12,6 +12,9 @@ Why cutting columns changes nothing: attention is causal, so the outputs at posi
 last of which, ``t``, needs the label ``tokens[t+1]``, so a row needs ``L = t + 2`` columns
 (:func:`row_lengths`). Losses are divided by a GLOBAL denominator
 (``megarl.algo.aggregation``), so any grouping of rows sums to the same objective.
+
+With ``parallel.pack_sequences`` the same micro-batches run padding-free
+(``megarl.model.packing``): each then carries its rows' lengths.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class MicroBatch:
     rows: torch.Tensor  # (b,) long, indices into the rank's batch, ascending
     width: int
     """Columns kept: the longest of its rows' lengths."""
+    lengths: torch.Tensor | None = None  # (b,) long, each row's length when it runs packed
 
 
 def row_lengths(mask: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B,) long
@@ -39,9 +43,18 @@ def row_lengths(mask: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B,) long
     return (last + 2).clamp(min=1, max=S).long().cpu()
 
 
-def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | None = None) -> list[MicroBatch]:
+def token_budget_split(
+    lengths: torch.Tensor, max_tokens: int, overhead: int | None = None, packed: bool = False
+) -> list[MicroBatch]:
     """Rows sorted by length (longest first, ties by index), cut into runs that minimise
     ``Σ rows × width + overhead × micro-batches`` subject to ``rows × width ≤ max_tokens``.
+
+    ``packed``: the same micro-batches carry their rows' lengths and run padding-free
+    (``megarl.model.packing``). The cut stays the padded one on purpose: a training loss reads
+    the packed output unpacked to (rows, width, vocab/TP) logits, so rows × width still costs
+    memory-bound loss-head work (a cut for the fewest micro-batches, 3 instead of 6 on
+    ``benchmarks/token_budget.py``, was no faster on CPU: 2.150 s vs 2.147 s padded), and
+    ``rows × width ≤ max_tokens`` keeps bounding those logits.
 
     ``overhead``: what one more micro-batch costs, in tokens (default: one row of the longest
     length) — without it the optimum would be one row per micro-batch. Runs of similar lengths
@@ -69,7 +82,11 @@ def token_budget_split(lengths: torch.Tensor, max_tokens: int, overhead: int | N
     while j > 0:
         runs.append((cut[j], j))
         j = cut[j]
-    return [MicroBatch(torch.tensor(sorted(order[i:j]), dtype=torch.long), ls[i]) for i, j in reversed(runs)]
+    mbs = []
+    for i, j in reversed(runs):
+        rows = torch.tensor(sorted(order[i:j]), dtype=torch.long)
+        mbs.append(MicroBatch(rows, ls[i], torch.tensor([lens[r] for r in rows.tolist()]) if packed else None))
+    return mbs
 
 
 def balance_rows(lengths: torch.Tensor, parts: int, shares: list[float] | None = None) -> list[torch.Tensor]:
@@ -96,5 +113,5 @@ def take(batch: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tens
 
 
 def padded_tokens(mbs: list[MicroBatch]) -> int:
-    """Tokens the micro-batches compute, padding included (Σ rows × width)."""
-    return sum(int(mb.rows.numel()) * mb.width for mb in mbs)
+    """Tokens the micro-batches compute, padding included (Σ rows × width; real tokens when packed)."""
+    return sum(int(mb.lengths.sum()) if mb.lengths is not None else int(mb.rows.numel()) * mb.width for mb in mbs)

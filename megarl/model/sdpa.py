@@ -7,6 +7,10 @@ torch's SDPA runs a fused (flash-style) kernel on CPU and GPU. Same math: causal
 ``softmax_scale``, grouped K/V heads expanded per query group. Anything the fused call
 does not cover (an explicit mask, query-key layer scaling, attention dropout in training,
 sliding windows, softmax offsets) falls back to megatron's implementation.
+
+Packed sequences (megatron's ``thd`` layout, ``megarl.model.packing``) run one fused causal
+call per sequence (:func:`varlen_causal_attention`): the block-diagonal causal mask without
+computing the masked blocks. Megatron's own local attention refuses ``thd``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,24 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,  # (T, heads, d) packed sequences
+    k: torch.Tensor,  # (T, heads, d) (K/V groups already expanded to heads)
+    v: torch.Tensor,  # (T, heads, d)
+    cu_seqlens: torch.Tensor,  # (n + 1,) sequence boundaries, [0, l0, l0 + l1, ..., T]
+    scale: float | None,
+) -> torch.Tensor:  # (T, heads, d)
+    """Causal attention within each packed sequence (= attention under a block-diagonal causal
+    mask over the packed row), one fused call per sequence."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, d]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    outs = [
+        F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale)
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 class SDPAttention(DotProductAttention):  # type: ignore[misc]
@@ -41,14 +63,19 @@ class SDPAttention(DotProductAttention):  # type: ignore[misc]
             or cfg.window_size is not None
             or dropout > 0.0
             or attention_bias is not None
-            or packed_seq_params is not None
+            or (packed_seq_params is not None and packed_seq_params.qkv_format != "thd")
         ):
             return super().forward(  # type: ignore[no-any-return]
                 query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
+        rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if packed_seq_params is not None:  # thd: [T, heads, d], batch dimension squeezed
+            if rep > 1:
+                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+            out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale)
+            return out.reshape(query.shape[0], 1, self.hidden_size_per_partition)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)

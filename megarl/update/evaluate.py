@@ -25,13 +25,13 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
 
     out = PolicyEval()
     mbs = fwd_mbs(actor)
-    # token budget: rows grouped by length and cut to it (values beyond a row's last response
-    # position come back as 0; every consumer reads them under the mask)
-    lengths, budget = row_lengths(batch.mask), p.max_tokens_per_micro_batch
+    # token budget: rows grouped by length and cut to it, packed or not (values beyond a row's
+    # last response position come back as 0; every consumer reads them under the mask)
+    lengths, budget, pack = row_lengths(batch.mask), p.max_tokens_per_micro_batch, p.pack_sequences
 
     def logprobs(model: Model) -> torch.Tensor:
         return forward_logprobs(
-            model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget
+            model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget, pack=pack
         )["logprobs"]
 
     stale = cfg.rollout.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
@@ -42,7 +42,7 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
         out.ref_logprobs = logprobs(ref)
     if critic is not None:
         out.old_values = forward_values(
-            critic, batch.tokens, micro_batch_size=fwd_mbs(critic), lengths=lengths, max_tokens=budget
+            critic, batch.tokens, micro_batch_size=fwd_mbs(critic), lengths=lengths, max_tokens=budget, pack=pack
         )
     return out
 

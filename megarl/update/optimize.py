@@ -69,7 +69,15 @@ class PolicyUpdater:
                     # layout splits its rows equally over its DP ranks
                     shares = plan.dp_shares if model.dims is self.dims else None
                     measuring = self.planner.start_probe(model, n_updates)
-                    mine, every, groups = update_rows(lengths, mbs, budget, model.dims, shares, probed=measuring)
+                    mine, every, groups = update_rows(
+                        lengths,
+                        mbs,
+                        budget,
+                        model.dims,
+                        shares,
+                        probed=measuring,
+                        pack=self.cfg.parallel.pack_sequences,
+                    )
                     stats, gnorm = train_step(
                         model,
                         {k: v[mine] for k, v in mini.items()},

@@ -1,7 +1,8 @@
 """`parallel.max_tokens_per_micro_batch` through `megarl train`: the same seeded PPO run (actor
 TP2, critic TP1 × DP2 on its own layout, reference KL, 2 epochs × 2 mini-batches) with fixed-row
-and with token-budget micro-batches sees the same first-step batch and computes the same
-forward-only passes (old/reference log-probs, values) and updates to fp32 round-off."""
+and with token-budget micro-batches (padded, and packed padding-free: `parallel.pack_sequences`)
+sees the same first-step batch and computes the same forward-only passes (old/reference
+log-probs, values) and updates to fp32 round-off."""
 
 from pathlib import Path
 
@@ -35,15 +36,24 @@ COMPARED = [
 ]
 
 
+VARIANTS = {  # 36 = two whole rows of 12 + 6 tokens
+    "fixed": ["parallel.max_tokens_per_micro_batch=0"],
+    "budget": ["parallel.max_tokens_per_micro_batch=36"],
+    "packed": ["parallel.max_tokens_per_micro_batch=36", "parallel.pack_sequences=true"],  # padding-free
+}
+
+
 def test_token_budget_step_equals_fixed_rows(tmp_path: Path) -> None:
     steps = {}
-    for name, budget in (("fixed", 0), ("budget", 36)):  # 36 = two whole rows of 12 + 6 tokens
+    for name, sets in VARIANTS.items():
         run = tmp_path / name
-        megarl_train("ppo_cpu.yaml", [*SETS, f"parallel.max_tokens_per_micro_batch={budget}", f"train.run_dir={run}"])
+        megarl_train("ppo_cpu.yaml", [*SETS, *sets, f"train.run_dir={run}"])
         (steps[name],) = [r for r in read_metrics(run) if "critic/value_loss" in r]
-    a, b = steps["fixed"], steps["budget"]
-    for k in ("rollout/prompt_fingerprint", "rollout/tokens", "rollout/reward_mean"):  # the same batch
-        assert a[k] == b[k], k
+    a = steps["fixed"]
     assert a["rollout/reward_mean"] > 0 and a["train/grad_norm"] > 0 and a["critic/grad_norm"] > 0
-    for k in COMPARED:
-        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
+    for name in ("budget", "packed"):
+        b = steps[name]
+        for k in ("rollout/prompt_fingerprint", "rollout/tokens", "rollout/reward_mean"):  # the same batch
+            assert a[k] == b[k], (name, k)
+        for k in COMPARED:
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (name, k, a[k], b[k])

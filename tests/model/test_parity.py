@@ -1,7 +1,8 @@
 """TP / PP / DP layouts match the TP=1 run: log-probs, loss, grad norm and one optimizer
 step, all within fp32 tolerance; and TP=1 matches transformers (the independent oracle).
 Token-budget micro-batches (``*_budget``: unequal micro-batches cut to their longest row, DP
-rows balanced by tokens) match the fixed-row TP=1 run in every layout too."""
+rows balanced by tokens) match the fixed-row TP=1 run in every layout too, and so do they
+packed padding-free (``*_packed``), down to each gradient element."""
 
 from pathlib import Path
 
@@ -26,24 +27,37 @@ LAYOUTS = {  # name: (nproc, extra args)
     "dp2_budget": (2, ["--max-tokens", "40"]),
     "tp2_budget": (2, ["--tp", "2", "--max-tokens", "64"]),
     "pp2_budget": (2, ["--pp", "2", "--max-tokens", "40"]),  # varying p2p shapes between stages
+    # the same budgets, each micro-batch packed into one row (thd, per-sequence attention)
+    "tp1_packed": (1, ["--max-tokens", "40", "--pack"]),
+    "dp2_packed": (2, ["--max-tokens", "40", "--pack"]),
+    "tp2_packed": (2, ["--tp", "2", "--max-tokens", "64", "--pack"]),
+    "pp2_packed": (2, ["--pp", "2", "--max-tokens", "40", "--pack"]),
 }
-BUDGET = ["tp1_budget", "dp2_budget", "tp2_budget", "pp2_budget"]
+PACKED = {"tp1_packed": "tp1", "dp2_packed": "dp2", "tp2_packed": "tp2", "pp2_packed": "pp2"}  # its padded twin
+BUDGET = ["tp1_budget", "dp2_budget", "tp2_budget", "pp2_budget", *PACKED]
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class _Runs(dict):
+    """Each layout's results, run on first use (a test selection runs only the layouts it reads)."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__(hf={"dir": tiny_hf_model(base / "hf")})
+        self.base = base
+
+    def __missing__(self, name: str) -> dict[str, torch.Tensor]:
+        nproc, extra = LAYOUTS[name]
+        d = self.base / name
+        d.mkdir()
+        torchrun(WORKER, nproc, ["--hf", str(self["hf"]["dir"]), "--out", str(d), *extra])
+        self[name] = {**load_file(str(d / "result.safetensors")),
+                      **{f"w:{k}": v for k, v in load_file(str(d / "updated.safetensors")).items()}}
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
-    base = tmp_path_factory.mktemp("parity")
-    hf = tiny_hf_model(base / "hf")
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, (nproc, extra) in LAYOUTS.items():
-        d = base / name
-        d.mkdir()
-        torchrun(WORKER, nproc, ["--hf", str(hf), "--out", str(d), *extra])
-        out[name] = {**load_file(str(d / "result.safetensors")),
-                     **{f"w:{k}": v for k, v in load_file(str(d / "updated.safetensors")).items()}}
-    out["hf"] = {"dir": hf}  # type: ignore[dict-item]
-    return out
+    return _Runs(tmp_path_factory.mktemp("parity"))
 
 
 def test_tp1_logprobs_match_transformers(results: dict) -> None:
@@ -89,6 +103,19 @@ def test_step_invariant_to_layout_and_split(results: dict, layout: str, mode: st
     assert weights and set(weights) == {k for k in b if k.startswith(f"w:{mode}/")}
     for k in weights:
         assert (a[k] - b[k]).abs().max().item() < 2e-6, k
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", list(PACKED))
+def test_packed_gradients_equal_padded(results: dict, layout: str, mode: str) -> None:
+    """Packed micro-batches give every gradient element of the fixed-row run in the same
+    layout (rank 0's shards after the DP reduction), for every aggregation mode."""
+    a, b = results[PACKED[layout]], results[layout]
+    keys = sorted(k for k in a if k.startswith(f"grad:{mode}/"))
+    assert keys and keys == sorted(k for k in b if k.startswith(f"grad:{mode}/"))
+    worst = max((a[k] - b[k]).abs().max().item() for k in keys)
+    assert worst <= 1e-6, worst
+    assert max(a[k].abs().max().item() for k in keys) > 1e-3  # real gradients, not zeros
 
 
 def test_modes_differ(results: dict) -> None:

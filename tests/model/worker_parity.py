@@ -2,7 +2,9 @@
 optimizer step with a fixed GRPO loss, and save log-probs + updated HF weights (rank 0).
 
 ``--max-tokens N``: token-budget micro-batches (rows balanced over DP by tokens, grouped by
-length, cut to each group's longest row) for every pass, against the same fixed-row run."""
+length, cut to each group's longest row) for every pass, against the same fixed-row run; ``--pack`` runs those
+micro-batches padding-free (``parallel.pack_sequences``). Rank 0 also saves its gradient
+shards per aggregation mode."""
 
 import argparse
 import dataclasses
@@ -40,6 +42,7 @@ ap.add_argument("--dist-opt", action="store_true")
 ap.add_argument("--critic-steps", type=int, default=0)
 ap.add_argument("--attention", default="sdpa")
 ap.add_argument("--max-tokens", type=int, default=0)
+ap.add_argument("--pack", action="store_true")
 args = ap.parse_args()
 
 dims = init_distributed(args.tp, args.pp, seed=7)
@@ -65,16 +68,16 @@ group_ids = torch.arange(B) // 4
 adv = algo.grpo_advantages(rewards, group_ids)
 
 lengths = row_lengths(mask)
-budget = {"lengths": lengths, "max_tokens": args.max_tokens}
+budget = {"lengths": lengths, "max_tokens": args.max_tokens, "pack": args.pack}
 lp = forward_logprobs(model, tokens, micro_batch_size=args.mbs, temperature=1.0, with_entropy=True, **budget)
 per = B // dims.dp
 rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
 groups = None
 if args.max_tokens:  # rows balanced over DP by tokens, micro-batches by the budget
     rows = balance_rows(lengths, dims.dp)[dims.dp_rank]
-    groups = token_budget_split(lengths[rows], args.max_tokens)
+    groups = token_budget_split(lengths[rows], args.max_tokens, packed=args.pack)
     sizes = torch.tensor([[g.rows.numel(), g.width] for g in groups])
-    print(f"dp_rank={dims.dp_rank} rows={rows.tolist()} micro-batches (rows, width)={sizes.tolist()}")
+    print(f"dp_rank={dims.dp_rank} rows={rows.tolist()} micro-batches (rows, width)={sizes.tolist()} pack={args.pack}")
     assert len({(int(n), int(w)) for n, w in sizes}) > 1, "the test needs unequal micro-batches"
 old = lp["logprobs"].clone()
 result = {"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens, "lengths": lengths}
@@ -101,6 +104,8 @@ for mode in algo.LOSS_AGG_MODES:
     stats, gnorm = train_step(m, batch, policy_loss_fn(mode, denom), micro_batch_size=args.mbs, groups=groups)
     result[f"{mode}/loss"] = torch.tensor([stats["loss"]])
     result[f"{mode}/grad_norm"] = torch.tensor([gnorm])
+    # this rank's gradient shards after the DP reduction (the optimizer step leaves them in place)
+    result.update({f"grad:{mode}/{k}": p.main_grad.detach().clone() for k, p in m.core.named_parameters()})
     sd = hf_state_dict(m, adapter)
     weights.update({f"{mode}/{k}": v for k, v in sd.items()})
 
@@ -116,7 +121,7 @@ denom = algo.global_denominator("token-mean", mask)
 # a measured update keeps contiguous DP rows (megarl.update.rows.update_rows); with a budget at
 # DP > 1 its micro-batches follow the budget (at DP = 1 the probe refuses the budget)
 prow = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
-pgroups = token_budget_split(lengths[prow], args.max_tokens) if args.max_tokens and dims.dp > 1 else None
+pgroups = token_budget_split(lengths[prow], args.max_tokens, packed=args.pack) if args.max_tokens and dims.dp > 1 else None
 _, gn = train_step(
     pm,
     {"tokens": tokens[prow], "mask": mask[prow], "adv": adv[prow], "old": old[prow]},
