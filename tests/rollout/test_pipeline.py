@@ -235,8 +235,16 @@ def test_unsafe_staleness_settings_are_refused(sets: list[str], message: str) ->
         validate(cfg, 1)
 
 
-def test_safe_staleness_settings_validate() -> None:
-    validate(load_config(None, ["parallel.tensor_parallel=1", "rollout.max_staleness=1", "algo.tis_cap=2"]), 1)
+@pytest.mark.parametrize("lag", [1, 2])
+def test_safe_staleness_settings_validate(lag: int) -> None:
+    """With the behaviour-policy weight on (tis_cap > 0) both lags validate; the same config
+    without it is refused: the pair pins the rule's boundary at tis_cap."""
+    safe = ["parallel.tensor_parallel=1", f"rollout.max_staleness={lag}"]
+    cfg = load_config(None, [*safe, "algo.tis_cap=2"])
+    validate(cfg, 1)  # a refusal raises ConfigError and fails the test
+    assert (cfg.rollout.max_staleness, cfg.algo.tis_cap) == (lag, 2.0)
+    with pytest.raises(ConfigError, match=f"algo.tis_cap=0.0 must be > 0 with rollout.max_staleness={lag}"):
+        validate(load_config(None, [*safe, "algo.tis_cap=0"]), 1)
 
 
 def test_checkpoint_with_batches_ahead_is_refused_without_pipelining() -> None:
