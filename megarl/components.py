@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -41,7 +40,7 @@ from megarl.rollout.fleet import Fleet
 from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.reward_runner import RewardRunner
-from megarl.rollout.tokenizer import PromptTokenizer, Tokenizer, write_hf_tokenizer
+from megarl.rollout.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
@@ -107,10 +106,7 @@ class Components:
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
             hf_cfg = self.adapter.hf_config(*self.tok.config_ids, dtype=dtype)
             save_hf_folder(path, sd, hf_cfg)
-            for f in self.tok.files():
-                shutil.copyfile(f, path / f.name)
-            if isinstance(self.tok, Tokenizer):  # the built-in one, as transformers and vLLM read it
-                write_hf_tokenizer(self.tok.path, path)
+            export_tokenizer_files(self.tok.files(), path)
 
     def close(self) -> None:
         if self.ahead is not None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.rollout.hf_tokenizer import GENERATION_CONFIG, HF_TOKENIZER_FILES
-from megarl.rollout.tokenizer import is_builtin_model, write_hf_tokenizer
+from megarl.rollout.tokenizer import export_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,11 +259,7 @@ def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
         out = save_hf_folder(args.out, tensors, hf_config)
         if (ckpt / GENERATION_CONFIG).is_file():  # the source model's sampling defaults, verbatim
             shutil.copyfile(ckpt / GENERATION_CONFIG, out / GENERATION_CONFIG)
-        for src in _tokenizer_files(args.tokenizer, ckpt):
-            shutil.copyfile(src, out / src.name)
-        spm = out / "tokenizer.model"
-        if spm.is_file() and not (out / "tokenizer.json").is_file() and is_builtin_model(spm):
-            write_hf_tokenizer(spm, out)  # megarl's own tokenizer, readable by transformers and vLLM
+        export_tokenizer_files(_tokenizer_files(args.tokenizer, ckpt), out)
         logger.info("wrote %s (%d tensors, %s) from %s", out, len(tensors), dtype, ckpt)
     dist.barrier()
     return out

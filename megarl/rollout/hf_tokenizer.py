@@ -185,7 +185,7 @@ def open_tokenizer(cfg: Any, texts: list[str], train: bool) -> Any:
     choice = m.tokenizer
     if choice == "auto":
         choice = "hf" if m.init_from and has_hf_tokenizer(m.init_from) else "builtin"
-        spm = Path(m.init_from or ".") / "tokenizer.model"
+        spm = Path(m.init_from) / "tokenizer.model"
         if choice == "hf" and not has_fast_tokenizer(m.init_from) and is_builtin_model(spm):
             return Tokenizer(spm)  # an export of a built-in-tokenizer run from before tokenizer.json
     if choice != "builtin":

@@ -132,6 +132,19 @@ def is_builtin_model(model_file: str | Path) -> bool:
     return (sp.pad_id(), sp.bos_id(), sp.eos_id()) == (PAD, BOS, EOS)
 
 
+def export_tokenizer_files(files: list[Path], out_dir: Path) -> None:
+    """Copy a run's tokenizer files into an HF export, unchanged; a built-in SentencePiece
+    model among them (and no ``tokenizer.json``) also gets the files transformers and vLLM
+    read it by (:func:`write_hf_tokenizer`)."""
+    import shutil
+
+    for f in files:
+        shutil.copyfile(f, out_dir / f.name)
+    spm = out_dir / "tokenizer.model"
+    if spm.is_file() and not (out_dir / "tokenizer.json").is_file() and is_builtin_model(spm):
+        write_hf_tokenizer(spm, out_dir)
+
+
 def write_hf_tokenizer(model_file: str | Path, out_dir: str | Path) -> None:
     """``tokenizer.json`` + ``tokenizer_config.json`` in ``out_dir`` that encode and decode as
     :class:`Tokenizer` does (BOS first, SentencePiece's whitespace rules), so a megarl export

@@ -244,7 +244,7 @@ def test_builtin_tokenizer_exports_as_transformers_reads_it(tmp_path: Path) -> N
 
     from megarl.config import RunConfig
     from megarl.rollout.hf_tokenizer import open_tokenizer
-    from megarl.rollout.tokenizer import Tokenizer, train_tokenizer, write_hf_tokenizer
+    from megarl.rollout.tokenizer import Tokenizer, export_tokenizer_files, train_tokenizer
 
     rng = random.Random(0)
     words = "the cat sat on a mat what is plus minus times answer seven eleven apples".split()
@@ -261,7 +261,7 @@ def test_builtin_tokenizer_exports_as_transformers_reads_it(tmp_path: Path) -> N
         cfg.train.run_dir, cfg.model.init_from = str(tmp_path / "run"), str(out)
         old = open_tokenizer(cfg, [], train=False)  # a bare tokenizer.model: the built-in reading
         assert isinstance(old, Tokenizer)
-        write_hf_tokenizer(builtin.path, out)
+        export_tokenizer_files([builtin.path], out)  # what hf_final/ and `convert megarl-to-hf` do
         hf = AutoTokenizer.from_pretrained(str(out))
         auto = open_tokenizer(cfg, [], train=False)
         assert isinstance(auto, HFTokenizer)
