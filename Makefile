@@ -41,7 +41,7 @@ typecheck: venv
 	$(BIN)/mypy megarl
 
 pytest: venv
-	$(BIN)/pytest -q --timeout=900 tests
+	$(BIN)/pytest -q --timeout=900 --durations=15 tests
 
 test: lint typecheck pytest
 
