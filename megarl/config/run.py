@@ -20,7 +20,10 @@ class WeightSyncConfig:
     bucket_mb: float = 64.0
     """Target bucket size, MiB."""
     integrity_check: bool = True
-    """After each sync, compare engine vs trainer logprobs on a fixed sequence."""
+    """After a sync, compare engine vs trainer logprobs on a fixed sequence (see integrity_every)."""
+    integrity_every: int = 1
+    """Check every N-th policy version (1 = every sync). The first sync, and the first sync
+    after an engine restart, are always checked: a wrong mapping or a bad reload shows there."""
     integrity_tol: float = 1e-3
     """Max |Δ logprob| the integrity check allows (fp32)."""
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from megarl.config import RunConfig
 from megarl.model.builder import Model
 from megarl.rollout.fleet import Fleet
@@ -32,6 +35,7 @@ class PolicyPublisher:
         self._ready = ready  # rank 0: wait for engines spawned at start-up (once)
         self.version = 0
         """Version of the weights the fleet serves (0 = none pushed yet)."""
+        self._checked_restarts = -1  # fleet.restarts at the last integrity check (-1: none yet)
 
     def push(self) -> dict[str, float]:
         """Collective over the trainer ranks: the actor's weights become version + 1."""
@@ -43,13 +47,31 @@ class PolicyPublisher:
         finally:
             self._wake(["kv_cache"])  # ... then the KV cache: the fleet serves again
         out = {f"sync/{k}": v for k, v in stats.items()}
-        if self.cfg.weight_sync.integrity_check:
+        if self._check_due():
             out["sync/integrity_max_abs_diff"] = check_integrity(
                 self.actor, self.fleet, self.integrity_tokens, self.cfg.weight_sync.integrity_tol
             )
+            self._checked_restarts = self._restarts()
         if self.fleet is not None:  # engines restarted so far, including during this sync
             out["fleet/restarts"] = float(self.fleet.restarts)
         return out
+
+    def _check_due(self) -> bool:
+        """Integrity check at this version: the first sync of this process, every
+        ``integrity_every``-th version, and the first sync after an engine restart (the same
+        on every rank: versions are collective and rank 0's restart count is broadcast)."""
+        w = self.cfg.weight_sync
+        if not w.integrity_check:
+            return False
+        if self._checked_restarts < 0 or self.version % w.integrity_every == 0:
+            return True
+        flag = torch.tensor([float(self._restarts() != self._checked_restarts)])
+        if dist.is_initialized():
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _restarts(self) -> int:
+        return self.fleet.restarts if self.fleet is not None else 0
 
     def _wake(self, tags: list[str]) -> None:
         """Colocated engines wake in two steps around a sync (no-op for engines awake)."""

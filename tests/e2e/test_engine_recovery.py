@@ -30,6 +30,7 @@ SETS = [
     "rollout.num_engines=2",
     "rollout.seeded=true",
     "train.steps=4",
+    "weight_sync.integrity_every=1",  # a check at every sync (the demo checks every 10th)
 ]
 FAULTS = [
     "kill_engine_at=logprobs:version=1:engine=0",  # step 1, engine idle: found dead before step 1's sync

@@ -35,6 +35,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "data.num_train=200",
         "data.num_val=8",
         "train.tensorboard=false",
+        "weight_sync.integrity_every=1",  # the probe after every sync (the demo checks every 10th)
         f"train.run_dir={run}",
     ]
     # the run's tokenizer, trained beforehand as the run would (it reuses it): the model's

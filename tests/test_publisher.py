@@ -1,0 +1,60 @@
+"""When the publisher runs the weight-sync integrity check (`weight_sync.integrity_every`): the
+first sync of the process, every N-th version, and the first sync after an engine restart.
+The check itself (engine vs trainer log-probs) runs for real in the end-to-end tests; here
+the sync and the check are stand-ins so the rule is seen alone."""
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import megarl.weight_sync.publisher as publisher_mod
+from megarl.config import load_config
+from megarl.weight_sync.publisher import PolicyPublisher
+
+
+class _Sync:
+    def push(self, version: int) -> dict[str, float]:
+        return {"total_s": 0.0}
+
+
+def _checked_versions(sets: list[str], restart_before: set[int], pushes: int, monkeypatch: Any) -> list[int]:
+    checked: list[int] = []
+    fleet = SimpleNamespace(restarts=0)
+    pub = PolicyPublisher(load_config(None, sets), actor=None, sync=_Sync(), fleet=fleet,  # type: ignore[arg-type]
+                          integrity_tokens=[1, 2], ready=lambda: None)  # fmt: skip
+    monkeypatch.setattr(publisher_mod, "check_integrity", lambda *a: checked.append(pub.version) or 0.0)
+    for v in range(1, pushes + 1):
+        if v in restart_before:
+            fleet.restarts += 1  # an engine was restarted since the last sync (or during this one)
+        out = pub.push()
+        assert ("sync/integrity_max_abs_diff" in out) == (checked[-1:] == [v])
+    return checked
+
+
+def test_integrity_every_checks_first_every_nth_and_after_a_restart(monkeypatch: Any) -> None:
+    got = _checked_versions(["weight_sync.integrity_every=4"], {6, 7}, 13, monkeypatch)
+    assert got == [1, 4, 6, 7, 8, 12]  # 6 and 7: the first syncs after a restart each
+
+
+def test_integrity_every_one_checks_every_sync_and_off_checks_none(monkeypatch: Any) -> None:
+    assert _checked_versions([], set(), 5, monkeypatch) == [1, 2, 3, 4, 5]
+    assert _checked_versions(["weight_sync.integrity_check=false"], {3}, 5, monkeypatch) == []
+
+
+def test_a_resumed_publisher_checks_its_first_sync(monkeypatch: Any) -> None:
+    checked: list[int] = []
+    pub = PolicyPublisher(load_config(None, ["weight_sync.integrity_every=10"]), actor=None,  # type: ignore[arg-type]
+                          sync=_Sync(), fleet=None, integrity_tokens=[1], ready=lambda: None)  # fmt: skip
+    monkeypatch.setattr(publisher_mod, "check_integrity", lambda *a: checked.append(pub.version) or 0.0)
+    pub.load_state_dict({"version": 23})
+    for _ in range(8):
+        pub.push()
+    assert checked == [23, 30]
+
+
+def test_integrity_every_must_be_positive() -> None:
+    from megarl.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="weight_sync.integrity_every"):
+        validate(load_config(None, ["weight_sync.integrity_every=0"]), 1)
