@@ -62,6 +62,10 @@ class CoordinatorConfig:
     band_z: float = 2.0
     """Width of the B_noise band in (approximate) standard errors; the batch is kept while it
     lies between the goodput optima at the band's two ends (hysteresis)."""
+    band_ratio: float = 4.0
+    """The hold band's upper end is capped at r·B_noise (0: no cap). While |G|² is not resolved
+    from zero the band has no upper end, and without the cap any too-large batch would be held
+    (docs/COORDINATOR.md §2)."""
     lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
     """How LR follows the batch from (lr_reference_batch, lr_ref = optim.lr / critic.lr);
     surge: Adam's optimum rises then falls in B, peaking at B_noise (docs/COORDINATOR.md §3)."""

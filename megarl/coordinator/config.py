@@ -72,6 +72,8 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"ema_beta={s.ema_beta} must be in [0, 1)")
     if not (s.track_factor == 0 or s.track_factor > 1):
         raise ValueError(f"track_factor={s.track_factor} must be 0 (no limit) or > 1")
+    if not (s.band_ratio == 0 or s.band_ratio >= 1):
+        raise ValueError(f"band_ratio={s.band_ratio} must be 0 (no cap) or >= 1")
     if not s.band_z > 0:
         raise ValueError(f"band_z={s.band_z} must be > 0")
     if s.noise_kind != "plain":

@@ -268,7 +268,9 @@ class Coordinator:
             d = jump(self.grid, b_noise, self._time, cur, b0)
         else:
             band = self._band_responses(model)
-            d = hold_or_move(self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0)
+            d = hold_or_move(
+                self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0, band_ratio=cfg.band_ratio
+            )
             step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
             if step_to != d.prompts:
                 return step_to, f"{d.reason}; limited to {step_to} prompts (track_factor={cfg.track_factor:g})"

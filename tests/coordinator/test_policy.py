@@ -154,6 +154,29 @@ def test_band_keeps_a_batch_the_data_cannot_tell_from_the_optimum() -> None:
         assert d.prompts == point
 
 
+def test_band_ratio_clips_an_unbounded_band() -> None:
+    """|G|² not resolved from zero: the band (200, inf) makes every batch above B*(200) "inside",
+    so the grid's largest batch would be held forever. Its upper end capped at 4× the point estimate
+    (B_noise 400 → 1600: optimum √(13·1600/0.05)/8 ≈ 81 prompts, grid 91) it moves to the point
+    argmax, while a batch inside the capped band (64 prompts) is still kept."""
+    coord = _coord()
+    model = _true_time_model()
+    point = choose_batch(coord.grid, B_NOISE, model, 8, min_gain=0.0).best_prompts
+    top = coord.grid.prompts()[-1]
+    band = (200.0, math.inf)
+    kept = hold_or_move(coord.grid, B_NOISE, band, model, top, min_gain=0.05, b0=64.0)
+    assert kept.prompts == top and "inside the optimum band" in kept.reason
+    moved = hold_or_move(coord.grid, B_NOISE, band, model, top, min_gain=0.05, b0=64.0, band_ratio=4.0)
+    assert moved.prompts == point
+    for current in (128, 181):  # above B*(1600) (grid 91): outside the capped band
+        assert hold_or_move(coord.grid, B_NOISE, band, model, current, min_gain=0.05, b0=64.0,
+                            band_ratio=4.0).prompts == point  # fmt: skip
+    d = hold_or_move(coord.grid, B_NOISE, band, model, 64, min_gain=0.05, b0=64.0, band_ratio=4.0)
+    assert d.prompts == 64 and "inside the optimum band" in d.reason
+    with pytest.raises(ValueError, match="band_ratio"):
+        _coord(band_ratio=0.5)
+
+
 def test_log_prob_phase_is_linear_in_the_time_model() -> None:
     """t(B) includes the log-prob phase's 0.01·B: predict(512) - predict(256) = 0.05·256
     (the old model put it in the constant part: 0.04·256, and its optimum was ~12 % high)."""
