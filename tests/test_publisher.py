@@ -18,12 +18,18 @@ class _Sync:
         return {"total_s": 0.0}
 
 
-def _checked_versions(sets: list[str], restart_before: set[int], pushes: int, monkeypatch: Any) -> list[int]:
+def _publisher(sets: list[str], fleet: Any, monkeypatch: Any) -> tuple[PolicyPublisher, list[int]]:
+    """A publisher whose integrity check records the version it ran at."""
     checked: list[int] = []
-    fleet = SimpleNamespace(restarts=0)
     pub = PolicyPublisher(load_config(None, sets), actor=None, sync=_Sync(), fleet=fleet,  # type: ignore[arg-type]
                           integrity_tokens=[1, 2], ready=lambda: None)  # fmt: skip
     monkeypatch.setattr(publisher_mod, "check_integrity", lambda *a: checked.append(pub.version) or 0.0)
+    return pub, checked
+
+
+def _checked_versions(sets: list[str], restart_before: set[int], pushes: int, monkeypatch: Any) -> list[int]:
+    fleet = SimpleNamespace(restarts=0)
+    pub, checked = _publisher(sets, fleet, monkeypatch)
     for v in range(1, pushes + 1):
         if v in restart_before:
             fleet.restarts += 1  # an engine was restarted since the last sync (or during this one)
@@ -43,10 +49,7 @@ def test_integrity_every_one_checks_every_sync_and_off_checks_none(monkeypatch: 
 
 
 def test_a_resumed_publisher_checks_its_first_sync(monkeypatch: Any) -> None:
-    checked: list[int] = []
-    pub = PolicyPublisher(load_config(None, ["weight_sync.integrity_every=10"]), actor=None,  # type: ignore[arg-type]
-                          sync=_Sync(), fleet=None, integrity_tokens=[1], ready=lambda: None)  # fmt: skip
-    monkeypatch.setattr(publisher_mod, "check_integrity", lambda *a: checked.append(pub.version) or 0.0)
+    pub, checked = _publisher(["weight_sync.integrity_every=10"], None, monkeypatch)
     pub.load_state_dict({"version": 23})
     for _ in range(8):
         pub.push()

@@ -20,10 +20,7 @@
    resolved from zero, and then every batch above B*(low) counts as "inside", up to the
    grid's largest. With t = α + β·B, B* = √(α·B_noise/β), so a 4× cap keeps a held batch
    within 2× above the point optimum: the bound of one tracking move. Only the upper end is
-   capped: capping the lower end as well made a short |G|² dip (which raises the point
-   estimate) push the batch up twice on the synthetic trainer. On the time-to-target
-   benchmark the cap did not change the run it was made for (held 704 responses from step 2
-   to 66 with it as without it: its point estimate was 380–5200 responses over those steps).
+   capped (why, and what it did on the benchmark: docs/COORDINATOR.md §2).
 
    A move after the first jump changes the batch by at most ``track_factor`` (2×): once the
    estimate has settled, B_noise drifts over tens of steps, so a decision asking for more is
