@@ -21,6 +21,8 @@ passes in the logprobs phase follow ``megarl.update.evaluate`` (π_old when samp
 or KL is a reward, π_ref when KL is on).
 
     python benchmarks/roofline.py [--config examples/grpo_cpu.yaml] [--steps 6] [--set k=v ...]
+    python benchmarks/roofline.py --scale b --steps 3 --skip 1 --timeout 2400   # ~17 min
+        (--scale: vs_trl.py's model and batch at that scale, its tuned layout, no warm start)
 
 Prints a table and one JSON line.
 """
@@ -116,7 +118,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/roofline"))
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--scale", choices=["a", "b"], help="vs_trl.py's sets at this scale, tuned layout (before --set)")
     args = ap.parse_args()
+    if args.scale:
+        from benchmarks.vs_trl import SCALES, _scale_sets
+
+        tuned = SCALES[args.scale]["variants"]["tuned"]
+        args.sets = [*_scale_sets(args.scale), *tuned, "warm_start.steps=0", *args.sets]
 
     steps, cfg = train(args.config, args.out / "run", args.steps, args.sets, args.timeout)
     steps = steps[args.skip :]

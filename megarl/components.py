@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
+from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
 from megarl.config.hf import check_hf_tensors, hf_dtype_name
 from megarl.distributed import ParallelDims, init_distributed, init_layout
@@ -123,6 +124,8 @@ def build(cfg: RunConfig) -> Components:
     """Process groups, data, tokenizer, engines (started, not awaited), actor and the phases."""
     p = cfg.parallel
     dims = init_distributed(p.tensor_parallel, p.pipeline_parallel, cfg.train.seed)
+    if p.cpu_keep_freed_memory and not torch.cuda.is_available():
+        cpu_compat.keep_freed_memory()
     critic_dims = dims
     if cfg.algo.name == "ppo":
         ctp, cpp, _ = cfg.critic_layout(dims.world_size)

@@ -98,6 +98,11 @@ class ParallelConfig:
     max_tokens_per_micro_batch > 0, and model.attention=sdpa with the local spec."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (megatron distributed optimizer)."""
+    cpu_keep_freed_memory: bool = True
+    """CPU trainer ranks only: glibc keeps freed memory for reuse instead of returning every
+    block over 32 MiB to the kernel (whose pages then fault in again on the next step's
+    activations and gradients). The ranks hold their peak memory, as a GPU caching allocator
+    does. False = the C library's defaults."""
 
 
 @dataclass(kw_only=True)
