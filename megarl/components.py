@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -252,6 +253,21 @@ def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Promp
     (model_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))
 
 
+def engine_threads(cfg: RunConfig, cores: int, local_ranks: int) -> int:
+    """Torch threads of each engine megarl starts (``rollout.engine_threads``; 0 = auto): the
+    ``cores`` this process may run on, shared by the engines' TP workers, minus the host's
+    ``local_ranks`` trainer ranks when they compute while the fleet generates (pipelined
+    rollouts); at least 1. 0 on CUDA (vLLM's own choice) and for TP > 1 engines, whose
+    workers vLLM binds to cores itself."""
+    r = cfg.rollout
+    if r.engine_threads:
+        return r.engine_threads
+    if torch.cuda.is_available() or r.engine_tp > 1:
+        return 0
+    busy = local_ranks if r.max_staleness > 0 else 0
+    return max(1, (cores - busy) // r.num_engines)
+
+
 def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
     r = cfg.rollout
     if r.engine_addresses:  # the credential comes from MEGARL_ENGINE_TOKEN_FILE (slurm/common.sh)
@@ -269,6 +285,7 @@ def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         wait=False,
         token=run_token(run_dir),
         lease_s=r.engine_lease_s,
+        threads=engine_threads(cfg, len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
     )
 
 

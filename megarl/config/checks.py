@@ -337,6 +337,7 @@ def _positive(cfg: RunConfig) -> None:
                 "kv_channels",
                 "lr_reference_batch",
                 "max_staleness",
+                "engine_threads",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

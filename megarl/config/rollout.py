@@ -84,6 +84,12 @@ class RolloutConfig:
     """vLLM engines started by megarl (ignored when engine_addresses is set)."""
     engine_tp: int = 1
     """Tensor-parallel size of each engine."""
+    engine_threads: int = 0
+    """Torch threads of each engine megarl starts on a machine without CUDA (its OMP_NUM_THREADS).
+    0 = auto: with ``max_staleness`` 0 the trainer waits while the fleet generates, so the
+    engines share the cores this process may run on; with pipelined rollouts they share what the
+    host's trainer ranks leave, at least 1 each (:func:`megarl.rollout.fleet.engine_threads`).
+    Engines with ``engine_tp`` > 1 bind their workers through vLLM (VLLM_CPU_OMP_THREADS_BIND)."""
     engine_addresses: list[str] = field(default_factory=list)
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25

@@ -142,7 +142,8 @@ class VllmEngine:
         """Report the model's forward seconds with each generation (benchmarks; adds an RPC)."""
         if self.time_model:
             self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
-        log.info("KV cache: %d tokens (block size %d)", self.kv_tokens, self.block_size)
+        threads = torch.get_num_threads()
+        log.info("KV cache: %d tokens (block size %d); torch threads %d", self.kv_tokens, self.block_size, threads)
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
         """(block size, KV-cache tokens) of this engine, as vLLM sized it."""

@@ -95,11 +95,13 @@ class Fleet(WeightUpdates):
         wait: bool = True,
         token: str = "",
         lease_s: float = 120.0,
+        threads: int = 0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
         ``token``: the run's credential (default: a fresh one); ``lease_s``: engines exit after
-        this long without a request or heartbeat from this process (0: off)."""
+        this long without a request or heartbeat from this process (0: off); ``threads``: each
+        engine's OMP_NUM_THREADS (0: inherited)."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         token = token or new_token()
@@ -130,6 +132,8 @@ class Fleet(WeightUpdates):
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
             # the credential travels in the environment: a command line is visible to every user
             env = {"TORCHDYNAMO_DISABLE": "1", TOKEN_ENV: token}
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
             log_path = Path(log_dir) / f"engine{i}.log"
             engines.append(
                 EngineClient(f"engine{i}", f"127.0.0.1:{port}", launch=cmd, env=env, log_path=log_path, token=token)

@@ -87,6 +87,7 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
         (_cfg(rollout={"min_response_len": 13}), 1, "rollout.min_response_len=13 must be in .0, max_response_len=12."),
         (_cfg(rollout={"engine_lease_s": 5}), 1, "rollout.engine_lease_s=5.0 must be 0 .off. or >= 15 s"),
+        (_cfg(rollout={"engine_threads": -1}), 1, "rollout.engine_threads=-1 must be a positive integer"),
         (_cfg(data={"reward": "bleu"}), 1, "data.reward='bleu' is not a built-in reward .answer_prefix, arithmetic"),
         (_cfg(reward={"fn": "bleu"}), 1, r"reward.fn\[0\]='bleu' is not a built-in reward"),
         (_cfg(reward={"fn": "math,exact_match", "weights": "1"}), 1, "reward.weights=.1.0. has 1 entries, reward.fn has 2"),
@@ -201,3 +202,32 @@ def test_explicit_head_dim_validates() -> None:
     validate(cfg, 1)
     assert cfg.model.head_dim == 64
     assert _cfg().model.head_dim == 32
+
+
+@pytest.mark.parametrize(
+    ("rollout", "cores", "local_ranks", "threads"),
+    [
+        ({}, 2, 2, 2),  # staleness 0: the trainer waits while the engine generates
+        ({"num_engines": 2}, 2, 2, 1),
+        ({"num_engines": 3}, 8, 2, 2),
+        ({"max_staleness": 1}, 2, 2, 1),  # pipelined: both trainer ranks compute meanwhile, at least 1
+        ({"max_staleness": 1, "num_engines": 2}, 8, 2, 3),
+        ({"max_staleness": 1}, 16, 4, 12),
+        ({"engine_threads": 5}, 2, 2, 5),  # the user's number wins
+        ({"engine_tp": 2}, 8, 2, 0),  # vLLM binds TP workers itself
+    ],
+)
+def test_engine_threads_share_the_cores_the_trainer_leaves(rollout: dict, cores: int, local_ranks: int, threads: int) -> None:
+    from megarl.components import engine_threads
+
+    assert engine_threads(_cfg(rollout=rollout), cores, local_ranks) == threads
+
+
+def test_engine_threads_auto_leaves_cuda_engines_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from megarl.components import engine_threads
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_threads(_cfg(), 16, 8) == 0
+    assert engine_threads(_cfg(rollout={"engine_threads": 4}), 16, 8) == 4

@@ -51,6 +51,9 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
     log = (run_dir / "stdout.log").read_text()
     assert "step 4/4" in log and "summary" in log
+    # rollout.engine_threads=0 (auto), staleness 0: the one engine generates on every core the
+    # trainer may use (it waits meanwhile); torch in the engine process says how many it got
+    assert f"torch threads {len(os.sched_getaffinity(0))}" in (run_dir / "logs" / "engine0.log").read_text()
 
 
 def test_exported_actor_loads_in_transformers(run_dir: Path) -> None:
