@@ -29,6 +29,26 @@ def run_train(config: str, sets: list[str], log_path: Path, timeout: int = 1800)
     raise RuntimeError(f"no summary line in {log_path}")
 
 
+def step_metrics(
+    config: str, out: Path, steps: int, sets: list[str], timeout: int, code: Path = ROOT
+) -> list[dict[str, Any]]:
+    """``steps`` steps of `megarl train` from the megarl in ``code`` with engines timing their model
+    forward (MEGARL_ENGINE_TIME_MODEL=1); the metrics.jsonl rows of its steps. The log goes next
+    to ``out`` (the run directory); a failed run raises with the log's tail."""
+    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONWARNINGS="ignore", MEGARL_ENGINE_TIME_MODEL="1")  # fmt: skip
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", config]
+    for s in [f"train.steps={steps}", "train.eval_every=0", "train.tensorboard=false", "train.resume=never",
+              f"train.run_dir={out}", *sets]:  # fmt: skip
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=code)
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} (in {code}) failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step/total" in r]
+
+
 def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     head = " | ".join(c.ljust(widths[c]) for c in cols)

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import ROOT, table  # noqa: E402
+from benchmarks.common import ROOT, step_metrics, table  # noqa: E402
 
 
 def best_time(fn: Any, repeats: int = 5) -> float:
@@ -92,23 +90,6 @@ def weight_count(hf_dir: Path) -> tuple[int, int]:
     return n, nbytes
 
 
-def train(config: str, out: Path, steps: int, sets: list[str], timeout: int) -> tuple[list[dict[str, float]], Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore",
-               MEGARL_ENGINE_TIME_MODEL="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", config]
-    for s in [f"train.steps={steps}", "train.eval_every=0", "train.tensorboard=false", "train.resume=never",
-              f"train.run_dir={out}", *sets]:  # fmt: skip
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    from megarl.config import load_config
-
-    return [r for r in rows if "timing/step/total" in r], load_config(config, sets)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "examples/grpo_cpu.yaml"))
@@ -126,7 +107,10 @@ def main() -> int:
         tuned = SCALES[args.scale]["variants"]["tuned"]
         args.sets = [*_scale_sets(args.scale), *tuned, "warm_start.steps=0", *args.sets]
 
-    steps, cfg = train(args.config, args.out / "run", args.steps, args.sets, args.timeout)
+    steps = step_metrics(args.config, args.out / "run", args.steps, args.sets, args.timeout)
+    from megarl.config import load_config
+
+    cfg = load_config(args.config, args.sets)
     steps = steps[args.skip :]
     n, wbytes = weight_count(args.out / "run" / "hf_final")
     torch.set_num_threads(args.threads)  # the limits, measured after the run (no engine competes)

@@ -29,33 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import step_metrics, table  # noqa: E402
 
 PARTS = ("rollout_host", "requests", "vllm_overhead", "sync", "other")
-
-
-def run(code: Path, out: Path, steps: int, sets: list[str], timeout: int) -> list[dict[str, float]]:
-    """One `megarl train` of the demo with the megarl in ``code``; its per-step metrics."""
-    env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONWARNINGS="ignore", MEGARL_ENGINE_TIME_MODEL="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(code / "examples/grpo_cpu.yaml")]
-    for s in [f"train.steps={steps}", "train.eval_every=0", "train.tensorboard=false", "train.resume=never",
-              f"train.run_dir={out}", *sets]:  # fmt: skip
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=code)
-    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} (in {code}) failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "timing/step/total" in r]
 
 
 def split(m: dict[str, float], model_s: float | None) -> dict[str, float]:
@@ -95,7 +77,8 @@ def main() -> int:
     for r in range(args.repeats):
         for i, code in enumerate(codes):
             t0 = time.perf_counter()
-            steps = run(code, args.out / f"tree{i}_rep{r}", args.steps, args.sets, args.timeout)
+            config = str(code / "examples/grpo_cpu.yaml")
+            steps = step_metrics(config, args.out / f"tree{i}_rep{r}", args.steps, args.sets, args.timeout, code)
             runs[i].append(steps[args.skip :])
             print(f"tree {i} ({code}) repeat {r}: {len(steps)} steps in {time.perf_counter() - t0:.0f}s", flush=True)
     timed = [m["fleet/model_s"] for rs in runs.values() for steps in rs for m in steps if m.get("fleet/model_s")]

@@ -46,7 +46,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "unfused"], help="megarl's core attention")
-    ap.add_argument("--ops", action="store_true", help="also print the top torch ops of each training pass")
+    ap.add_argument("--ops", action="store_true", help="also print the top torch ops of each pass")
+    ap.add_argument(
+        "--glibc-defaults", action="store_true", help="leave glibc's malloc as it is (the trainer keeps freed memory)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -58,6 +61,10 @@ def main() -> int:
     from megarl.model.builder import build_gpt
     from megarl.model.forward import forward_logprobs, labels_of, train_step, vocab_parallel_logprobs
 
+    if not args.glibc_defaults and not torch.cuda.is_available():
+        from megarl.compat.cpu import keep_freed_memory
+
+        keep_freed_memory()  # what a trainer rank does (parallel.cpu_keep_freed_memory); both models see it
     dims = init_distributed(1, 1, seed=0)
     hf_cfg, hf = read_hf_folder(args.hf)
     mcfg = model_config_from_hf(hf_cfg, ModelConfig(attention=args.attention))
@@ -118,10 +125,15 @@ def main() -> int:
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 
-        for name, fn in (("megarl", m_train), ("transformers", h_train)):
+        for name, fn in (
+            ("megarl forward", m_fwd),
+            ("transformers forward", h_fwd),
+            ("megarl forward+backward+adam", m_train),
+            ("transformers forward+backward+adam", h_train),
+        ):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 fn()
-            print(f"--- top ops, {name} forward+backward+adam")
+            print(f"--- top ops, {name}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
     if dims.is_rank0:
         print(f"{n_params / 1e6:.1f}M params, {args.rows}×{args.seq} tokens, {args.threads} threads")
