@@ -255,10 +255,10 @@ def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Promp
 
 def engine_threads(cfg: RunConfig, cores: int, local_ranks: int) -> int:
     """Torch threads of each engine megarl starts (``rollout.engine_threads``; 0 = auto): the
-    ``cores`` this process may run on, shared by the engines' TP workers, minus the host's
-    ``local_ranks`` trainer ranks when they compute while the fleet generates (pipelined
-    rollouts); at least 1. 0 on CUDA (vLLM's own choice) and for TP > 1 engines, whose
-    workers vLLM binds to cores itself."""
+    ``cores`` this process may run on, minus the host's ``local_ranks`` trainer ranks when they
+    compute while the fleet generates (pipelined rollouts), shared by the engines; at least 1.
+    0 (the engine's inherited setting) on CUDA, where vLLM chooses, and for TP > 1 engines,
+    whose workers vLLM binds to cores itself."""
     r = cfg.rollout
     if r.engine_threads:
         return r.engine_threads
