@@ -51,11 +51,13 @@ try:
 except ConfigError as e:
     sys.exit(f"megarl-slurm: error: config: {e}")
 p, r = c.parallel, c.rollout
-print(p.tensor_parallel, p.pipeline_parallel, p.data_parallel, r.engine_tp, r.kv_cache_gb, c.train.seed)
+print(p.tensor_parallel, p.pipeline_parallel, p.data_parallel, r.engine_tp, r.kv_cache_gb, c.train.seed,
+      r.engine_threads, r.max_staleness)
 print(Path(c.train.run_dir).resolve())
 EOF
 )" || megarl_die "could not read the megarl config (MEGARL_CONFIG='${MEGARL_CONFIG:-}', MEGARL_SET='${MEGARL_SET:-}')"
-    read -r MEGARL_TP MEGARL_PP MEGARL_DP MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED <<<"$(sed -n 1p <<<"$cfg")"
+    read -r MEGARL_TP MEGARL_PP MEGARL_DP MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED \
+        MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS <<<"$(sed -n 1p <<<"$cfg")"
     MEGARL_RUN_DIR="$(sed -n 2p <<<"$cfg")"
     MEGARL_WORLD=$((MEGARL_TP * MEGARL_PP * MEGARL_DP))
 
@@ -144,14 +146,16 @@ megarl_rendezvous() {
 
 # ---------------------------------------------------------------------------- steps
 
-# megarl_start_engines NODES_CSV NNODES PER_NODE: one engine server per task, ports from
-# MEGARL_ENGINE_PORT upward; sets MEGARL_ENGINE_PID, MEGARL_ENGINE_ADDRS, MEGARL_ENGINE_LOGS.
+# megarl_start_engines NODES_CSV NNODES PER_NODE TRAINER_RANKS_PER_NODE: one engine server per
+# task, ports from MEGARL_ENGINE_PORT upward; sets MEGARL_ENGINE_PID, MEGARL_ENGINE_ADDRS,
+# MEGARL_ENGINE_LOGS. TRAINER_RANKS_PER_NODE (0 on fleet-only nodes) sizes CPU engines' threads.
 megarl_start_engines() {
     local nodes_csv=$1 nnodes=$2 per=$3
+    export MEGARL_ENGINE_TRAINER_RANKS=$4
     export MEGARL_ENGINE_PORT="${MEGARL_ENGINE_PORT:-$((MASTER_PORT + 1))}"
     export MEGARL_ENGINE_WAIT_S="${MEGARL_ENGINE_WAIT_S:-1800}"
     export MEGARL_ENGINE_LEASE_S="${MEGARL_ENGINE_LEASE_S:-600}"
-    export MEGARL_RUN_DIR MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED
+    export MEGARL_RUN_DIR MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS
     # The trainer rewrites hf_engine/ at start; a stale manifest from an earlier run (or the
     # run before a requeue) must not let engines start before it does.
     rm -f "$MEGARL_RUN_DIR/hf_engine/weights_manifest.json"

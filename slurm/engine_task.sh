@@ -21,6 +21,24 @@ if [[ "${SLURM_GPUS_ON_NODE:-0}" -gt 0 ]]; then
     CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${mine[*]}")"
     export CUDA_VISIBLE_DEVICES
 fi
+# CPU engines (no GPUs on the node, engine_tp 1): torch threads from rollout.engine_threads, or
+# (0 = auto) the rule of megarl.components.engine_threads for engines on one host: the node's
+# CPUs shared by its engines, less the node's trainer ranks when those compute while the fleet
+# generates (max_staleness > 0); at least 1, at most the CPUs this task may run on. Without this
+# an engine inherits the trainer ranks' OMP_NUM_THREADS (common.sh:megarl_set_omp), and vLLM's
+# CPU worker keeps whatever it starts with.
+if [[ "${SLURM_GPUS_ON_NODE:-0}" -eq 0 && "$MEGARL_ENGINE_TP" -eq 1 ]]; then
+    threads="${MEGARL_ENGINE_THREADS:-0}"
+    if ((threads == 0)); then
+        busy=0
+        ((${MEGARL_MAX_STALENESS:-0} == 0)) || busy="${MEGARL_ENGINE_TRAINER_RANKS:-0}"
+        mine="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" # nproc alone reports OMP_NUM_THREADS
+        threads=$(((${SLURM_CPUS_ON_NODE:-$mine} - busy) / ${SLURM_NTASKS_PER_NODE:-1}))
+        ((threads >= 1)) || threads=1
+        ((threads <= mine)) || threads=$mine
+    fi
+    export OMP_NUM_THREADS="$threads"
+fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" # CPU builds: KV cache GiB (the megarl flag sets the real budget)
 echo "megarl-slurm: engine $SLURM_PROCID on $node:$port waiting for $model/weights_manifest.json"
 deadline=$((SECONDS + MEGARL_ENGINE_WAIT_S))
@@ -31,7 +49,7 @@ until "$MEGARL_PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$model/w
     fi
     sleep 2
 done
-echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}"
+echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}${threads:+ with $threads torch threads}"
 # shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
 exec "$MEGARL_PY" -m megarl.engine.server --model "$model" --host 0.0.0.0 --port "$port" \
     --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \

@@ -20,7 +20,7 @@ import pytest
 
 from megarl.metrics import read_metrics
 from tests.helpers import ROOT
-from tests.slurm.local_cluster import LocalSlurm
+from tests.slurm.local_cluster import CPUS_PER_NODE, LocalSlurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -114,7 +114,10 @@ def test_disaggregated_trainer_node_and_fleet_node(slurm_cluster: LocalSlurm, tm
     """node1: 2 trainer ranks (TP=2); node2: one engine server the trainer attaches to."""
     run, out = tmp_path / "run", tmp_path / "job.out"
     env = job_env(run, steps=3, MEGARL_FLEET_NODES="1", MEGARL_ENGINES_PER_NODE="1")
-    job = submit(slurm_cluster, "megarl_disaggregated.sbatch", ["--nodes=2"], env, out)
+    # every CPU of each node: the engine's threads follow the job's CPUs on its node
+    job = submit(
+        slurm_cluster, "megarl_disaggregated.sbatch", ["--nodes=2", f"--cpus-per-task={CPUS_PER_NODE}"], env, out
+    )
     info = wait_job(slurm_cluster, job, out)
     diag = f"\n{slurm_cluster.diagnostics(out)}"
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), diag
@@ -124,6 +127,11 @@ def test_disaggregated_trainer_node_and_fleet_node(slurm_cluster: LocalSlurm, tm
     assert m, diag
     engine_log = (run / "logs" / "slurm-engine-0.log").read_text()
     assert f"engine 0 starting on {m.group(1)}" in engine_log and "engine ready" in engine_log, engine_log[-3000:]
+    # node1's two ranks export OMP_NUM_THREADS=1; the engine on node2 sizes its own threads by
+    # the job's CPUs on node2 (slurm/engine_task.sh), which vLLM's CPU worker then keeps
+    threads = min(CPUS_PER_NODE, len(os.sched_getaffinity(0)))
+    assert f"with {threads} torch threads" in engine_log, engine_log[-3000:]
+    assert f"torch threads {threads}" in engine_log, engine_log[-3000:]
     assert rl_steps(run) == [1, 2, 3], diag
     assert "engine step stopped" in log
     # the engine (bound to 0.0.0.0) served a trainer holding the job's credential: a 0600 file
