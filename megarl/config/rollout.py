@@ -89,7 +89,8 @@ class RolloutConfig:
     0 = auto: with ``max_staleness`` 0 the trainer waits while the fleet generates, so the
     engines share the cores this process may run on; with pipelined rollouts they share what the
     host's trainer ranks leave, at least 1 each (:func:`megarl.components.engine_threads`).
-    Engines with ``engine_tp`` > 1 bind their workers through vLLM (VLLM_CPU_OMP_THREADS_BIND)."""
+    Engines with ``engine_tp`` > 1 bind their workers through vLLM (VLLM_CPU_OMP_THREADS_BIND).
+    CPU engines the SLURM scripts start apply the same rule per node (``slurm/engine_task.sh``)."""
     engine_addresses: list[str] = field(default_factory=list)
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25
