@@ -30,6 +30,7 @@ from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors
 from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
 from megarl.config.hf import check_hf_tensors, hf_dtype_name
+from megarl.config.rollout import cpu_engine_threads
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
@@ -260,12 +261,9 @@ def engine_threads(cfg: RunConfig, cores: int, local_ranks: int) -> int:
     0 (the engine's inherited setting) on CUDA, where vLLM chooses, and for TP > 1 engines,
     whose workers vLLM binds to cores itself."""
     r = cfg.rollout
-    if r.engine_threads:
-        return r.engine_threads
-    if torch.cuda.is_available() or r.engine_tp > 1:
+    if not r.engine_threads and (torch.cuda.is_available() or r.engine_tp > 1):
         return 0
-    busy = local_ranks if r.max_staleness > 0 else 0
-    return max(1, (cores - busy) // r.num_engines)
+    return cpu_engine_threads(r.engine_threads, r.max_staleness, cores, r.num_engines, local_ranks)
 
 
 def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:

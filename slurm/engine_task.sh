@@ -21,22 +21,24 @@ if [[ "${SLURM_GPUS_ON_NODE:-0}" -gt 0 ]]; then
     CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${mine[*]}")"
     export CUDA_VISIBLE_DEVICES
 fi
-# CPU engines (no GPUs on the node, engine_tp 1): torch threads from rollout.engine_threads, or
-# (0 = auto) the rule of megarl.components.engine_threads for engines on one host: the node's
-# CPUs shared by its engines, less the node's trainer ranks when those compute while the fleet
-# generates (max_staleness > 0); at least 1, at most the CPUs this task may run on. Without this
-# an engine inherits the trainer ranks' OMP_NUM_THREADS (common.sh:megarl_set_omp), and vLLM's
-# CPU worker keeps whatever it starts with.
+# CPU engines (no GPUs on the node, engine_tp 1): torch threads by megarl's one rule
+# (megarl.config.rollout.cpu_engine_threads: rollout.engine_threads, or the node's CPUs shared by
+# its engines, less its trainer ranks with pipelined rollouts), when automatic at most the CPUs
+# this task may run on. Without this an engine inherits the trainer ranks' OMP_NUM_THREADS
+# (common.sh:megarl_set_omp), and vLLM's CPU worker keeps whatever it starts with.
 if [[ "${SLURM_GPUS_ON_NODE:-0}" -eq 0 && "$MEGARL_ENGINE_TP" -eq 1 ]]; then
-    threads="${MEGARL_ENGINE_THREADS:-0}"
-    if ((threads == 0)); then
-        busy=0
-        ((${MEGARL_MAX_STALENESS:-0} == 0)) || busy="${MEGARL_ENGINE_TRAINER_RANKS:-0}"
-        mine="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" # nproc alone reports OMP_NUM_THREADS
-        threads=$(((${SLURM_CPUS_ON_NODE:-$mine} - busy) / ${SLURM_NTASKS_PER_NODE:-1}))
-        ((threads >= 1)) || threads=1
-        ((threads <= mine)) || threads=$mine
-    fi
+    threads="$("$MEGARL_PY" - "${MEGARL_ENGINE_THREADS:-0}" "${MEGARL_MAX_STALENESS:-0}" "${SLURM_CPUS_ON_NODE:-0}" \
+        "${SLURM_NTASKS_PER_NODE:-1}" "${MEGARL_ENGINE_TRAINER_RANKS:-0}" <<'EOF'
+import os
+import sys
+
+from megarl.config.rollout import cpu_engine_threads
+
+threads, staleness, cpus, engines, ranks = map(int, sys.argv[1:])
+mine = len(os.sched_getaffinity(0))
+print(threads or min(cpu_engine_threads(0, staleness, cpus or mine, engines, ranks), mine))
+EOF
+)"
     export OMP_NUM_THREADS="$threads"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" # CPU builds: KV cache GiB (the megarl flag sets the real budget)
