@@ -46,26 +46,58 @@ def _tied(model: Model) -> bool:
     return bool(getattr(model.core, "share_embeddings_and_output_weights", False))
 
 
+GATHER_CHUNK_BYTES = 64 << 20
+"""Per-rank bytes of TP shards gathered by one collective (the transient buffer is TP × this)."""
+
+
 def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """HF-named full fp32 tensors of this PP stage on its owner rank; [] on other ranks.
 
-    All ranks of the TP group must call this (it all-gathers TP shards). ``device``: where the
-    tensors end up ('cuda' keeps them on the GPU for the NCCL / CUDA IPC transports).
+    All ranks of the TP group must call this (it all-gathers TP shards, several tensors per
+    collective: a small model's sync is otherwise one round trip per tensor). ``device``:
+    where the tensors end up ('cuda' keeps them on the GPU for the NCCL / CUDA IPC transports).
     """
     dims = model.dims
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
+    params = [(n, p.detach()) for n, p in _named_params(model) if not (adapter.skip(n) or _skip_for_export(model, n))]
+    split = [k for k, (n, _) in enumerate(params) if dims.tp > 1 and adapter.split_dim(n) is not None]
+    shards = all_gather_flat([params[k][1] for k in split], dims.tp, dims.tp_group)
+    full = dict(params)
+    for k, parts in zip(split, shards):
+        name, dim = params[k][0], adapter.split_dim(params[k][0])
+        assert dim is not None
+        full[name] = torch.cat(parts, dim=dim)
     out: list[tuple[str, torch.Tensor]] = []
-    for name, p in _named_params(model):
-        if adapter.skip(name) or _skip_for_export(model, name):
-            continue
-        dim = adapter.split_dim(name)
-        t = p.detach()
-        if dim is not None and dims.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(dims.tp)]
-            dist.all_gather(parts, t.contiguous(), group=dims.tp_group)
-            t = torch.cat(parts, dim=dim)
-        if dims.is_stage_owner:
+    if dims.is_stage_owner:
+        for name, t in full.items():
             out.extend((n, x.float().to(device).contiguous()) for n, x in adapter.to_hf(name, t, offset, dims.tp))
+    return out
+
+
+def all_gather_flat(
+    tensors: list[torch.Tensor], world: int, group: Any, chunk_bytes: int = GATHER_CHUNK_BYTES
+) -> list[list[torch.Tensor]]:
+    """Every rank's copy of each tensor (``world`` views per tensor, rank order), gathered in as
+    few collectives as ``chunk_bytes`` allows: consecutive tensors of one dtype and device are
+    flattened into one buffer. Every rank of ``group`` passes tensors of the same shapes."""
+    out: list[list[torch.Tensor]] = []
+    i = 0
+    while i < len(tensors):
+        first, j, size = tensors[i], i, 0
+        while j < len(tensors) and tensors[j].dtype == first.dtype and tensors[j].device == first.device:
+            nbytes = tensors[j].numel() * tensors[j].element_size()
+            if j > i and size + nbytes > chunk_bytes:
+                break
+            size += nbytes
+            j += 1
+        flat = torch.cat([t.reshape(-1) for t in tensors[i:j]])
+        gathered = torch.empty((world, flat.numel()), dtype=flat.dtype, device=flat.device)
+        dist.all_gather(list(gathered.unbind(0)), flat, group=group)
+        off = 0
+        for t in tensors[i:j]:
+            out.append([gathered[r, off : off + t.numel()].view(t.shape) for r in range(world)])
+            off += t.numel()
+        i = j
     return out
 
 

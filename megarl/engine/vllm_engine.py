@@ -88,6 +88,18 @@ def waves(
     return out
 
 
+def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """The log-prob of each sampled token. ``FlatLogprobs`` with one entry per position (what
+    ``logprobs=0`` gives: the sampled token only) is read as its flat list; anything else
+    (a position with top-k entries, vLLM's list of dicts) is looked up position by position."""
+    flat = getattr(logprobs, "logprobs", None)
+    positions = list(range(len(tokens) + 1))
+    if isinstance(flat, list) and logprobs.start_indices == positions[:-1] and logprobs.end_indices == positions[1:]:
+        if logprobs.token_ids == tokens:
+            return [float(x) for x in flat]
+    return [float(d[t].logprob) for d, t in zip(logprobs or [], tokens) if d is not None]
+
+
 class VllmEngine:
     """One vLLM ``LLM`` on token ids: generation, prompt log-probs, staged weight updates, sleep."""
 
@@ -173,6 +185,7 @@ class VllmEngine:
                 top_p=float(req.get("top_p", 1.0)),
                 stop_token_ids=list(req.get("stop_token_ids", [])),
                 logprobs=0,
+                flat_logprobs=True,  # one list per request, not a dict + Logprob object per token
                 seed=s,
                 ignore_eos=bool(req.get("ignore_eos", False)),
                 min_tokens=int(req.get("min_tokens", 0)),
@@ -211,8 +224,14 @@ class VllmEngine:
         for r in results:
             group = []
             for c in r.outputs:
-                lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids) if d is not None]
-                group.append({"token_ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
+                tokens = list(c.token_ids)
+                group.append(
+                    {
+                        "token_ids": tokens,
+                        "logprobs": sampled_logprobs(c.logprobs, tokens),
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             outputs.append(group)
         return encode_generation(version, outputs, timings)
 
