@@ -22,6 +22,9 @@ sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
 
     python benchmarks/time_to_target.py --quick           # ~4 min: the machinery end to end
     python benchmarks/time_to_target.py [--out DIR]       # full: 23 runs, ~0.5-0.8 h on 2 idle cores (estimated)
+    python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--out DIR]
+        # no sweep: that setting and the coordinator (both starts) on seeds 1..6, paired
+        # ratios per seed (runs named as in the full mode: the two share a result cache)
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
 from benchmarks.ttt import runs  # noqa: E402
-from benchmarks.ttt.analysis import analyse, estimate_wall_s, run_result  # noqa: E402
+from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run_result  # noqa: E402
 from benchmarks.ttt.tasks import write_task_file  # noqa: E402
 
 CONFIG = str(ROOT / "benchmarks/ttt/config.yaml")
@@ -90,6 +93,47 @@ def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[
             k = seed % len(group)  # rotate, so no variant always runs first in its round
             order += [(v, seed) for v in group[k:] + group[:k]]
     return order
+
+
+def plan_seeds(mode: Mode, fixed: runs.Variant, extra: list[str]) -> list[tuple[runs.Variant, int]]:
+    """``--best`` mode: the fixed setting and both coordinator starts on every seed, rotated."""
+    lo, hi = mode.coord_range
+    small = runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    large = runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    order = []
+    for seed in range(1, mode.seeds + 1):
+        group = [fixed, small, large]
+        k = seed % len(group)
+        order += [(v, seed) for v in group[k:] + group[:k]]
+    return order
+
+
+def run_plan(
+    out: Path,
+    common: list[str],
+    order: list[tuple[runs.Variant, int]],
+    execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each planned run's result, from the cache or ``execute``d and cached."""
+    results = []
+    for v, seed in order:
+        key, settings = runs.run_key(v, seed), common + v.overrides() + [f"train.seed={seed}"]
+        res = runs.cache_load(out, key, settings)
+        if res is None:
+            runs.cache_store(out, key, settings, execute(v, seed, settings))
+            res = runs.cache_load(out, key, settings)
+            assert res is not None
+        results.append(res)
+    return results
+
+
+def report_seeds(results: list[dict[str, Any]], targets: list[float], fixed: runs.Variant, t0: float) -> int:
+    report = compare_seeds(results, targets, fixed.name)
+    cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
+    print(table(report["rows"], cols))
+    line = {"benchmark": "time_to_target", "mode": "seeds", "targets": targets, "wall_s": round(time.time() - t0, 1)}
+    print(json.dumps(line | report["ratios"]))
+    return 0
 
 
 def make_base(out: Path, mode: Mode) -> dict[str, Any]:
@@ -191,6 +235,8 @@ def main() -> int:
     )
     ap.add_argument("--warm-start-steps", type=int, help="supervised steps of the shared base (mode default)")
     ap.add_argument("--max-steps", type=int, help="RL steps cap per run (mode default)")
+    ap.add_argument("--seeds", type=int, help="seeds of the best setting and the coordinators (mode default)")
+    ap.add_argument("--best", help="no sweep: compare the coordinators with this sweep setting (e.g. sweep_p32_m1)")
     ap.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
     args = ap.parse_args()
     mode = MODES["quick" if args.quick else "full"]
@@ -201,10 +247,25 @@ def main() -> int:
         changes["warm_start_steps"] = args.warm_start_steps
     if args.max_steps is not None:
         changes["max_steps"] = args.max_steps
+    if args.seeds is not None:
+        changes["seeds"] = args.seeds
     mode = Mode(**{**mode.__dict__, **changes})
     out = Path(args.out or ROOT / ("runs/bench_ttt_quick" if args.quick else "runs/bench_ttt"))
+    fixed = None
+    if args.best:
+        fixed = next(
+            (v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref) if v.name == args.best), None
+        )
+        if fixed is None:
+            names = ", ".join(v.name for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref))
+            ap.error(f"--best {args.best!r} is not a sweep setting of this mode ({names})")
     if args.dry_run:
-        for v, seed in plan(mode, runs.Variant("<best of sweep>", "sweep", 0, 16, 0.0), args.coord_set):
+        order = (
+            plan_seeds(mode, fixed, args.coord_set)
+            if fixed
+            else plan(mode, runs.Variant("<best of sweep>", "sweep", 0, 16, 0.0), args.coord_set)
+        )
+        for v, seed in order:
             print(f"seed {seed}  {v.name:18s} {' '.join(v.overrides())}")
         return 0
     t0 = time.time()
@@ -226,6 +287,8 @@ def main() -> int:
         print(json.dumps({k: res[k] for k in ("key", "time_s", "steps", "samples", "reached")}), flush=True)
         return res
 
+    if fixed is not None:
+        return report_seeds(run_plan(out, common, plan_seeds(mode, fixed, args.coord_set), execute), targets, fixed, t0)
     results, best = run_all(out, mode, common, args.coord_set, execute)
     report = analyse(results, targets, best.name)
     cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]

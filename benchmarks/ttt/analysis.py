@@ -198,3 +198,48 @@ def _round(x: float | None) -> float | None:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str) -> dict[str, Any]:
+    """``--best`` mode (no sweep): the coordinators against one fixed setting on every seed.
+
+    Per seed and start, best time / coordinator time at the headline target; a run that missed
+    it gives a bound (``<`` when the coordinator missed: its time is at least the run's, so the
+    ratio is at most this; ``>`` when the fixed run missed). The geometric mean is over seeds
+    where both reached it; ``worst_per_seed`` is the smallest ratio or bound that is an upper
+    bound, i.e. a seed the coordinator lost by at least that much (None if every seed is won
+    or censored the other way)."""
+    h = headline_index(results, best)
+    ratios: dict[str, Any] = {"fixed": best, "headline_target": targets[h]}
+    for start in ("coord_small", "coord_large"):
+        per_seed: dict[int, str] = {}
+        exact: list[float] = []
+        upper: list[float] = []
+        for seed in sorted({r["seed"] for r in results}):
+            b = next((r for r in results if r["variant"] == best and r["seed"] == seed), None)
+            c = next((r for r in results if r["variant"] == start and r["seed"] == seed), None)
+            if b is None or c is None:
+                continue
+            x = b["time_s"][h] / c["time_s"][h]
+            if b["reached"][h] and c["reached"][h]:
+                per_seed[seed] = f"{x:.3f}"
+                exact.append(x)
+                upper.append(x)
+            elif b["reached"][h]:
+                per_seed[seed] = f"<{x:.3f}"
+                upper.append(x)
+            elif c["reached"][h]:
+                per_seed[seed] = f">{x:.3f}"
+            else:
+                per_seed[seed] = "both missed"
+        ratios[f"best/{start}"] = _round(fit.geomean(exact)) if exact else None
+        ratios[f"best/{start}_per_seed"] = per_seed
+        ratios[f"best/{start}_worst_per_seed"] = _round(min(upper)) if upper else None
+    gm, per = fit.paired_ratio(_times(results, "coord_small", h), _times(results, "coord_large", h))
+    ratios["coord_small/coord_large"] = _round(gm)
+    ratios["coord_small/coord_large_per_seed"] = {s: _round(x) for s, x in per.items()}
+    ratios["censored_runs"] = sum(not r["reached"][h] for r in results)
+    chosen = [r["coord"]["final_batch"] for r in results if r["kind"] == "coord" and r["coord"]]
+    b = next(r["batch"] for r in results if r["variant"] == best)
+    ratios["chosen_batch/fixed_batch"] = [_round(x / b) for x in chosen]
+    return {"rows": [_row(r) for r in results], "ratios": ratios}

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.ttt import runs
-from benchmarks.ttt.analysis import analyse, estimate_wall_s, run_result
+from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run_result
 
 
 def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
@@ -138,3 +138,25 @@ def test_headline_is_the_last_target_the_best_reached_and_censored_pairs_are_lef
     assert r["best/coord_large"] == pytest.approx(1.0)
     assert r["coord_small/coord_large"] == pytest.approx(4.0)  # seed 2 only: 24 / 6
     assert r["by_target"]["0.5"]["best/coord_large"] == pytest.approx(30 / 45, abs=1e-3)  # seed 2's best missed
+
+
+def test_compare_seeds_pairs_each_seed_and_bounds_censored_runs():
+    coord = {"final_batch": 256}
+    results = [
+        _result("sweep_p32_m1", "sweep", 1, 512, 60.0, 30),
+        _result("coord_small", "coord", 1, 128, 50.0, 40, coord=coord),  # won: 1.2
+        _result("coord_large", "coord", 1, 1024, 75.0, 20, coord=coord),  # lost: 0.8
+        _result("sweep_p32_m1", "sweep", 2, 512, 90.0, 45),
+        _result("coord_small", "coord", 2, 128, 100.0, 60, reached=False, coord=coord),  # missed: < 0.9
+        _result("coord_large", "coord", 2, 1024, 45.0, 15, coord=coord),  # won: 2.0
+    ]
+    r = compare_seeds(results, [0.4], "sweep_p32_m1")["ratios"]
+    assert r["best/coord_small_per_seed"] == {1: "1.200", 2: "<0.900"}
+    assert r["best/coord_small"] == 1.2  # the only seed where both reached the target
+    assert r["best/coord_small_worst_per_seed"] == 0.9  # the censored seed is a loss of at least this
+    assert r["best/coord_large_per_seed"] == {1: "0.800", 2: "2.000"}
+    assert abs(r["best/coord_large"] - (0.8 * 2.0) ** 0.5) < 1e-3
+    assert r["best/coord_large_worst_per_seed"] == 0.8
+    assert r["coord_small/coord_large_per_seed"] == {1: round(50 / 75, 3)}
+    assert r["censored_runs"] == 1
+    assert r["chosen_batch/fixed_batch"] == [0.5, 0.5, 0.5, 0.5]
