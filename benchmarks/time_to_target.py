@@ -121,7 +121,7 @@ def run_plan(
         res = runs.cache_load(out, key, settings)
         if res is None:
             runs.cache_store(out, key, settings, execute(v, seed, settings))
-            res = runs.cache_load(out, key, settings)
+            res = runs.cache_load(out, key, settings)  # as a resumed run will see it
             assert res is not None
         results.append(res)
     return results
@@ -200,16 +200,8 @@ def run_all(
         todo = [(v, s) for v, s in plan(mode, best, coord_extra) if runs.run_key(v, s) not in done]
         if not todo:
             break
-        for v, seed in todo:
-            key = runs.run_key(v, seed)
-            done.add(key)
-            settings = common + v.overrides() + [f"train.seed={seed}"]
-            res = runs.cache_load(out, key, settings)
-            if res is None:
-                runs.cache_store(out, key, settings, execute(v, seed, settings))
-                res = runs.cache_load(out, key, settings)  # as a resumed run will see it
-                assert res is not None
-            results.append(res)
+        done.update(runs.run_key(v, s) for v, s in todo)
+        results += run_plan(out, common, todo, execute)
         if best is None:
             top = min(
                 (r for r in results if r["kind"] == "sweep"), key=lambda r: (not r["reached"][-1], r["time_s"][-1])
