@@ -45,6 +45,7 @@ from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run
 from benchmarks.ttt.tasks import write_task_file  # noqa: E402
 
 CONFIG = str(ROOT / "benchmarks/ttt/config.yaml")
+COLUMNS = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,7 @@ MODES = {
 
 def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[runs.Variant, int]]:
     """(variant, seed) in run order; the seeds after the first need the sweep's best setting."""
-    lo, hi = mode.coord_range
-    small = runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra)
-    large = runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    small, large = coordinators(mode, extra)
     first = runs.interleave(
         runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref), [small, runs.library_default(), large]
     )
@@ -95,14 +94,20 @@ def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[
     return order
 
 
+def coordinators(mode: Mode, extra: list[str]) -> tuple[runs.Variant, runs.Variant]:
+    """The coordinator started at the sweep's smallest and at its largest prompt count."""
+    lo, hi = mode.coord_range
+    return (
+        runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra),
+        runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra),
+    )
+
+
 def plan_seeds(mode: Mode, fixed: runs.Variant, extra: list[str]) -> list[tuple[runs.Variant, int]]:
     """``--best`` mode: the fixed setting and both coordinator starts on every seed, rotated."""
-    lo, hi = mode.coord_range
-    small = runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra)
-    large = runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra)
+    group = [fixed, *coordinators(mode, extra)]
     order = []
     for seed in range(1, mode.seeds + 1):
-        group = [fixed, small, large]
         k = seed % len(group)
         order += [(v, seed) for v in group[k:] + group[:k]]
     return order
@@ -129,8 +134,7 @@ def run_plan(
 
 def report_seeds(results: list[dict[str, Any]], targets: list[float], fixed: runs.Variant, t0: float) -> int:
     report = compare_seeds(results, targets, fixed.name)
-    cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
-    print(table(report["rows"], cols))
+    print(table(report["rows"], COLUMNS))
     line = {"benchmark": "time_to_target", "mode": "seeds", "targets": targets, "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(line | report["ratios"]))
     return 0
@@ -243,14 +247,10 @@ def main() -> int:
         changes["seeds"] = args.seeds
     mode = Mode(**{**mode.__dict__, **changes})
     out = Path(args.out or ROOT / ("runs/bench_ttt_quick" if args.quick else "runs/bench_ttt"))
-    fixed = None
-    if args.best:
-        fixed = next(
-            (v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref) if v.name == args.best), None
-        )
-        if fixed is None:
-            names = ", ".join(v.name for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref))
-            ap.error(f"--best {args.best!r} is not a sweep setting of this mode ({names})")
+    grid = {v.name: v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref)}
+    if args.best and args.best not in grid:
+        ap.error(f"--best {args.best!r} is not a sweep setting of this mode ({', '.join(grid)})")
+    fixed = grid.get(args.best) if args.best else None
     if args.dry_run:
         order = (
             plan_seeds(mode, fixed, args.coord_set)
@@ -283,8 +283,7 @@ def main() -> int:
         return report_seeds(run_plan(out, common, plan_seeds(mode, fixed, args.coord_set), execute), targets, fixed, t0)
     results, best = run_all(out, mode, common, args.coord_set, execute)
     report = analyse(results, targets, best.name)
-    cols = ["key", "batch", "lr", "val_start", "reached", "time_s", "steps", "samples", "step_s", "b_noise"]
-    print(table(report["rows"], cols))
+    print(table(report["rows"], COLUMNS))
     print(report["calibration_line"])
     (out / "sweep.json").write_text(json.dumps(report["sweep"], indent=1))
     print(

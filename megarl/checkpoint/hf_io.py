@@ -60,13 +60,11 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
     dims = model.dims
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
     params = [(n, p.detach()) for n, p in _named_params(model) if not (adapter.skip(n) or _skip_for_export(model, n))]
-    split = [k for k, (n, _) in enumerate(params) if dims.tp > 1 and adapter.split_dim(n) is not None]
-    shards = all_gather_flat([params[k][1] for k in split], dims.tp, dims.tp_group)
+    dim_of = {n: d for n, _ in params if (d := adapter.split_dim(n)) is not None} if dims.tp > 1 else {}
+    split = [(n, t) for n, t in params if n in dim_of]
     full = dict(params)
-    for k, parts in zip(split, shards):
-        name, dim = params[k][0], adapter.split_dim(params[k][0])
-        assert dim is not None
-        full[name] = torch.cat(parts, dim=dim)
+    for (name, _), parts in zip(split, all_gather_flat([t for _, t in split], dims.tp_group)):
+        full[name] = torch.cat(parts, dim=dim_of[name])
     out: list[tuple[str, torch.Tensor]] = []
     if dims.is_stage_owner:
         for name, t in full.items():
@@ -75,11 +73,12 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
 
 
 def all_gather_flat(
-    tensors: list[torch.Tensor], world: int, group: Any, chunk_bytes: int = GATHER_CHUNK_BYTES
+    tensors: list[torch.Tensor], group: Any, chunk_bytes: int = GATHER_CHUNK_BYTES
 ) -> list[list[torch.Tensor]]:
-    """Every rank's copy of each tensor (``world`` views per tensor, rank order), gathered in as
-    few collectives as ``chunk_bytes`` allows: consecutive tensors of one dtype and device are
-    flattened into one buffer. Every rank of ``group`` passes tensors of the same shapes."""
+    """Every rank's copy of each tensor (one view per rank of ``group``, in rank order), gathered
+    in as few collectives as ``chunk_bytes`` allows: consecutive tensors of one dtype and device
+    are flattened into one buffer. Every rank of ``group`` passes tensors of the same shapes."""
+    world = dist.get_world_size(group)
     out: list[list[torch.Tensor]] = []
     i = 0
     while i < len(tensors):

@@ -92,11 +92,9 @@ def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
     """The log-prob of each sampled token. ``FlatLogprobs`` with one entry per position (what
     ``logprobs=0`` gives: the sampled token only) is read as its flat list; anything else
     (a position with top-k entries, vLLM's list of dicts) is looked up position by position."""
-    flat = getattr(logprobs, "logprobs", None)
-    positions = list(range(len(tokens) + 1))
-    if isinstance(flat, list) and logprobs.start_indices == positions[:-1] and logprobs.end_indices == positions[1:]:
-        if logprobs.token_ids == tokens:
-            return [float(x) for x in flat]
+    one_each = list(range(1, len(tokens) + 1))  # FlatLogprobs' position ends when each has one entry
+    if getattr(logprobs, "end_indices", None) == one_each and logprobs.token_ids == tokens:
+        return [float(x) for x in logprobs.logprobs]
     return [float(d[t].logprob) for d, t in zip(logprobs or [], tokens) if d is not None]
 
 
