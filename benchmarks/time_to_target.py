@@ -14,7 +14,10 @@ Variants (``benchmarks/ttt/runs.py``):
 
 Targets are the base's validation reward plus fixed gains (``--gains``), known before any
 variant runs. Metric: training time to each target (validation excluded; crossing
-interpolated on a smoothed curve, ``benchmarks/ttt/curves.py``), and steps and samples.
+interpolated on a smoothed curve where its window is complete, ``benchmarks/ttt/curves.py``),
+and steps and samples. Every run validates every ``eval_samples`` responses, trains at most
+``max_samples`` (a budget in samples, so a small batch is not censored sooner than a large
+one), and stops ``2·HALF`` validations after a raw validation passes the last target + 0.04.
 Runs go one at a time, seeds and variants interleaved; each finished run is cached in
 ``OUT/results`` so a rerun resumes. Prints a table, the critical batch fitted from the
 sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
@@ -22,7 +25,7 @@ sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
 
     python benchmarks/time_to_target.py --quick           # ~4 min: the machinery end to end
     python benchmarks/time_to_target.py [--out DIR]       # full: 23 runs, ~0.5-0.8 h on 2 idle cores (estimated)
-    python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--out DIR]
+    python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--max-samples N] [--out DIR]
         # no sweep: that setting and the coordinator (both starts) on seeds 1..6, paired
         # ratios per seed (runs named as in the full mode: the two share a result cache)
 """
@@ -41,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
 from benchmarks.ttt import runs  # noqa: E402
-from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run_result  # noqa: E402
+from benchmarks.ttt.analysis import HALF, analyse, compare_seeds, estimate_wall_s, run_result  # noqa: E402
 from benchmarks.ttt.tasks import write_task_file  # noqa: E402
 
 CONFIG = str(ROOT / "benchmarks/ttt/config.yaml")
@@ -55,8 +58,11 @@ class Mode:
     mults: list[float]
     """LR multipliers on the √ rule."""
     seeds: int
-    max_steps: int
-    eval_every: int
+    max_samples: int
+    """Responses trained per run at most (a budget in samples, not steps: a step cap let
+    small-batch runs train for less time than large-batch ones before they were censored)."""
+    eval_samples: int
+    """Validation every this many responses (evenly spaced in samples whatever the batch)."""
     coord_range: tuple[int, int]
     """(min_prompts, max_prompts) the coordinator may choose from."""
     gains: list[float]
@@ -69,13 +75,15 @@ class Mode:
     """LR validated at p_ref prompts × 16 (the demo's setting)."""
     p_ref: int = 32
     timeout_s: int = 1800
+    max_steps: int = 5000
+    """A backstop only: ``max_samples`` ends the runs."""
 
 
 MODES = {
     # gains: the quick mode's best fixed run (8 × 16) gained 0.06 in 17 steps and 0.10 in ~24;
     # +0.20 is meant to take it ~40-80 steps (an extrapolation: check the full run's steps).
-    "full": Mode([8, 16, 32, 64], [0.5, 1.0, 2.0], 3, 150, 5, (4, 128), [0.10, 0.20]),
-    "quick": Mode([8, 32], [1.0], 1, 40, 4, (4, 64), [0.03, 0.06], timeout_s=600),
+    "full": Mode([8, 16, 32, 64], [0.5, 1.0, 2.0], 3, 400 * 512, 5 * 512, (4, 128), [0.10, 0.20]),
+    "quick": Mode([8, 32], [1.0], 1, 20 * 512, 2 * 512, (4, 64), [0.03, 0.06], timeout_s=600),
 }
 
 
@@ -182,8 +190,11 @@ def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
         "model.tokenizer=builtin",  # the base's own SentencePiece model, copied in by execute()
         "warm_start.steps=0",
         f"train.steps={mode.max_steps}",
-        f"train.eval_every={mode.eval_every}",
+        f"train.max_samples={mode.max_samples}",
+        "train.eval_every=0",
+        f"train.eval_every_samples={mode.eval_samples}",
         f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
+        f"train.evals_past_target={2 * HALF}",  # and complete the smoothing window there
     ]
 
 
@@ -230,7 +241,7 @@ def main() -> int:
         help="extra --set for the coordinator runs (e.g. coordinator.warmup_steps=3)",
     )
     ap.add_argument("--warm-start-steps", type=int, help="supervised steps of the shared base (mode default)")
-    ap.add_argument("--max-steps", type=int, help="RL steps cap per run (mode default)")
+    ap.add_argument("--max-samples", type=int, help="responses trained per run at most (mode default)")
     ap.add_argument("--seeds", type=int, help="seeds of the best setting and the coordinators (mode default)")
     ap.add_argument("--best", help="no sweep: compare the coordinators with this sweep setting (e.g. sweep_p32_m1)")
     ap.add_argument("--dry-run", action="store_true", help="print the run plan and exit")
@@ -241,8 +252,8 @@ def main() -> int:
         changes["gains"] = [float(g) for g in args.gains.split(",")]
     if args.warm_start_steps is not None:
         changes["warm_start_steps"] = args.warm_start_steps
-    if args.max_steps is not None:
-        changes["max_steps"] = args.max_steps
+    if args.max_samples is not None:
+        changes["max_samples"] = args.max_samples
     if args.seeds is not None:
         changes["seeds"] = args.seeds
     mode = Mode(**{**mode.__dict__, **changes})
@@ -303,17 +314,18 @@ def main() -> int:
 
 def estimate_line(results: list[dict[str, Any]]) -> str:
     """The full mode's wall time predicted from this run's measured costs (coordinator runs and
-    the best of sweep counted at 32 prompts × 16; every run 80 steps, or all 150 at worst)."""
+    the best of sweep counted at 32 prompts × 16; every run 80 × 512 responses, or all of
+    ``max_samples`` at worst)."""
     full = MODES["full"]
     mid = runs.Variant("mid", "sweep", 32, runs.SAMPLES, 0.0)
     batches = [v.batch if v.kind == "sweep" or v.kind == "default" else mid.batch for v, _ in plan(full, mid, [])]
-    typical = estimate_wall_s(results, batches, 80, full.eval_every)
-    worst = estimate_wall_s(results, batches, full.max_steps, full.eval_every)
+    typical = estimate_wall_s(results, batches, 80 * 512, full.eval_samples)
+    worst = estimate_wall_s(results, batches, full.max_samples, full.eval_samples)
     if typical is None or worst is None:
         return "full-mode estimate: needs fixed runs at 2+ batch sizes"
     return (
-        f"full-mode estimate from these costs: {len(batches)} runs, {typical / 3600:.1f} h at 80 steps per run, "
-        f"{worst / 3600:.1f} h if every run goes {full.max_steps} steps"
+        f"full-mode estimate from these costs: {len(batches)} runs, {typical / 3600:.1f} h at 80×512 responses "
+        f"per run, {worst / 3600:.1f} h if every run trains all {full.max_samples}"
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from megarl.checkpoint import state
 from megarl.components import Components, add_reference_and_critic, build
-from megarl.config import RunConfig
+from megarl.config import RunConfig, TrainConfig
 from megarl.coordinator import StepPlan
 from megarl.metrics import MetricsLogger, Timer
 from megarl.rollout import faults
@@ -44,6 +45,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     with timer("generate"):  # 1. sample responses on the fleet and score them (or take the batch made ahead)
         batch, metrics = c.ahead.take(step) if c.ahead is not None else c.rollouts.collect(step, *plan_size(plan))
     lag = c.publisher.version - batch.sample_versions()  # policy versions each sample lags the trainer
+    metrics["rollout/responses"] = float(batch.size)  # on every rank (the rest of the stats: rank 0's)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (rollout/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
@@ -92,11 +94,55 @@ def pipeline_metrics(lag: torch.Tensor, trainer_wait_s: float, fleet_busy_s: flo
     }
 
 
-def _save(c: Components, step: int, asynchronous: bool = False) -> Any:
+@dataclass
+class Progress:
+    """What the loop counts across steps and when it stops early (a checkpoint part, so a
+    resumed run validates and stops where the uninterrupted one would)."""
+
+    samples: int = 0
+    """Responses trained so far."""
+    reached_step: int = 0
+    """The step whose validation first reached ``train.target_val_reward`` (0 = not yet)."""
+    evals_since: int = 0
+    """Validations after that one."""
+
+    def count(self, responses: int, step: int, t: TrainConfig) -> bool:
+        """Add a step's responses; whether a validation is due after it (``train.eval_every_samples``
+        when set, else ``train.eval_every``)."""
+        before, self.samples = self.samples, self.samples + responses
+        if t.eval_every_samples:
+            return before // t.eval_every_samples < self.samples // t.eval_every_samples
+        return bool(t.eval_every) and step % t.eval_every == 0
+
+    def stop(self, step: int, val: float | None, t: TrainConfig) -> str | None:
+        """After a step and its validation (``val``, None if none ran): why the run stops now,
+        or None. The target stop waits ``train.evals_past_target`` further validations."""
+        if t.target_val_reward and val is not None:
+            if self.reached_step:
+                self.evals_since += 1
+            elif val >= t.target_val_reward:
+                self.reached_step = step
+        if self.reached_step and self.evals_since >= t.evals_past_target:
+            return f"validation reached {t.target_val_reward:g} at step {self.reached_step}"
+        if t.max_samples and self.samples >= t.max_samples:
+            return f"{self.samples} responses trained (train.max_samples={t.max_samples})"
+        return None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples, "reached_step": self.reached_step, "evals_since": self.evals_since}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.samples, self.reached_step, self.evals_since = (
+            int(state["samples"]),
+            int(state["reached_step"]),
+            int(state["evals_since"]),
+        )
+
+
+def _save(c: Components, step: int, progress: Progress, asynchronous: bool = False) -> Any:
     files = {p.name: p for p in c.tok.files()}
-    return state.save(
-        c.run_dir, step, c.models(), c.stateful(), files, c.cfg.train.keep_last, asynchronous=asynchronous
-    )
+    parts = {**c.stateful(), "progress": progress}
+    return state.save(c.run_dir, step, c.models(), parts, files, c.cfg.train.keep_last, asynchronous=asynchronous)
 
 
 def train(cfg: RunConfig) -> dict[str, float]:
@@ -109,10 +155,11 @@ def train(cfg: RunConfig) -> dict[str, float]:
     metrics_log = None
     try:
         resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)  # in the try: engines stop on error
-        start = 0
+        start, progress = 0, Progress()
         if resume is not None:
             add_reference_and_critic(c)
-            start = state.restore(resume, c.models(), c.stateful())
+            # (checkpoints from before Progress existed resume with its counters at zero)
+            start = state.restore(resume, c.models(), {**c.stateful(), "progress": progress}, optional=["progress"])
             if rank0:  # before the metrics file is opened
                 state.trim_metrics(Path(cfg.train.run_dir) / "metrics.jsonl", start)
             summary["resumed_from_step"] = start
@@ -133,19 +180,20 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 log.info(
                     "start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(c.rollouts.val_rows)
                 )
-        t_rl, t_val, samples, step = time.perf_counter(), 0.0, 0, start
+        t_rl, t_val, step = time.perf_counter(), 0.0, start
         summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync
         summary["engine_wait_s"] = c.rollouts.engine_wait_s  # part of startup_s: rank 0 blocked on engine start-up
         pending = None  # an asynchronous checkpoint being written
-        target = cfg.train.target_val_reward
+        last_val: tuple[int, float] | None = None  # (step, reward) of the latest mid-run validation
         while step < cfg.train.steps:
             m = rl_step(c, step)
             step += 1
-            samples += int(m.get("rollout/responses", 0))
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            if progress.count(int(m.get("rollout/responses", 0)), step, cfg.train) and step < cfg.train.steps:
                 t0 = time.perf_counter()
                 m["val/reward"] = c.rollouts.validate()
                 t_val += time.perf_counter() - t0
+                last_val = (step, m["val/reward"])
+            stop = progress.stop(step, m.get("val/reward"), cfg.train)  # the same on every rank
             metrics_log.log(step, m)
             if rank0:
                 _log_step(step, cfg.train.steps, m)
@@ -155,7 +203,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 pending = None
             if preempted or (cfg.train.save_every and step % cfg.train.save_every == 0):
                 t0 = time.perf_counter()
-                result = _save(c, step, asynchronous=cfg.train.async_save and not preempted)
+                result = _save(c, step, progress, asynchronous=cfg.train.async_save and not preempted)
                 m_save = {"timing/checkpoint_blocked_s": time.perf_counter() - t0}
                 if cfg.train.async_save and not preempted:
                     pending = result
@@ -165,24 +213,35 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 if rank0:
                     log.info("preempted after step %d: checkpoint written, exiting for requeue", step)
                 return summary
-            if target and m.get("val/reward", -1.0) >= target:  # same value on every rank
+            if progress.reached_step == step:
                 summary.update(
                     {
                         "time_to_target_s": time.perf_counter() - t_rl - t_val,
                         "steps_to_target": step,
-                        "samples_to_target": samples,
+                        "samples_to_target": progress.samples,
                     }
                 )
                 if rank0:
-                    log.info("reached validation reward %.3f >= %.3f at step %d", m["val/reward"], target, step)
+                    log.info(
+                        "reached validation reward %.3f >= %.3f at step %d",
+                        m["val/reward"],
+                        cfg.train.target_val_reward,
+                        step,
+                    )
+            if stop is not None:
+                if rank0:
+                    log.info("stopping after step %d: %s", step, stop)
                 break
         if pending is not None:
             pending.finalize()
         summary["rl_wall_s"] = time.perf_counter() - t_rl
-        summary["val/reward_end"] = c.rollouts.validate()
-        metrics_log.log(step, {"val/reward": summary["val/reward_end"]})
+        if last_val is not None and last_val[0] == step:  # stopped right after a validation: it is the end's
+            summary["val/reward_end"] = last_val[1]
+        else:
+            summary["val/reward_end"] = c.rollouts.validate()
+            metrics_log.log(step, {"val/reward": summary["val/reward_end"]})
         if not (cfg.train.save_every and step % cfg.train.save_every == 0):
-            _save(c, step)  # the final state is always resumable
+            _save(c, step, progress)  # the final state is always resumable
         c.export_hf(c.run_dir / "hf_final")
         summary["wall_s"] = time.perf_counter() - t_start
         summary["shutdown_s"] = summary["wall_s"] - summary["startup_s"] - summary["rl_wall_s"]

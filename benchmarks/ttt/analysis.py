@@ -18,6 +18,10 @@ from benchmarks.ttt import fit
 from benchmarks.ttt.curves import crossing, curve_from_records
 from benchmarks.ttt.runs import Variant
 
+HALF = 2
+"""Evaluations each side of a point in the smoothing window (runs go ``2·HALF`` validations past
+their stop, ``train.evals_past_target``, so the window at a crossing near the stop is complete)."""
+
 
 def _finite(xs: list[Any]) -> list[float]:
     return [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
@@ -59,7 +63,7 @@ def run_result(
 
     recs = read_metrics(run_dir)
     curve = curve_from_records(recs)
-    cross = [crossing(curve, t, half=2) for t in targets]
+    cross = [crossing(curve, t, half=HALF) for t in targets]
     n_evals = max(len(curve.steps) - 1, 1)
     steps_run = curve.steps[-1]
     return {
@@ -176,10 +180,12 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], steps: int, eval_every: int) -> float | None:
-    """Wall time of runs at ``batches`` for ``steps`` steps each, from the measured costs:
-    step time t(B) = a + b·B (least squares over fixed runs), validation per evaluation and
-    start-up/shutdown per run (means)."""
+def estimate_wall_s(
+    results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int
+) -> float | None:
+    """Wall time of runs at ``batches`` training ``samples`` responses each, validated every
+    ``eval_samples``, from the measured costs: step time t(B) = a + b·B (least squares over
+    fixed runs), validation per evaluation and start-up/shutdown per run (means)."""
     fixed = [r for r in results if r["kind"] != "coord" and r["steps_run"] > 0]
     if len({r["batch"] for r in fixed}) < 2:
         return None
@@ -189,7 +195,7 @@ def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], steps: in
     a = my - b * mx
     val_s = statistics.mean(r["val_s"] for r in results)
     over = statistics.mean(r["overhead_s"] for r in results)
-    return sum(over + steps * (a + b * bb) + (steps // eval_every) * val_s for bb in batches)
+    return sum(over + samples / bb * (a + b * bb) + (samples // eval_samples) * val_s for bb in batches)
 
 
 def _round(x: float | None) -> float | None:

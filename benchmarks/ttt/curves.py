@@ -3,7 +3,8 @@ tests/benchmarks/test_ttt_curves.py).
 
 A run's ``metrics.jsonl`` gives, per RL step, its step time (``timing/step/total``: generate
 to plan, so validation and checkpoint time are excluded) and its responses
-(``rollout/responses``), and every ``train.eval_every`` steps a greedy validation reward.
+(``rollout/responses``), and every ``train.eval_every_samples`` responses a greedy validation
+reward.
 Validation on ~600 prompts still has binomial noise (±0.02 at 0.5), so the crossing is read
 from a smoothed curve, not from the first lucky evaluation:
 
@@ -12,8 +13,13 @@ from a smoothed curve, not from the first lucky evaluation:
   evaluations this is the centred moving average inside the curve, and at the ends it
   follows the trend instead of lagging it (a moving average there is biased towards the
   interior);
-* **crossing** — the first evaluation whose smoothed reward is ≥ the target; time, steps
-  and samples are interpolated linearly between it and the evaluation before.
+* **crossing** — the first evaluation whose smoothed reward is ≥ the target, among those
+  with their whole window after them (``half`` later evaluations); time, steps and samples
+  are interpolated linearly between it and the evaluation before. At a run's last
+  evaluations the line is fitted to fewer, earlier points, so it leans on the last raw
+  value — and a run that stops on a high raw evaluation (``train.target_val_reward``) would
+  otherwise read its crossing from the very point that stopped it, earlier the sooner it is
+  cut: the benchmark runs ``train.evals_past_target`` = ``2·half`` validations past that.
 """
 
 from __future__ import annotations
@@ -100,9 +106,10 @@ def smooth(y: list[float], half: int = 1) -> list[float]:
 
 
 def crossing(curve: Curve, target: float, half: int = 1) -> Crossing:
-    """Where the smoothed curve first reaches ``target`` (interpolated), or the run's end."""
+    """Where the smoothed curve first reaches ``target`` (interpolated), or the run's end.
+    Only evaluations with ``half`` more after them count (see the module docstring)."""
     sm = smooth(curve.reward, half)
-    for i, v in enumerate(sm):
+    for i, v in enumerate(sm[: max(len(sm) - half, 1)]):
         if v < target:
             continue
         if i == 0:

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,14 +104,18 @@ def find_resume(run_dir: str | Path, resume: str) -> Path | None:
     return None if answer[0] is None else Path(answer[0])
 
 
-def restore(path: Path, models: Mapping[str, Any], parts: Mapping[str, Stateful]) -> int:
-    """Load models + every named part; returns the number of completed steps."""
+def restore(
+    path: Path, models: Mapping[str, Any], parts: Mapping[str, Stateful], optional: Collection[str] = ()
+) -> int:
+    """Load models + every named part; returns the number of completed steps. A part named in
+    ``optional`` that the checkpoint lacks (written before the part existed) keeps its state."""
     extra = load_checkpoint(path, dict(models))
-    missing = sorted(set(parts) - set(extra))
+    missing = sorted(set(parts) - set(extra) - set(optional))
     if missing:
         raise ValueError(f"checkpoint {path} has no state for {missing} (it holds {sorted(extra)})")
     for name, part in parts.items():
-        part.load_state_dict(extra[name])
+        if name in extra:
+            part.load_state_dict(extra[name])
     return int(extra["step"])
 
 

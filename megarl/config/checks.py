@@ -31,6 +31,20 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
+    _stopping(cfg)
+
+
+def _stopping(cfg: RunConfig) -> None:
+    """train: a stop past the target needs a target and validations to count."""
+    t = cfg.train
+    if t.evals_past_target and not t.target_val_reward:
+        fail("train.evals_past_target", t.evals_past_target, "needs train.target_val_reward > 0")
+    if t.evals_past_target and not (t.eval_every or t.eval_every_samples):
+        fail(
+            "train.evals_past_target",
+            t.evals_past_target,
+            "counts mid-run validations: set train.eval_every or train.eval_every_samples",
+        )
 
 
 def _model(m: ModelConfig) -> None:
@@ -327,6 +341,9 @@ def _positive(cfg: RunConfig) -> None:
                 "steps",
                 "warmup_steps",
                 "eval_every",
+                "eval_every_samples",
+                "max_samples",
+                "evals_past_target",
                 "overlong_buffer_len",
                 "save_every",
                 "min_response_len",

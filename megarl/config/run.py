@@ -103,6 +103,11 @@ class TrainConfig:
     """Output folder (metrics, tokenizer, HF exports, checkpoints)."""
     eval_every: int = 10
     """Validation every N steps (0 = only at start and end)."""
+    eval_every_samples: int = 0
+    """Validation each time the responses trained pass a multiple of N (replaces ``eval_every``
+    when > 0): evenly spaced in samples when the coordinator changes the batch."""
+    max_samples: int = 0
+    """Stop once this many responses are trained (0 = no limit; ``steps`` still caps)."""
     tensorboard: bool = True
     """Also write TensorBoard events."""
     save_every: int = 0
@@ -116,6 +121,9 @@ class TrainConfig:
     """'auto' (the newest intact one in run_dir/checkpoints, if any), 'never', or a checkpoint path."""
     target_val_reward: float = 0.0
     """Stop once validation reward reaches this (0 = run all steps); time-to-target runs."""
+    evals_past_target: int = 0
+    """Validations run after the one that reached ``target_val_reward`` before stopping (a
+    smoothed curve needs points on both sides of its crossing)."""
 
 
 @dataclass(kw_only=True)

@@ -13,10 +13,10 @@ from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run
 def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
     run.mkdir(parents=True)
     lines = [{"step": 0, "val/reward": 0.30}]
-    for s in range(1, 21):
+    for s in range(1, 31):
         rec = {"step": s, "timing/step/total": step_s, "rollout/responses": batch_of_step(s)}
         if s % 5 == 0:
-            rec["val/reward"] = 0.30 + 0.01 * s  # linear: 0.40 at step 10, 0.50 at step 20
+            rec["val/reward"] = 0.30 + 0.01 * s  # linear: 0.40 at step 10, 0.60 at step 30
         if b_noise is not None:
             rec |= {
                 "coord/batch": batch_of_step(s),
@@ -34,18 +34,19 @@ def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
 def test_run_result_reads_crossings_and_the_coordinator_from_a_run_folder(tmp_path):
     v = runs.coordinator("coord_small", 8, 4, 64, 1e-4, 32, [])
     _metrics(tmp_path / "r", lambda s: 128 if s <= 10 else 512, b_noise=lambda s: 100.0 * s)
-    res = run_result(v, 2, tmp_path / "r", {"rl_wall_s": 14.0}, [0.40, 0.45, 0.60], wall_s=40.0)
+    res = run_result(v, 2, tmp_path / "r", {"rl_wall_s": 21.0}, [0.40, 0.45, 0.60], wall_s=40.0)
     assert res["key"] == "coord_small_s2" and res["kind"] == "coord"
     assert res["reached"] == [True, True, False]
     assert res["steps"][:2] == pytest.approx([10.0, 15.0])
     assert res["time_s"][:2] == pytest.approx([5.0, 7.5])
     assert res["samples"][:2] == pytest.approx([1280.0, 1280 + 5 * 512])
-    assert res["time_s"][2] == pytest.approx(10.0)  # censored: all 20 steps
-    assert res["val_s"] == pytest.approx((14.0 - 10.0) / 4)
-    assert res["overhead_s"] == pytest.approx(26.0)
+    # 0.60 is the last evaluation: no complete window there, so censored (all 30 steps)
+    assert res["time_s"][2] == pytest.approx(15.0)
+    assert res["val_s"] == pytest.approx((21.0 - 15.0) / 6)
+    assert res["overhead_s"] == pytest.approx(19.0)
     c = res["coord"]
-    assert c["b_noise"] == pytest.approx(100.0 * 15.5)  # median over steps 11..20
-    assert (c["b_noise_low"], c["b_noise_high"]) == pytest.approx((775.0, 3100.0))
+    assert c["b_noise"] == pytest.approx(100.0 * 23)  # median over steps 16..30
+    assert (c["b_noise_low"], c["b_noise_high"]) == pytest.approx((1150.0, 4600.0))
     assert c["batches"] == [128, 512] and c["final_batch"] == 512
     assert c["overhead_frac"] == pytest.approx(0.01 / 0.5)
 
@@ -107,8 +108,9 @@ def test_analyse_ratios_and_calibration():
     assert r["by_target"] == {
         "0.5": {k: r[k] for k in ("best/coord_small", "default/coord_small", "best/coord_large", "default/coord_large")}
     }
-    # step time 0.2 + 0.001 B, 1 s per evaluation, 30 s per run: two runs of 10 steps at B = 100, 300
-    assert estimate_wall_s(sweep, [100, 300], 10, 5) == pytest.approx(2 * 30 + 10 * (0.3 + 0.5) + 2 * 2 * 1.0)
+    # step time 0.2 + 0.001 B, 1 s per evaluation, 30 s per run: two runs of 3000 responses at
+    # B = 100, 300 (30 and 10 steps), each validated every 1500 responses
+    assert estimate_wall_s(sweep, [100, 300], 3000, 1500) == pytest.approx(2 * 30 + 30 * 0.3 + 10 * 0.5 + 2 * 2 * 1.0)
 
 
 def test_headline_is_the_last_target_the_best_reached_and_censored_pairs_are_left_out():

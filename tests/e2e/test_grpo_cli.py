@@ -18,7 +18,9 @@ from tests.helpers import ROOT, megarl_train
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("grpo") / "run"
-    sets = ["train.steps=4", "train.eval_every=2", "warm_start.steps=20", "rollout.num_prompts=8",
+    # validation every 64 responses (steps 2 and 4); the sample budget stops the run after step 4
+    sets = ["train.steps=6", "train.eval_every=0", "train.eval_every_samples=64", "train.max_samples=128",
+            "warm_start.steps=20", "rollout.num_prompts=8",
             "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
             "data.num_val=32", "weight_sync.integrity_every=2", f"train.run_dir={run}"]
@@ -50,7 +52,7 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
     assert [r["step"] for r in vals] == [0, 2, 4]
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
     log = (run_dir / "stdout.log").read_text()
-    assert "step 4/4" in log and "summary" in log
+    assert "step 4/6" in log and "summary" in log and "128 responses trained (train.max_samples=128)" in log
     # rollout.engine_threads=0 (auto), staleness 0: the one engine generates on every core the
     # trainer may use (it waits meanwhile); torch in the engine process says how many it got
     assert f"torch threads {len(os.sched_getaffinity(0))}" in (run_dir / "logs" / "engine0.log").read_text()

@@ -1,0 +1,51 @@
+"""The loop's stop rules and validation cadence (``megarl.loop.Progress``), on made-up
+validation curves: the run loop calls exactly these after every step."""
+
+from megarl.config import TrainConfig
+from megarl.loop import Progress
+
+
+def _drive(t: TrainConfig, batches: list[int], vals: dict[int, float]) -> tuple[list[int], int | None, Progress]:
+    """Steps of ``batches`` responses each; ``vals[step]`` is the validation a due step gets.
+    Returns the steps that validated, the step the run stopped after (None: ran out), the state."""
+    p, validated = Progress(), []
+    for step, b in enumerate(batches, start=1):
+        due = p.count(b, step, t)
+        val = vals.get(step, 0.0) if due else None
+        if due:
+            validated.append(step)
+        if p.stop(step, val, t) is not None:
+            return validated, step, p
+    return validated, None, p
+
+
+def test_validation_every_n_samples_follows_a_changing_batch() -> None:
+    t = TrainConfig(eval_every=3, eval_every_samples=100)
+    validated, stopped, p = _drive(t, [64, 64, 128, 32, 32, 256, 16], {})
+    # cumulative 64, 128 | 256 | 288, 320 | 576 | 592: multiples of 100 passed at steps 2, 3, 5, 6
+    assert validated == [2, 3, 5, 6] and stopped is None and p.samples == 592
+    validated, _, _ = _drive(TrainConfig(eval_every=3), [64] * 7, {})
+    assert validated == [3, 6]
+
+
+def test_target_stop_waits_for_the_validations_past_it() -> None:
+    t = TrainConfig(eval_every=2, target_val_reward=0.5, evals_past_target=2)
+    # reached at step 4; later validations fall below the target and still count
+    vals = {2: 0.3, 4: 0.55, 6: 0.45, 8: 0.6, 10: 0.7}
+    validated, stopped, p = _drive(t, [8] * 12, vals)
+    assert stopped == 8 and p.reached_step == 4 and p.evals_since == 2 and validated == [2, 4, 6, 8]
+    _, stopped, p = _drive(TrainConfig(eval_every=2, target_val_reward=0.5), [8] * 12, vals)
+    assert stopped == 4 and p.evals_since == 0
+    _, stopped, p = _drive(TrainConfig(eval_every=2, target_val_reward=0.9), [8] * 12, vals)
+    assert stopped is None and p.reached_step == 0
+
+
+def test_sample_budget_stops_and_state_round_trips() -> None:
+    t = TrainConfig(eval_every=0, max_samples=100)
+    _, stopped, p = _drive(t, [32, 32, 32, 32, 32], {})
+    assert stopped == 4 and p.samples == 128
+    q = Progress()
+    q.load_state_dict(p.state_dict())
+    assert q == p
+    # a resumed run continues the count: one more step of 32 is past the budget at once
+    assert q.count(32, 5, t) is False and q.stop(5, None, t) is not None
