@@ -122,6 +122,11 @@ class Progress:
                 self.evals_since += 1
             elif val >= t.target_val_reward:
                 self.reached_step = step
+        return self.done(t)
+
+    def done(self, t: TrainConfig) -> str | None:
+        """Why the run is over by its counts (a run resumed from its last step's checkpoint
+        takes no further step), or None."""
         if self.reached_step and self.evals_since >= t.evals_past_target:
             return f"validation reached {t.target_val_reward:g} at step {self.reached_step}"
         if t.max_samples and self.samples >= t.max_samples:
@@ -185,7 +190,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         summary["engine_wait_s"] = c.rollouts.engine_wait_s  # part of startup_s: rank 0 blocked on engine start-up
         pending = None  # an asynchronous checkpoint being written
         last_val: tuple[int, float] | None = None  # (step, reward) of the latest mid-run validation
-        while step < cfg.train.steps:
+        while step < cfg.train.steps and progress.done(cfg.train) is None:
             m = rl_step(c, step)
             step += 1
             if progress.count(int(m.get("rollout/responses", 0)), step, cfg.train) and step < cfg.train.steps:

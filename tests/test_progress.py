@@ -46,6 +46,38 @@ def test_sample_budget_stops_and_state_round_trips() -> None:
     assert stopped == 4 and p.samples == 128
     q = Progress()
     q.load_state_dict(p.state_dict())
-    assert q == p
+    assert q == p and q.done(t) is not None  # resumed from the stopping step's checkpoint: no more steps
+    t = TrainConfig(eval_every=0, max_samples=200)  # (resumed with a larger budget)
     # a resumed run continues the count: one more step of 32 is past the budget at once
-    assert q.count(32, 5, t) is False and q.stop(5, None, t) is not None
+    assert q.done(t) is None and q.count(32, 5, t) is False and q.stop(5, None, t) is None  # 160
+    assert q.count(32, 6, t) is False and q.stop(6, None, t) is None  # 192
+    assert q.count(32, 7, t) is False and q.stop(7, None, t) == "224 responses trained (train.max_samples=200)"
+
+
+def test_restore_fills_the_progress_part_and_accepts_checkpoints_without_it(monkeypatch, tmp_path) -> None:
+    """``state.restore`` with the checkpoint reader isolated (this is about which parts load):
+    a checkpoint written before Progress existed resumes with zero counts; any other missing
+    part still fails, naming it."""
+    import pytest
+
+    from megarl.checkpoint import state
+
+    saved = {"step": 7, "planner": {"x": 1}, "progress": {"samples": 448, "reached_step": 5, "evals_since": 1}}
+    monkeypatch.setattr(state, "load_checkpoint", lambda path, models: dict(saved))
+
+    class Part:
+        def load_state_dict(self, s):
+            self.s = s
+
+        def state_dict(self):
+            return {}
+
+    planner, progress = Part(), Progress()
+    assert state.restore(tmp_path, {}, {"planner": planner, "progress": progress}, optional=["progress"]) == 7
+    assert planner.s == {"x": 1} and progress == Progress(448, 5, 1)
+    del saved["progress"]
+    fresh = Progress()
+    assert state.restore(tmp_path, {}, {"planner": planner, "progress": fresh}, optional=["progress"]) == 7
+    assert fresh == Progress()
+    with pytest.raises(ValueError, match=r"has no state for \['progress'\]"):
+        state.restore(tmp_path, {}, {"planner": planner, "progress": fresh})
