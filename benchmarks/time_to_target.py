@@ -23,7 +23,7 @@ Runs go one at a time, seeds and variants interleaved; each finished run is cach
 sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
 ``OUT/sweep.json`` for ``megarl report RUN --sweep OUT``.
 
-    python benchmarks/time_to_target.py --quick           # ~4 min: the machinery end to end
+    python benchmarks/time_to_target.py --quick           # the machinery end to end (~4 min with the old 40-step cap; not re-timed with the 10,240-response cap)
     python benchmarks/time_to_target.py [--out DIR]       # full: 23 runs, ~0.5-0.8 h on 2 idle cores (estimated)
     python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--max-samples N] [--out DIR]
         # no sweep: that setting and the coordinator (both starts) on seeds 1..6, paired
@@ -230,7 +230,7 @@ def run_all(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small mode (~4 min on 2 idle cores): validates the machinery")
+    ap.add_argument("--quick", action="store_true", help="small mode (a few minutes on 2 idle cores): validates the machinery")
     ap.add_argument("--out", help="output folder (default runs/bench_ttt[_quick]); a rerun resumes it")
     ap.add_argument("--gains", help="comma-separated target gains over the base's validation reward")
     ap.add_argument(
