@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     with timer("generate"):  # 1. sample responses on the fleet and score them (or take the batch made ahead)
         batch, metrics = c.ahead.take(step) if c.ahead is not None else c.rollouts.collect(step, *plan_size(plan))
     lag = c.publisher.version - batch.sample_versions()  # policy versions each sample lags the trainer
-    metrics["rollout/responses"] = float(batch.size)  # on every rank (the rest of the stats: rank 0's)
+    metrics["rollout/responses"] = float(batch.size)  # on every rank (the other rollout stats: rank 0's)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (rollout/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
@@ -134,14 +134,11 @@ class Progress:
         return None
 
     def state_dict(self) -> dict[str, int]:
-        return {"samples": self.samples, "reached_step": self.reached_step, "evals_since": self.evals_since}
+        return asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.samples, self.reached_step, self.evals_since = (
-            int(state["samples"]),
-            int(state["reached_step"]),
-            int(state["evals_since"]),
-        )
+        for f in fields(self):
+            setattr(self, f.name, int(state[f.name]))
 
 
 def _save(c: Components, step: int, progress: Progress, asynchronous: bool = False) -> Any:
@@ -189,15 +186,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
         summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync
         summary["engine_wait_s"] = c.rollouts.engine_wait_s  # part of startup_s: rank 0 blocked on engine start-up
         pending = None  # an asynchronous checkpoint being written
-        last_val: tuple[int, float] | None = None  # (step, reward) of the latest mid-run validation
+        m: dict[str, float] = {}  # the latest step's metrics
         while step < cfg.train.steps and progress.done(cfg.train) is None:
             m = rl_step(c, step)
             step += 1
-            if progress.count(int(m.get("rollout/responses", 0)), step, cfg.train) and step < cfg.train.steps:
+            if progress.count(int(m["rollout/responses"]), step, cfg.train) and step < cfg.train.steps:
                 t0 = time.perf_counter()
                 m["val/reward"] = c.rollouts.validate()
                 t_val += time.perf_counter() - t0
-                last_val = (step, m["val/reward"])
             stop = progress.stop(step, m.get("val/reward"), cfg.train)  # the same on every rank
             metrics_log.log(step, m)
             if rank0:
@@ -240,8 +236,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if pending is not None:
             pending.finalize()
         summary["rl_wall_s"] = time.perf_counter() - t_rl
-        if last_val is not None and last_val[0] == step:  # stopped right after a validation: it is the end's
-            summary["val/reward_end"] = last_val[1]
+        if "val/reward" in m:  # the last step validated (a stop right after it): that is the end's
+            summary["val/reward_end"] = m["val/reward"]
         else:
             summary["val/reward_end"] = c.rollouts.validate()
             metrics_log.log(step, {"val/reward": summary["val/reward_end"]})

@@ -234,7 +234,6 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
         "rollout/response_len_mean": float(lens.float().mean()),
         "rollout/response_len_max": float(lens.max()),
         "rollout/truncated_frac": float(trunc.float().mean()),
-        "rollout/responses": float(batch.size),
         "rollout/tokens": float(lens.sum()),
         # prompt + response tokens (the trainer's work); mask is 1 from position prompt_len-1 on
         "rollout/sequence_tokens": float((batch.mask.argmax(dim=1) + 1 + lens).sum()),
