@@ -6,6 +6,7 @@ user twice. :func:`validate` checks both together, naming the field."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megarl.config import CoordinatorConfig
@@ -70,6 +71,8 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"warmup_steps={s.warmup_steps} and cooldown_steps={s.cooldown_steps} must be >= 0")
     if not 0.0 <= s.ema_beta < 1.0:
         raise ValueError(f"ema_beta={s.ema_beta} must be in [0, 1)")
+    if not (s.ema_dof >= 0 and math.isfinite(s.ema_dof)):
+        raise ValueError(f"ema_dof={s.ema_dof} must be 0 (per-step ema_beta) or > 0 degrees of freedom")
     if not (s.track_factor == 0 or s.track_factor > 1):
         raise ValueError(f"track_factor={s.track_factor} must be 0 (no limit) or > 1")
     if not (s.band_ratio == 0 or s.band_ratio >= 1):

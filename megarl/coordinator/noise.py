@@ -207,6 +207,21 @@ class _Moments:
         return math.sqrt(var * u2)
 
 
+def decay_for(dof: float, horizon: float) -> float:
+    """Per-step EMA decay for a horizon in degrees of freedom: exp(-dof/horizon).
+
+    A fixed decay β per step holds ~1/(1-β) steps, i.e. ~(K-1)/(1-β) degrees of freedom for
+    K = B/b parts a step, so the estimate's precision, and with it the hold band, follows the
+    batch it is measured at: a small batch's band is wide enough to keep the batch where it
+    is, whatever the point estimate says. A step of d degrees of freedom decaying the older
+    ones by exp(-d/H) keeps the total weight near H (Σ_k d·e^{-k·d/H} = d/(1 - e^{-d/H}) ≈
+    H + d/2) at any batch: the estimate holds the same information at 128 responses and at
+    2048, over more steps where the steps are smaller."""
+    if not (dof > 0 and horizon > 0):
+        raise ValueError(f"decay_for: dof={dof} and horizon={horizon} must be > 0")
+    return math.exp(-dof / horizon)
+
+
 class NoiseScaleEstimator:
     """Smoothed |G|², tr(Σ) and B_simple = EMA(tr Σ)/EMA(|G|²) with an approximate band.
 
@@ -245,15 +260,21 @@ class NoiseScaleEstimator:
         self._g2 = _Moments()
         self._tr = _Moments()
 
-    def update(self, g2: float, tr_sigma: float, dof: float = 1.0) -> None:
-        """Add one step's (|G|², tr Σ) estimate (either may be negative) made with `dof`."""
+    def update(self, g2: float, tr_sigma: float, dof: float = 1.0, beta: float | None = None) -> None:
+        """Add one step's (|G|², tr Σ) estimate (either may be negative) made with `dof`.
+
+        ``beta``: this step's decay of the older steps (default the estimator's own); a decay
+        in degrees of freedom passes exp(-dof/horizon) (`decay_for`)."""
         if not (math.isfinite(g2) and math.isfinite(tr_sigma)):
             raise ValueError(f"non-finite noise statistics: g2={g2}, tr_sigma={tr_sigma}")
         if not (dof > 0 and math.isfinite(dof)):
             raise ValueError(f"dof={dof} must be finite and > 0")
+        b = self.beta if beta is None else beta
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"beta={b} must be in [0, 1)")
         self.steps += 1
-        self._g2.update(g2, dof, self.beta)
-        self._tr.update(tr_sigma, dof, self.beta)
+        self._g2.update(g2, dof, b)
+        self._tr.update(tr_sigma, dof, b)
         self.dof = self._g2.w
 
     @property

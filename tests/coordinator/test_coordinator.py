@@ -267,6 +267,22 @@ def test_metrics_keys_and_values() -> None:
     assert m["coord/dp_share/0"] + m["coord/dp_share/1"] == pytest.approx(1.0)
 
 
+def test_a_dof_horizon_converges_and_holds_that_many_degrees_of_freedom() -> None:
+    """coordinator.ema_dof: the estimate decays per degree of freedom (here 1 a step: DP = 2)
+    instead of per step; the plan still reaches the goodput optimum, and the estimate holds
+    ~ema_dof degrees of freedom (per-step ema_beta = 0.95 would hold ~20)."""
+    coord = Coordinator(*_config(ema_dof=60.0))
+    trainer = SyntheticTrainer(0, {"actor": 400.0, "critic": 2000.0})
+    _run(coord, trainer, 0, 300)
+    final = coord.next_plan()
+    best = max(_true_goodput(p, 400.0) for p in coord.grid.prompts())
+    assert _true_goodput(final.num_prompts, 400.0) >= 0.95 * best
+    assert final.b_noise["actor"] == pytest.approx(400.0, rel=0.25)
+    assert 59.0 < _est(coord, "actor").dof < 61.0  # 1/(1 - e^(-1/60)) = 60.5
+    with pytest.raises(ValueError, match="ema_dof=-1.0 must be 0"):
+        Coordinator(*_config(ema_dof=-1.0))
+
+
 def test_adam_noise_kind_is_rejected_with_the_reason() -> None:
     with pytest.raises(ValueError, match="noise_kind='adam' must be 'plain': the Adam-preconditioned"):
         Coordinator(*_config(noise_kind="adam"))

@@ -16,8 +16,10 @@ import pytest
 from megarl.coordinator.noise import (
     NoiseScaleEstimator,
     _Moments,
+    decay_for,
     dp_estimates,
     microbatch_estimates,
+    parts_dof,
     two_batch_estimates,
 )
 
@@ -266,3 +268,53 @@ def test_estimator_state_round_trip_is_exact() -> None:
     assert copy.band() == est.band()
     with pytest.raises(ValueError, match=re.escape("beta=0.95")):
         NoiseScaleEstimator(0.9).load_state_dict(state)
+
+
+def _lower_band_ratio(batch: int, part: int, steps: int, horizon: float | None, replicates: int = 200) -> float:
+    """Median over replicates of B_simple's lower band end / B_simple after `steps` steps of
+    `batch` samples cut into parts of `part` (the micro-batch probe at DP = 1)."""
+    g, sd, _, _ = _problem(5)
+    k = batch // part
+    ratios = []
+    for seed in range(replicates):
+        locs = _rank_means(np.random.default_rng(seed), g, sd, [part] * k, steps)
+        est = NoiseScaleEstimator(0.9)
+        for t in range(steps):
+            whole = np.mean([loc[t] for loc in locs], axis=0)
+            plain = microbatch_estimates(
+                [float(loc[t] @ loc[t]) for loc in locs], [float(part)] * k, float(whole @ whole)
+            )
+            d = parts_dof(k)
+            est.update(*plain, dof=d, beta=None if horizon is None else decay_for(d, horizon))
+        b, low = est.b_simple, est.b_simple_low
+        if b and low is not None:
+            ratios.append(low / b)
+    assert len(ratios) > 0.9 * replicates
+    return float(np.median(ratios))
+
+
+def test_a_dof_horizon_keeps_the_band_width_whatever_the_batch() -> None:
+    """Per-step decay: 2 parts a step (1 dof) leave the band's lower end at ~0.45 of the
+    estimate against ~0.76 with 8 parts, so a small batch sits inside a wide band and is held
+    (the ratchet of docs/COORDINATOR.md §2). A horizon in dof, tuned to equal the per-step
+    decay at 8 parts, brings the small batch's band to within a few percent of the large one's."""
+    horizon = -7 / math.log(0.9)  # exp(-7/H) = 0.9: the same decay as ema_beta at 8 parts
+    step_small, step_large = _lower_band_ratio(16, 8, 160, None), _lower_band_ratio(64, 8, 40, None)
+    dof_small, dof_large = _lower_band_ratio(16, 8, 400, horizon), _lower_band_ratio(64, 8, 60, horizon)
+    assert step_large - step_small > 0.2
+    assert dof_large == pytest.approx(step_large, abs=0.02)  # same decay at 8 parts
+    assert abs(dof_large - dof_small) < 0.1
+
+
+def test_decay_for_holds_the_horizon_in_dof() -> None:
+    assert decay_for(7.0, 70.0) == pytest.approx(math.exp(-0.1))
+    for d in (1.0, 7.0, 31.0):
+        est = NoiseScaleEstimator(0.9)
+        for _ in range(2000):
+            est.update(1.0, 50.0, dof=d, beta=decay_for(d, 60.0))
+        assert est.dof == pytest.approx(d / (1 - math.exp(-d / 60.0)), rel=1e-9)
+        assert 60.0 <= est.dof <= 60.0 + d  # ~H + d/2 at any batch
+    with pytest.raises(ValueError, match="horizon"):
+        decay_for(1.0, 0.0)
+    with pytest.raises(ValueError, match="beta"):
+        NoiseScaleEstimator(0.9).update(1.0, 1.0, dof=1.0, beta=1.0)
