@@ -64,7 +64,7 @@ class CoordinatorConfig:
     per step): a step whose parts give d degrees of freedom decays the older ones by
     exp(-d/ema_dof), so the estimate holds ~ema_dof degrees of freedom at any batch. With a
     per-step decay its precision follows the batch (B/mbs parts a step): a small batch gets a
-    wide band and is held by it (docs/COORDINATOR.md §2, "horizon in degrees of freedom")."""
+    wide band and is held by it (docs/COORDINATOR.md §1, "Horizon in degrees of freedom")."""
     band_z: float = 2.0
     """Width of the B_noise band in (approximate) standard errors; the batch is kept while it
     lies between the goodput optima at the band's two ends (hysteresis)."""

@@ -296,7 +296,7 @@ def _lower_band_ratio(batch: int, part: int, steps: int, horizon: float | None, 
 def test_a_dof_horizon_keeps_the_band_width_whatever_the_batch() -> None:
     """Per-step decay: 2 parts a step (1 dof) leave the band's lower end at ~0.45 of the
     estimate against ~0.76 with 8 parts, so a small batch sits inside a wide band and is held
-    (the ratchet of docs/COORDINATOR.md §2). A horizon in dof, tuned to equal the per-step
+    (the ratchet of docs/COORDINATOR.md §1). A horizon in dof, tuned to equal the per-step
     decay at 8 parts, brings the small batch's band to within a few percent of the large one's."""
     horizon = -7 / math.log(0.9)  # exp(-7/H) = 0.9: the same decay as ema_beta at 8 parts
     step_small, step_large = _lower_band_ratio(16, 8, 160, None), _lower_band_ratio(64, 8, 40, None)
