@@ -40,7 +40,7 @@ from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun, grid, validate
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
-from megarl.coordinator.noise import NoiseScaleEstimator, decay_for, dp_estimates, microbatch_estimates, parts_dof
+from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
 from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
@@ -90,10 +90,9 @@ class Coordinator:
         updates = self._grad_updates(grads)
         timings.validate()
         rank_tput = self._rank_throughputs(step, timings)
-        h = self.config.ema_dof
         for model, unit, plain, dof, signal in updates:
             self._units[model] = unit
-            self._estimator(model).update(*plain, dof=dof, beta=decay_for(dof, h) if h > 0 else None)
+            self._estimator(model).update(*plain, dof=dof)
             self._signal.setdefault(model, Ema(self.config.ema_beta)).update(signal)
         self._time.observe(
             responses=timings.rollout_responses,
@@ -111,7 +110,7 @@ class Coordinator:
 
     def _estimator(self, model: str) -> NoiseScaleEstimator:
         if model not in self._noise:
-            self._noise[model] = NoiseScaleEstimator(self.config.ema_beta, self.config.band_z)
+            self._noise[model] = NoiseScaleEstimator(self.config.ema_beta, self.config.band_z, self.config.ema_dof)
         return self._noise[model]
 
     def _grad_updates(self, grads: list[ModelGradStats]) -> list[_GradUpdate]:

@@ -247,31 +247,31 @@ class NoiseScaleEstimator:
     confidence interval.
     """
 
-    def __init__(self, beta: float = 0.95, z: float = 2.0):
+    def __init__(self, beta: float = 0.95, z: float = 2.0, horizon_dof: float = 0.0):
+        """``horizon_dof`` > 0: each step decays the older ones by exp(-dof/horizon_dof)
+        (`decay_for`) instead of by ``beta``."""
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta={beta} must be in [0, 1)")
         if not z > 0:
             raise ValueError(f"z={z} must be > 0")
+        if not (horizon_dof >= 0 and math.isfinite(horizon_dof)):
+            raise ValueError(f"horizon_dof={horizon_dof} must be 0 (beta per step) or > 0 degrees of freedom")
         self.beta = beta
         self.z = z
+        self.horizon_dof = horizon_dof
         self.steps = 0
         self.dof = 0.0
         """Discounted degrees of freedom behind the estimate, Σ β^age·dof."""
         self._g2 = _Moments()
         self._tr = _Moments()
 
-    def update(self, g2: float, tr_sigma: float, dof: float = 1.0, beta: float | None = None) -> None:
-        """Add one step's (|G|², tr Σ) estimate (either may be negative) made with `dof`.
-
-        ``beta``: this step's decay of the older steps (default the estimator's own); a decay
-        in degrees of freedom passes exp(-dof/horizon) (`decay_for`)."""
+    def update(self, g2: float, tr_sigma: float, dof: float = 1.0) -> None:
+        """Add one step's (|G|², tr Σ) estimate (either may be negative) made with `dof`."""
         if not (math.isfinite(g2) and math.isfinite(tr_sigma)):
             raise ValueError(f"non-finite noise statistics: g2={g2}, tr_sigma={tr_sigma}")
         if not (dof > 0 and math.isfinite(dof)):
             raise ValueError(f"dof={dof} must be finite and > 0")
-        b = self.beta if beta is None else beta
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"beta={b} must be in [0, 1)")
+        b = decay_for(dof, self.horizon_dof) if self.horizon_dof else self.beta
         self.steps += 1
         self._g2.update(g2, dof, b)
         self._tr.update(tr_sigma, dof, b)
@@ -325,6 +325,7 @@ class NoiseScaleEstimator:
         """JSON-serialisable state (finite floats, ints and strings only)."""
         return {
             "beta": self.beta,
+            "horizon_dof": self.horizon_dof,
             "z": self.z,
             "steps": self.steps,
             "g2": [self._g2.m1, self._g2.m2, self._g2.w, self._g2.w2],
@@ -335,6 +336,11 @@ class NoiseScaleEstimator:
         """Restore `state_dict()` output; beta must match this estimator's."""
         if float(state["beta"]) != self.beta:
             raise ValueError(f"noise estimator state has beta={state['beta']}; this estimator has beta={self.beta}")
+        horizon = float(state.get("horizon_dof", 0.0))  # absent before session 13: per-step beta
+        if horizon != self.horizon_dof:
+            raise ValueError(
+                f"noise estimator state has horizon_dof={horizon}; this estimator has horizon_dof={self.horizon_dof}"
+            )
         self.z = float(state["z"])
         self.steps = int(state["steps"])
         self._g2 = _Moments(*(float(x) for x in state["g2"]))

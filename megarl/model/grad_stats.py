@@ -51,8 +51,12 @@ class GradProbe:
             # buffer's change between two forwards is not one micro-batch's gradient
             raise ValueError("micro-batch gradient norms need pipeline_parallel = 1")
 
+    @staticmethod
+    def _all_buffers(ddp: Any) -> list[Any]:
+        return list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+
     def _buffers(self, ddp: Any) -> list[torch.Tensor]:
-        return [b.grad_data for b in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))]
+        return [b.grad_data for b in self._all_buffers(ddp)]
 
     def _counted(self, ddp: Any) -> list[list[tuple[int, int]]]:
         """Per grad buffer: the [start, end) element ranges counted on this rank (TP duplicates
@@ -61,7 +65,7 @@ class GradProbe:
             from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
             out = []
-            for buf in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+            for buf in self._all_buffers(ddp):
                 ranges = sorted(
                     (start, end)
                     for p, (start, end, _) in buf.param_index_map.items()

@@ -278,14 +278,13 @@ def _lower_band_ratio(batch: int, part: int, steps: int, horizon: float | None, 
     ratios = []
     for seed in range(replicates):
         locs = _rank_means(np.random.default_rng(seed), g, sd, [part] * k, steps)
-        est = NoiseScaleEstimator(0.9)
+        est = NoiseScaleEstimator(0.9, horizon_dof=horizon or 0.0)
         for t in range(steps):
             whole = np.mean([loc[t] for loc in locs], axis=0)
             plain = microbatch_estimates(
                 [float(loc[t] @ loc[t]) for loc in locs], [float(part)] * k, float(whole @ whole)
             )
-            d = parts_dof(k)
-            est.update(*plain, dof=d, beta=None if horizon is None else decay_for(d, horizon))
+            est.update(*plain, dof=parts_dof(k))
         b, low = est.b_simple, est.b_simple_low
         if b and low is not None:
             ratios.append(low / b)
@@ -309,12 +308,15 @@ def test_a_dof_horizon_keeps_the_band_width_whatever_the_batch() -> None:
 def test_decay_for_holds_the_horizon_in_dof() -> None:
     assert decay_for(7.0, 70.0) == pytest.approx(math.exp(-0.1))
     for d in (1.0, 7.0, 31.0):
-        est = NoiseScaleEstimator(0.9)
+        est = NoiseScaleEstimator(0.9, horizon_dof=60.0)
         for _ in range(2000):
-            est.update(1.0, 50.0, dof=d, beta=decay_for(d, 60.0))
+            est.update(1.0, 50.0, dof=d)
         assert est.dof == pytest.approx(d / (1 - math.exp(-d / 60.0)), rel=1e-9)
         assert 60.0 <= est.dof <= 60.0 + d  # ~H + d/2 at any batch
     with pytest.raises(ValueError, match="horizon"):
         decay_for(1.0, 0.0)
-    with pytest.raises(ValueError, match="beta"):
-        NoiseScaleEstimator(0.9).update(1.0, 1.0, dof=1.0, beta=1.0)
+    with pytest.raises(ValueError, match="horizon_dof"):
+        NoiseScaleEstimator(0.9, horizon_dof=-1.0)
+    state = NoiseScaleEstimator(0.9, horizon_dof=60.0).state_dict()
+    with pytest.raises(ValueError, match="horizon_dof=60.0"):
+        NoiseScaleEstimator(0.9).load_state_dict(state)
