@@ -79,18 +79,11 @@ def policy_loss_fn(cfg: RunConfig, tp_group: Any, denom: float) -> LossFn:
             per_tok = per_tok - a.entropy_coef * ent
             stats["entropy_sum"] = (ent.detach() * mask).sum()
         loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
-        delta = (lp.detach() - mb["engine_logprobs"]) * mask
-        mismatch = delta.abs().sum()
-        ratio_max = torch.where(mask.bool(), delta.exp(), torch.zeros_like(delta)).max()
-        stats.update(
-            {
-                "loss": loss.detach(),
-                "tokens": n,
-                "clipfrac_sum": pstats["clipfrac"] * n,
-                "engine_logprob_absdiff_sum": mismatch,
-                "engine_prob_ratio_max": ratio_max,
-            }
-        )
+        stats.update({"loss": loss.detach(), "tokens": n, "clipfrac_sum": pstats["clipfrac"] * n})
+        if "engine_logprobs" in mb:  # this step asked the engines (rollout.engine_logprobs_every)
+            delta = (lp.detach() - mb["engine_logprobs"]) * mask
+            stats["engine_logprob_absdiff_sum"] = delta.abs().sum()
+            stats["engine_prob_ratio_max"] = torch.where(mask.bool(), delta.exp(), torch.zeros_like(delta)).max()
         return loss, stats
 
     return loss_fn

@@ -17,7 +17,8 @@ class RolloutBatch:
 
     tokens: torch.Tensor  # (B, S) long, prompt + response, right-padded with pad id
     mask: torch.Tensor  # (B, S) float, 1 where tokens[t+1] is a response token
-    engine_logprobs: torch.Tensor  # (B, S) float, log π_engine(tokens[t+1]) at masked positions
+    engine_logprobs: torch.Tensor | None  # (B, S) float, log π_engine(tokens[t+1]) at masked positions
+    """None on steps that did not ask the engines (``rollout.engine_logprobs_every``)."""
     rewards: torch.Tensor  # (B,) float, scalar reward per response
     group_ids: torch.Tensor  # (B,) long, prompt index: samples of one prompt share it
     response_lens: torch.Tensor  # (B,) long, response tokens incl. EOS
@@ -37,7 +38,10 @@ class RolloutBatch:
         return self.versions if self.versions is not None else torch.full((self.size,), self.version)
 
     def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens[index], "mask": self.mask[index], "engine_logprobs": self.engine_logprobs[index]}
+        out = {"tokens": self.tokens[index], "mask": self.mask[index]}
+        if self.engine_logprobs is not None:
+            out["engine_logprobs"] = self.engine_logprobs[index]
+        return out
 
 
 @dataclass

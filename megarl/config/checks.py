@@ -355,6 +355,7 @@ def _positive(cfg: RunConfig) -> None:
                 "lr_reference_batch",
                 "max_staleness",
                 "engine_threads",
+                "engine_logprobs_every",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")

@@ -93,6 +93,13 @@ class RolloutConfig:
     """Sampling temperature (logprobs on both sides use logits / temperature)."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    engine_logprobs_every: int = 10
+    """Ask the engines for the sampled tokens' log-probs on every this many steps (the first
+    step, then every k-th; 1 = every step, 0 = never). Only the train/inference mismatch
+    metrics (``rollout/mismatch_*``, ``train/engine_*``) read them then, so they are logged on
+    those steps only; vLLM's per-token log-prob work is ~10 % of a demo generation. The loss
+    needs them on every step with ``algo.tis_cap`` > 0 or ``rollout.max_staleness`` > 0, and
+    then they are always requested (verl's ``rollout.calculate_log_probs``, default off)."""
     num_engines: int = 1
     """vLLM engines started by megarl (ignored when engine_addresses is set)."""
     engine_tp: int = 1

@@ -8,7 +8,7 @@ credential, see ``megarl.engine.http`` for the route table, limits and lifeline)
   GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
   GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
-                    "stop_token_ids", "seeds", "min_tokens"}  -> one binary frame:
+                    "stop_token_ids", "seeds", "min_tokens", "ignore_eos", "logprobs"}  -> one binary frame:
                    version, ids, log-probs, finish reasons, engine seconds (``megarl.engine.wire``)
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /heartbeat  {}                           (keeps the lease; the fleet sends it)

@@ -175,6 +175,7 @@ class VllmEngine:
 
         prompts = req["prompts"]
         seeds = req.get("seeds") or [None] * len(prompts)
+        want_logprobs = bool(req.get("logprobs", True))  # False: the samples' "logprobs" are []
         params = [
             SamplingParams(
                 n=int(req.get("n", 1)),
@@ -182,7 +183,7 @@ class VllmEngine:
                 temperature=float(req.get("temperature", 1.0)),
                 top_p=float(req.get("top_p", 1.0)),
                 stop_token_ids=list(req.get("stop_token_ids", [])),
-                logprobs=0,
+                logprobs=0 if want_logprobs else None,
                 flat_logprobs=True,  # one list per request, not a dict + Logprob object per token
                 seed=s,
                 ignore_eos=bool(req.get("ignore_eos", False)),
@@ -226,7 +227,7 @@ class VllmEngine:
                 group.append(
                     {
                         "token_ids": tokens,
-                        "logprobs": sampled_logprobs(c.logprobs, tokens),
+                        "logprobs": sampled_logprobs(c.logprobs, tokens) if want_logprobs else [],
                         "finish_reason": c.finish_reason,
                     }
                 )

@@ -117,6 +117,16 @@ class Group:
     """Policy version the engines served when they sampled this group (-1: not recorded)."""
 
 
+def engine_logprobs_wanted(cfg: RunConfig, step: int) -> bool:
+    """Does step ``step`` (0-based) ask the engines for the sampled tokens' log-probs? Always when
+    the loss reads them (TIS, off-policy batches); else on every ``rollout.engine_logprobs_every``-th
+    step from the first, for the train/inference mismatch metrics."""
+    r = cfg.rollout
+    if cfg.algo.tis_cap > 0 or r.max_staleness > 0:
+        return True
+    return r.engine_logprobs_every > 0 and step % r.engine_logprobs_every == 0
+
+
 def sample_groups(
     fleet: Fleet,
     tok: PromptTokenizer,
@@ -125,8 +135,10 @@ def sample_groups(
     rewards: RewardRunner,
     seed: int,
     samples: int,
+    logprobs: bool = True,
 ) -> tuple[list[Group], int, RewardReport]:
-    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, reward report)."""
+    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, reward
+    report); without ``logprobs`` the samples' engine log-probs are empty."""
     r = cfg.rollout
     outs, version = fleet.generate(
         [ids for _, ids in prompts],
@@ -137,6 +149,7 @@ def sample_groups(
         stop_token_ids=tok.eos_ids,
         min_tokens=r.min_response_len,
         seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
+        logprobs=logprobs,
     )
     groups: list[Group] = []
     for (rec, pids), out in zip(prompts, outs):
@@ -205,13 +218,17 @@ def pack_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
     return tokens, _response_mask(plen, rlen, S)
 
 
-def pack_groups(groups: list[Group], pad_id: int, version: int) -> RolloutBatch:
-    """Groups -> (B, S) tensors in the forward.py layout."""
+def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool = True) -> RolloutBatch:
+    """Groups -> (B, S) tensors in the forward.py layout (``engine_logprobs`` None without ``logprobs``)."""
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
     plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
     # engine log-probs sit under the mask: response token j's at column prompt_len - 1 + j
-    elp = _ragged([lp[: len(rr)] for _, rr, lp, _ in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
+    elp = (
+        _ragged([lp[: len(rr)] for _, rr, lp, _ in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
+        if logprobs
+        else None
+    )
     return RolloutBatch(
         tokens=tokens,
         mask=mask,
@@ -242,42 +259,55 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
 
 
 _BATCH_FIELDS = ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated", "versions")
+_PER_TOKEN = ("tokens", "mask", "engine_logprobs")  # (B, S); the other fields are (B,)
 
 
 def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
     """Every tensor of ``batch`` in one float64 vector (exact: ids < 2**53, float32 values);
-    ``versions`` travels filled in (each sample's policy version)."""
+    ``versions`` travels filled in (each sample's policy version), ``engine_logprobs`` only
+    when present."""
     tensors = {f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
     if not tensors <= set(_BATCH_FIELDS):  # a new tensor field must travel too
         raise TypeError(f"RolloutBatch tensors {sorted(tensors)} are not all in the broadcast's {_BATCH_FIELDS}")
     values = {f: getattr(batch, f) for f in _BATCH_FIELDS} | {"versions": batch.sample_versions()}
-    return torch.cat([values[f].reshape(-1).to(torch.float64) for f in _BATCH_FIELDS])
+    return torch.cat([v.reshape(-1).to(torch.float64) for v in values.values() if v is not None])
 
 
-def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int) -> RolloutBatch:
+def _flat_sizes(B: int, S: int, has_logprobs: bool) -> dict[str, int]:
+    """Elements of each field in :func:`batch_to_flat`'s vector, in order."""
+    sizes = {f: B * S if f in _PER_TOKEN else B for f in _BATCH_FIELDS}
+    if not has_logprobs:
+        del sizes["engine_logprobs"]
+    return sizes
+
+
+def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int, has_logprobs: bool = True) -> RolloutBatch:
     """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
-    shapes = {"tokens": (B, S), "mask": (B, S), "engine_logprobs": (B, S)}
     dtypes = {"tokens": torch.long, "group_ids": torch.long, "response_lens": torch.long, "truncated": torch.bool}
     dtypes["versions"] = torch.long
-    parts = flat.split([B * S] * 3 + [B] * 5)
-    fields = {f: p.reshape(shapes.get(f, (B,))).to(dtypes.get(f, torch.float32)) for f, p in zip(_BATCH_FIELDS, parts)}
-    return RolloutBatch(**fields, version=version)
+    sizes = _flat_sizes(B, S, has_logprobs)
+    parts = flat.split(list(sizes.values()))
+    tensors = {
+        f: p.reshape((B, S) if f in _PER_TOKEN else (B,)).to(dtypes.get(f, torch.float32)) for f, p in zip(sizes, parts)
+    }
+    return RolloutBatch(**{"engine_logprobs": None, **tensors}, version=version)
 
 
 def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
     """Ship rank 0's batch to all trainer ranks as tensors: its shape, then every tensor in
     one buffer (two collectives, whatever the number of fields)."""
     rank = dist.get_rank()
-    meta = torch.zeros(3, dtype=torch.long)
+    meta = torch.zeros(4, dtype=torch.long)
     if rank == src:
         assert batch is not None
-        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version])
+        has = batch.engine_logprobs is not None
+        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version, int(has)])
     dist.broadcast(meta, src=src)
-    B, S, version = (int(x) for x in meta)
+    B, S, version, has_logprobs = (int(x) for x in meta)
     if rank == src:
         assert batch is not None
         dist.broadcast(batch_to_flat(batch), src=src)
         return batch
-    flat = torch.empty(3 * B * S + 5 * B, dtype=torch.float64)
+    flat = torch.empty(sum(_flat_sizes(B, S, bool(has_logprobs)).values()), dtype=torch.float64)
     dist.broadcast(flat, src=src)
-    return batch_from_flat(flat, B, S, version)
+    return batch_from_flat(flat, B, S, version, bool(has_logprobs))

@@ -31,6 +31,7 @@ from megarl.rollout.collect import (
     PromptStats,
     batch_stats,
     broadcast_batch,
+    engine_logprobs_wanted,
     has_signal,
     overlong_summary,
     pack_groups,
@@ -137,7 +138,7 @@ class RolloutCollector:
         if self.cfg.rollout.dump_rollouts:
             self._dump(step, kept)
         stats["rollout/filled_without_signal"] = float(max(short, 0))
-        batch = pack_groups(kept, self.tok.pad_id, rnd.version)
+        batch = pack_groups(kept, self.tok.pad_id, rnd.version, logprobs=engine_logprobs_wanted(self.cfg, step))
         stats.update(batch_stats(batch))
         stats.update(rnd.rewards.metrics())
         if line := rnd.rewards.summary(self.cfg.reward.failed_reward):
@@ -167,6 +168,7 @@ class RolloutCollector:
             self.rewards,
             seed=self.cfg.train.seed + 7919 * step + rnd.count,
             samples=samples,
+            logprobs=engine_logprobs_wanted(self.cfg, step),
         )
         rnd.version = min(rnd.version, v)
         for g in groups:
@@ -213,6 +215,7 @@ class RolloutCollector:
                 temperature=0.0,
                 top_p=1.0,
                 stop_token_ids=self.tok.eos_ids,
+                logprobs=False,
             )
             self.fleet.pop_timings()  # validation is not part of a step's generation time
             texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]

@@ -339,8 +339,10 @@ class Fleet(WeightUpdates):
         seeds: list[int | None] | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        logprobs: bool = True,
     ) -> tuple[list[list[dict[str, Any]]], int]:
-        """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version)."""
+        """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version);
+        each sample's ``"logprobs"`` are the sampled tokens' (empty when ``logprobs`` is False)."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
         t0 = time.perf_counter()
         self.recover()  # an engine that died while idle is restarted before it is given prompts
@@ -365,6 +367,7 @@ class Fleet(WeightUpdates):
                     "seeds": [seeds[i] for i in idx],
                     "ignore_eos": ignore_eos,
                     "min_tokens": min_tokens,
+                    "logprobs": logprobs,
                 }
                 try:
                     return engine, idx, engine.generate(body, self.timeout)

@@ -160,11 +160,13 @@ _TENSORS = {
 
 
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    out: dict[str, Any] = {k: getattr(batch, k).tolist() for k in _TENSORS if k != "versions"}
+    """``engine_logprobs`` is None (JSON null) when the step did not ask the engines."""
+    out: dict[str, Any] = {k: getattr(batch, k) for k in _TENSORS if k != "versions"}
+    out = {k: v.tolist() if v is not None else None for k, v in out.items()}
     out["versions"] = batch.sample_versions().tolist()
     return {**out, "version": batch.version, "texts": list(batch.texts)}
 
 
 def batch_from_dict(d: dict[str, Any]) -> RolloutBatch:
-    tensors = {k: torch.tensor(d[k], dtype=dt) for k, dt in _TENSORS.items()}
-    return RolloutBatch(**tensors, version=int(d["version"]), texts=list(d["texts"]))
+    tensors = {k: torch.tensor(d[k], dtype=dt) if d[k] is not None else None for k, dt in _TENSORS.items()}
+    return RolloutBatch(**tensors, version=int(d["version"]), texts=list(d["texts"]))  # type: ignore[arg-type]

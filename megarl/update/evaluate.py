@@ -49,7 +49,7 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
 
 def mismatch(batch: RolloutBatch, ev: PolicyEval) -> dict[str, float]:
     """Train/inference mismatch on the sampled tokens: mean |Δlogp| and max p_train/p_engine."""
-    if ev.old_logprobs is None:
+    if ev.old_logprobs is None or batch.engine_logprobs is None:
         return {}
     m = batch.mask.bool()
     d = ev.old_logprobs[m] - batch.engine_logprobs[m]

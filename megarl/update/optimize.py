@@ -36,7 +36,9 @@ class PolicyUpdater:
     ) -> dict[str, float]:
         a, mbs, budget = self.cfg.algo, self.cfg.parallel.micro_batch_size, self.cfg.parallel.max_tokens_per_micro_batch
         lr, critic_lr = plan.lr["actor"], plan.lr.get("critic", self.cfg.critic.lr)
-        rows = {"tokens": batch.tokens, "engine_logprobs": batch.engine_logprobs, **adv.rows(), **ev.rows()}
+        rows = {"tokens": batch.tokens, **adv.rows(), **ev.rows()}
+        if batch.engine_logprobs is not None:
+            rows["engine_logprobs"] = batch.engine_logprobs
         update_actor = self.critic is None or step >= self.cfg.critic.warmup_steps
         actor_stats, critic_stats = LossStats(), LossStats()
         probe_s: dict[str, float] = {}

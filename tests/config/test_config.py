@@ -107,6 +107,7 @@ def _cfg(**sections: dict) -> RunConfig:
             "coordinator.noise_kind='adam' must be 'plain': the 'adam' .preconditioned. noise scale needs",
         ),
         (_cfg(coordinator={"lr_reference_batch": -1}), 1, "coordinator.lr_reference_batch=-1 must be a positive integer"),
+        (_cfg(rollout={"engine_logprobs_every": -1}), 1, "rollout.engine_logprobs_every=-1 must be a positive integer"),
         (_cfg(parallel={"pack_sequences": True}), 1,
          "parallel.pack_sequences=True packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch"),
         (_cfg(parallel={"pack_sequences": True, "max_tokens_per_micro_batch": 256}, model={"attention": "unfused"}), 1,
@@ -235,3 +236,18 @@ def test_engine_threads_auto_leaves_cuda_engines_to_vllm(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert engine_threads(_cfg(), 16, 8) == 0
     assert engine_threads(_cfg(rollout={"engine_threads": 4}), 16, 8) == 4
+
+
+def test_engine_logprobs_on_the_steps_that_read_them() -> None:
+    """Every k-th step from the first for the mismatch metrics; every step when the loss reads
+    them (TIS, off-policy batches); never with k = 0 and an on-policy loss."""
+    from megarl.rollout.collect import engine_logprobs_wanted
+
+    def steps(**sections: dict) -> list[int]:
+        return [s for s in range(12) if engine_logprobs_wanted(_cfg(**sections), s)]
+
+    assert RunConfig().rollout.engine_logprobs_every == 10 and steps() == [0, 10]
+    assert steps(rollout={"engine_logprobs_every": 3}) == [0, 3, 6, 9]
+    assert steps(rollout={"engine_logprobs_every": 0}) == []
+    assert steps(rollout={"engine_logprobs_every": 0}, algo={"tis_cap": 2.0}) == list(range(12))
+    assert steps(rollout={"engine_logprobs_every": 0, "max_staleness": 1}, algo={"tis_cap": 2.0}) == list(range(12))

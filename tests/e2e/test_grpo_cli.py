@@ -23,7 +23,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "warm_start.steps=20", "rollout.num_prompts=8",
             "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
-            "data.num_val=32", "weight_sync.integrity_every=2", f"train.run_dir={run}"]
+            "data.num_val=32", "weight_sync.integrity_every=2",
+            "rollout.engine_logprobs_every=3",  # steps 1 and 4 ask the engine for log-probs, 2 and 3 do not
+            f"train.run_dir={run}"]
     proc = megarl_train("grpo_cpu.yaml", sets)
     (run / "stdout.log").write_text(proc.stdout + proc.stderr)
     return run
@@ -42,6 +44,13 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
             assert key in r, key
         assert r["rollout/responses"] == 32
         assert r["train/grad_norm"] >= 0
+        # engine log-probs of the sampled tokens on steps 1 and 4 only (rollout.engine_logprobs_every=3):
+        # the train/inference mismatch on those steps, and no mismatch metric on the others
+        if r["step"] in (1, 4):
+            assert 0 < r["train/engine_logprob_absdiff"] < 2e-3
+            assert 1.0 <= r["train/engine_prob_ratio_max"] < 1.01
+        else:
+            assert not any(k.startswith(("train/engine_", "rollout/mismatch_")) for k in r), r["step"]
     # step s pushes version s + 1; integrity_every=2 checks the even versions (and version 1 at start)
     assert [r["step"] for r in steps if "sync/integrity_max_abs_diff" in r] == [1, 3]
     assert all(r["sync/integrity_max_abs_diff"] < 1e-3 for r in steps if "sync/integrity_max_abs_diff" in r)
@@ -95,6 +104,7 @@ def test_dapo_options_through_the_loop(tmp_path: Path) -> None:
         if r["rollout/dropped_groups"] > 0:
             assert r["rollout/sampling_rounds"] > 1 or r["rollout/filled_without_signal"] > 0
         # train/inference mismatch on the sampled tokens, every step (first update = old policy)
+        # (algo.tis_cap > 0: the loss reads the engine's log-probs, so every step asks for them)
         assert 0 < r["train/engine_logprob_absdiff"] < 2e-3
         assert 1.0 <= r["train/engine_prob_ratio_max"] < 1.01
 

@@ -11,7 +11,8 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
     run = tmp_path / "run"
     sets = ["train.steps=4", "train.eval_every=0", "warm_start.steps=20", "rollout.num_prompts=8",
             "rollout.samples_per_prompt=4", "parallel.micro_batch_size=8", "data.num_train=2000",
-            "data.num_val=16", "critic.warmup_steps=2", "train.tensorboard=false", f"train.run_dir={run}"]
+            "data.num_val=16", "critic.warmup_steps=2", "train.tensorboard=false",
+            "rollout.engine_logprobs_every=2", f"train.run_dir={run}"]
     megarl_train("ppo_cpu.yaml", sets)
     steps = [r for r in read_metrics(run) if "critic/value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -20,7 +21,8 @@ def test_ppo_loop_updates_actor_and_critic(tmp_path: Path) -> None:
     assert "train/loss" not in steps[0] and "train/loss" in steps[2]
     for r in steps:  # (a batch whose returns and values are all 0 has no critic gradient)
         assert (r["critic/grad_norm"] > 0) == (r["critic/value_loss"] > 0) and r["critic/lr"] == 5e-4
-        assert "train/kl_coef" in r and "rollout/mismatch_abs_logp_mean" in r
+        assert "train/kl_coef" in r
+        assert ("rollout/mismatch_abs_logp_mean" in r) == (r["step"] % 2 == 1)  # engine log-probs every 2nd step
     assert sum(r["critic/grad_norm"] > 0 for r in steps) >= 2
     assert steps[2]["train/grad_norm"] > 0
     # the adaptive controller moved the coefficient

@@ -170,6 +170,23 @@ def test_seeded_requests_over_one_step_budget(fleet) -> None:
     assert f.restarts == restarts  # no engine died (the fleet would have restarted it)
 
 
+def test_generation_without_logprobs_samples_the_same_tokens(fleet) -> None:
+    """``logprobs=False`` (a step that does not read them, and validation): the same seeded
+    samples, no log-probs; with them, one log-prob per sampled token, each that token's under the
+    engine's own prompt log-probs of the whole sequence."""
+    f, _, _, _ = fleet
+    kw = dict(n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True,
+              seeds=list(range(len(PROMPTS))))
+    with_lp, _ = f.generate(PROMPTS, **kw)
+    without, _ = f.generate(PROMPTS, logprobs=False, **kw)
+    assert [[s["token_ids"] for s in g] for g in without] == [[s["token_ids"] for s in g] for g in with_lp]
+    assert all(s["logprobs"] == [] for g in without for s in g)
+    assert all(len(s["logprobs"]) == len(s["token_ids"]) == 5 for g in with_lp for s in g)
+    seq = PROMPTS[0] + with_lp[0][0]["token_ids"]
+    scored = f.logprobs([seq], temperature=1.0)[0][0]  # engine 0: log p(seq[t+1] | seq[:t+1])
+    assert _max_diff([scored[len(PROMPTS[0]) - 1 :]], [with_lp[0][0]["logprobs"]]) < 1e-4
+
+
 def test_small_kv_cache_generates_in_waves_with_identical_samples(fleet, tmp_path) -> None:
     """Seeded requests that overflow the KV cache: waves instead of vLLM preemption (which
     crashes the CPU build on seeded requests), same samples as an engine with a big cache."""

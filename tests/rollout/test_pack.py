@@ -65,3 +65,22 @@ def test_flat_buffer_restores_the_batch_exactly() -> None:
             assert got.dtype == want.dtype and torch.equal(got, want), name
         assert back.version == 5
         assert back.versions is not None and back.versions.tolist() == [5] * batch.size  # filled in
+
+
+def test_a_batch_without_engine_logprobs_packs_and_travels_without_them() -> None:
+    """A step that did not ask the engines (``rollout.engine_logprobs_every``): no log-prob
+    tensor, a shorter flat buffer, every other tensor as with them."""
+    rng = random.Random(2)
+    for _ in range(10):
+        groups = _groups(rng)
+        full = pack_groups(groups, pad_id=0, version=4)
+        bare = pack_groups(groups, pad_id=0, version=4, logprobs=False)
+        assert bare.engine_logprobs is None and "engine_logprobs" not in bare.rows(slice(None))
+        B, S = full.size, full.tokens.shape[1]
+        flat = batch_to_flat(bare)
+        assert flat.numel() == batch_to_flat(full).numel() - B * S
+        back = batch_from_flat(flat, B, S, 4, has_logprobs=False)
+        assert back.engine_logprobs is None
+        for name in ("tokens", "mask", "rewards", "group_ids", "response_lens", "truncated", "versions"):
+            got, want = getattr(back, name), getattr(full, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name

@@ -173,6 +173,9 @@ def test_batch_dict_round_trip_keeps_float32_bits() -> None:
     b.versions = torch.tensor([3, 3, 2, 2])
     back = batch_from_dict(json.loads(json.dumps(batch_to_dict(b))))
     assert torch.equal(back.engine_logprobs, b.engine_logprobs) and torch.equal(back.versions, b.versions)
+    b.engine_logprobs = None  # a step that did not ask the engines for log-probs
+    back = batch_from_dict(json.loads(json.dumps(batch_to_dict(b))))
+    assert back.engine_logprobs is None and torch.equal(back.tokens, b.tokens) and torch.equal(back.mask, b.mask)
 
 
 def test_resume_without_batches_ahead_starts_filling_at_the_resumed_step() -> None:
