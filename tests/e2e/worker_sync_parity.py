@@ -21,6 +21,7 @@ ap.add_argument("--set", action="append", default=[])
 args = ap.parse_args()
 
 cfg = load_config(None, args.set)
+cfg.rollout.engine_logprobs_every = 1  # the batch checked below carries the engine's log-probs
 tr = build(cfg)
 result: dict = {}
 try:
