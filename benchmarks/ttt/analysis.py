@@ -29,7 +29,8 @@ def _finite(xs: list[Any]) -> list[float]:
 
 def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The coordinator's B_noise (median over the run's second half, responses), its band,
-    the batches it chose, and probe + planning time as a fraction of step time."""
+    the batches it chose, the actor LR it trained at first and last (``train/lr``: what ran,
+    whatever ``--coord-set`` changed), and probe + planning time as a fraction of step time."""
     models = sorted({k.split("/")[-1] for r in recs for k in r if k.startswith("coord/b_noise/")})
     if not models:
         return None
@@ -52,6 +53,7 @@ def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
         "b_noise_high": med(f"coord/b_noise_high/{m}"),
         "batches": sorted({int(r["coord/batch"]) for r in steps}),
         "final_batch": int(steps[-1]["coord/batch"]) if steps else None,
+        "lr_run": (lrs[0], lrs[-1]) if (lrs := _finite([r.get("train/lr") for r in steps])) else None,
         "overhead_frac": sum(overhead) / sum(step_s) if step_s else None,
     }
 
@@ -166,10 +168,11 @@ def analyse(results: list[dict[str, Any]], targets: list[float], best: str) -> d
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     c = r["coord"] or {}
     batch = f"{r['batch']}->{c['final_batch']}" if c.get("final_batch") else r["batch"]
+    lr_run = c.get("lr_run")  # results cached before it existed show the variant's nominal LR
     return {
         "key": r["key"],
         "batch": batch,
-        "lr": r["lr"],
+        "lr": f"{lr_run[0]:.3g}->{lr_run[1]:.3g}" if lr_run else r["lr"],
         "val_start": r["val_start"],
         "reached": "".join("y" if x else "n" for x in r["reached"]),
         "time_s": "/".join(("" if ok else ">") + f"{t:.1f}" for ok, t in zip(r["reached"], r["time_s"])),

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.ttt import runs
-from benchmarks.ttt.analysis import analyse, compare_seeds, estimate_wall_s, run_result
+from benchmarks.ttt.analysis import _row, analyse, compare_seeds, estimate_wall_s, run_result
 
 
 def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
@@ -26,6 +26,7 @@ def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
                 "coord/probe_s/actor": 0.003,
                 "coord/probe_s/critic": 0.002,
                 "timing/step/plan": 0.005,
+                "train/lr": 1e-4 if s <= 10 else 2e-4,
             }
         lines.append(rec)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -49,6 +50,9 @@ def test_run_result_reads_crossings_and_the_coordinator_from_a_run_folder(tmp_pa
     assert (c["b_noise_low"], c["b_noise_high"]) == pytest.approx((1150.0, 4600.0))
     assert c["batches"] == [128, 512] and c["final_batch"] == 512
     assert c["overhead_frac"] == pytest.approx(0.01 / 0.5)
+    assert c["lr_run"] == (1e-4, 2e-4)  # what ran (train/lr), not the variant's nominal LR
+    row = _row(res)  # the table row
+    assert (row["batch"], row["lr"]) == ("128->512", "0.0001->0.0002")
 
 
 def _result(variant, kind, seed, batch, time_s, steps, reached=True, coord=None):
