@@ -199,4 +199,6 @@ def _dispatch(args_list: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megarl.compat.exit import exit_now
+
+    exit_now(main())  # a rank's or the launcher's teardown is seconds of nothing (compat/exit.py)

@@ -133,19 +133,25 @@ def build(cfg: RunConfig) -> Components:
         ctp, cpp, _ = cfg.critic_layout(dims.world_size)
         critic_dims = init_layout(dims, ctp, cpp)
     run_dir = Path(cfg.train.run_dir)
+    fleet, rewards = None, None
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
-    tok = _tokenizer(cfg, run_dir, dims, tokenizer_corpus(train_rows))
-    cfg.model = _model_config(cfg, tok)
-    adapter = LlamaQwen2Adapter(cfg.model)
-    fleet, rewards = None, None
-    if dims.is_rank0:  # engines start first and load while the trainer builds its models
-        _write_engine_folder(run_dir / "hf_engine", adapter, tok)
-        fleet = _start_fleet(cfg, run_dir)
+    if dims.is_rank0 and not cfg.rollout.engine_addresses:
+        # engines start first: they import vLLM while this process reads the data and writes
+        # their model folder (they wait for its manifest), then load while the models build
+        (run_dir / "hf_engine" / MANIFEST).unlink(missing_ok=True)  # not an earlier run's
+        fleet = _start_local_fleet(cfg, run_dir)
     try:
-        if dims.is_rank0:  # reward workers start (and import the rewards) meanwhile too
-            rewards = RewardRunner(cfg)
+        train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
+        tok = _tokenizer(cfg, run_dir, dims, tokenizer_corpus(train_rows))
+        cfg.model = _model_config(cfg, tok)
+        adapter = LlamaQwen2Adapter(cfg.model)
+        if dims.is_rank0:
+            _write_engine_folder(run_dir / "hf_engine", adapter, tok)
+            if fleet is None and cfg.rollout.engine_addresses:  # engines started elsewhere wait for the folder
+                r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
+                fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
+            rewards = RewardRunner(cfg)  # reward workers start (and import the rewards) meanwhile too
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
@@ -251,7 +257,9 @@ def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: Promp
     hf_cfg = adapter.hf_config(*tok.config_ids)
     model_dir.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(str(model_dir))
-    (model_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))
+    tmp = model_dir / f"{MANIFEST}.tmp"  # the manifest last and whole: engines start on it
+    tmp.write_text(json.dumps(adapter.hf_shapes()))
+    os.replace(tmp, model_dir / MANIFEST)
 
 
 def engine_threads(cfg: RunConfig, cores: int, local_ranks: int) -> int:
@@ -266,10 +274,8 @@ def engine_threads(cfg: RunConfig, cores: int, local_ranks: int) -> int:
     return cpu_engine_threads(r.engine_threads, r.max_staleness, cores, r.num_engines, local_ranks)
 
 
-def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
+def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
     r = cfg.rollout
-    if r.engine_addresses:  # the credential comes from MEGARL_ENGINE_TOKEN_FILE (slurm/common.sh)
-        return Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
     return Fleet.start_local(
         run_dir / "hf_engine",
         r.num_engines,
@@ -284,6 +290,7 @@ def _start_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         token=run_token(run_dir),
         lease_s=r.engine_lease_s,
         threads=engine_threads(cfg, len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+        wait_for_model_s=r.engine_start_timeout_s,
     )
 
 

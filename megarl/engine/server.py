@@ -59,6 +59,16 @@ def _exit_after(seconds: float, code: int) -> None:
     os._exit(code)
 
 
+def _wait_for(path: Path, stop: threading.Event, timeout_s: float) -> bool:
+    """True once ``path`` exists (the trainer renames it into place whole), False after
+    ``timeout_s`` or when ``stop`` is set (the trainer is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if stop.wait(0.05) or time.monotonic() > deadline:
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="megarl vLLM engine server")
     ap.add_argument("--model", required=True)
@@ -77,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the trainer) is gone")
     ap.add_argument("--lease-s", type=float, default=0.0, help="exit after this long without a request (0: off)")
     ap.add_argument("--max-json-mb", type=float, default=64.0, help="largest JSON request body, MiB")
+    ap.add_argument(
+        "--wait-for-model",
+        type=float,
+        default=0.0,
+        help="seconds to wait for --model's weights_manifest.json (written last by the trainer), "
+        "importing vLLM meanwhile (0: it must exist now)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
     try:
@@ -107,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     lifeline = Lifeline(args.parent_pid, args.lease_s)
     stop, lost = threading.Event(), list[str]()
     lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
+    if args.wait_for_model > 0:
+        import vllm  # noqa: F401  (seconds of imports, done while the trainer writes the folder)
+
+        if not _wait_for(Path(args.model) / MANIFEST, stop, args.wait_for_model):
+            if not stop.is_set():
+                log.error("no %s after %.0f s", Path(args.model) / MANIFEST, args.wait_for_model)
+            return 3 if stop.is_set() else 2
     engine = VllmEngine(
         args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
     )
@@ -115,15 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits.for_manifest(engine.manifest, int(args.max_json_mb * (1 << 20)))
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a short poll: shutdown() waits up to one interval (the default 0.5 s, at every run's end)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     log.info("engine ready on %s:%d", args.host, args.port)
     sys.stdout.flush()
     stop.wait()
     server.shutdown()
     if lost:  # the trainer is gone: if vLLM's teardown hangs, do not linger
         threading.Thread(target=_exit_after, args=(30.0, 3), daemon=True).start()
+    engine.close()
     return 3 if lost else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megarl.compat.exit import exit_now
+
+    exit_now(main())  # vLLM's finalizers and a full GC at exit take seconds (compat/exit.py)

@@ -253,6 +253,13 @@ class VllmEngine:
         return {"version": version, "logprobs": out}
 
     # -- weights -------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop vLLM's processes: a TP > 1 engine runs its engine core and workers as child
+        processes. An in-process engine (TP = 1) holds nothing its process's exit does not
+        release, and its teardown (a full garbage collection) takes seconds: nothing to do."""
+        if not self.in_process:
+            self.llm.llm_engine.engine_core.shutdown()
+
     def begin(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self._drop()

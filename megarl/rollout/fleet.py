@@ -96,12 +96,15 @@ class Fleet(WeightUpdates):
         token: str = "",
         lease_s: float = 120.0,
         threads: int = 0,
+        wait_for_model_s: float = 0.0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
         ``token``: the run's credential (default: a fresh one); ``lease_s``: engines exit after
         this long without a request or heartbeat from this process (0: off); ``threads``: each
-        engine's OMP_NUM_THREADS (0: inherited)."""
+        engine's OMP_NUM_THREADS (0: inherited); ``wait_for_model_s``: how long the engines wait
+        for ``model_dir``'s manifest (0: it must exist now) — the caller may write the folder
+        after the spawn, while the engines import vLLM."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         token = token or new_token()
@@ -129,6 +132,7 @@ class Fleet(WeightUpdates):
                 "--lease-s",
                 str(lease_s),
             ] + (["--sleep-mode"] if sleep_mode else [])
+            cmd += ["--wait-for-model", str(wait_for_model_s)] if wait_for_model_s > 0 else []
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
             # the credential travels in the environment: a command line is visible to every user
             env = {"TORCHDYNAMO_DISABLE": "1", TOKEN_ENV: token}
@@ -314,14 +318,22 @@ class Fleet(WeightUpdates):
             raise RolloutError(f"engines disagree on the weight version after recovery: {have}")
 
     def shutdown(self) -> None:
+        """Ask every engine this fleet started to stop, then wait for each (killed after 10 s)."""
         self._beating.set()
+        stopping = []
         for e in self.engines:
             if e.proc is not None and e.proc.poll() is None:
                 try:
                     e.post(routes.SHUTDOWN, {}, timeout=5)
-                    e.proc.wait(timeout=10)
-                except (RolloutError, subprocess.TimeoutExpired):
+                    stopping.append(e)
+                except RolloutError:
                     e.proc.kill()
+        for e in stopping:
+            assert e.proc is not None
+            try:
+                e.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                e.proc.kill()
         if self._own_staging and self.staging_dir is not None:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
 

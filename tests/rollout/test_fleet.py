@@ -328,3 +328,44 @@ def test_dead_remote_engine_is_a_clear_error(tmp_path) -> None:
         f.generate([[1, 2]], n=1, max_tokens=2, temperature=1.0, top_p=1.0, stop_token_ids=[])
     with pytest.raises(RolloutError, match="is down and remote"):
         f.update_weights(1, [str(tmp_path / "none.safetensors")])
+
+
+def test_engine_spawned_before_its_folder_waits_for_it_and_exits_promptly(tmp_path: Path) -> None:
+    """The trainer spawns its engines before it writes their model folder (they import vLLM
+    meanwhile, ``--wait-for-model``): an engine waits for the manifest, then serves the synced
+    weights; asked to shut down it exits with status 0 at once, not after vLLM's seconds of
+    teardown. An engine whose folder never comes fails its start, naming the file."""
+    from megarl.rollout.data import RolloutError
+
+    src = tiny_hf_model(tmp_path / "src", vocab=64)
+    weights = load_file(str(src / "model.safetensors"))
+    late = tmp_path / "late"  # does not exist yet
+    f = Fleet.start_local(late, num_engines=1, engine_tp=1, kv_cache_gb=0.25, log_dir=tmp_path / "logs", seed=0,
+                          request_timeout_s=120, start_timeout_s=300, wait=False, wait_for_model_s=120)
+    try:
+        time.sleep(1.0)
+        assert f.engines[0].alive() and f.engines[0].health(timeout=1) is None  # waiting, not serving
+        late.mkdir()
+        shutil.copy(src / "config.json", late / "config.json")
+        (late / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in weights.items()}))
+        f.ready()
+        f.update_weights(1, [_staged(f, src / "model.safetensors")])
+        assert f.versions() == [1]
+        (lp,) = f.logprobs([SEQ], temperature=1.0)
+        assert len(lp[0]) == len(SEQ) - 1 and all(x <= 0 for x in lp[0])
+        proc = f.engines[0].proc
+        assert proc is not None
+        t0 = time.perf_counter()
+    finally:
+        f.shutdown()
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0
+    assert took < 2.0, f"the engine took {took:.2f} s to exit after /shutdown"  # ~3.5 s before exit_now
+
+    never = Fleet.start_local(tmp_path / "never", num_engines=1, engine_tp=1, kv_cache_gb=0.25,
+                              log_dir=tmp_path / "logs2", seed=0, start_timeout_s=300, wait=False, wait_for_model_s=1)
+    try:
+        with pytest.raises(RolloutError, match=f"exited with code 2 during start.*no {tmp_path / 'never' / MANIFEST} after 1 s"):
+            never.ready()
+    finally:
+        never.shutdown()
