@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One vLLM engine server per task (run by srun from common.sh:megarl_start_engines).
 # Port MEGARL_ENGINE_PORT + SLURM_PROCID (block distribution, so the batch script can list
-# every address up front). Waits for the trainer to write <run_dir>/hf_engine/ first: the
-# engine starts from config.json + weights_manifest.json and gets its weights by sync.
+# every address up front). The server imports vLLM, then waits for the trainer to write
+# <run_dir>/hf_engine/ (--wait-for-model): the engine starts from config.json +
+# weights_manifest.json and gets its weights by sync.
 # It binds 0.0.0.0 but answers only requests carrying the run's credential, read from
 # MEGARL_ENGINE_TOKEN_FILE (made by common.sh:megarl_make_token), and exits when the trainer
 # has sent nothing for MEGARL_ENGINE_LEASE_S seconds (its heartbeat comes every 5 s).
@@ -42,17 +43,8 @@ EOF
     export OMP_NUM_THREADS="$threads"
 fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" # CPU builds: KV cache GiB (the megarl flag sets the real budget)
-echo "megarl-slurm: engine $SLURM_PROCID on $node:$port waiting for $model/weights_manifest.json"
-deadline=$((SECONDS + MEGARL_ENGINE_WAIT_S))
-until "$MEGARL_PY" -c 'import json, sys; json.load(open(sys.argv[1]))' "$model/weights_manifest.json" 2>/dev/null; do
-    if ((SECONDS > deadline)); then
-        echo "megarl-slurm: error: engine $SLURM_PROCID on $node: no readable $model/weights_manifest.json after ${MEGARL_ENGINE_WAIT_S}s (did the trainer start? is $MEGARL_RUN_DIR on a shared filesystem?)" >&2
-        exit 3
-    fi
-    sleep 2
-done
-echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}${threads:+ with $threads torch threads}"
+echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_DEVICES:+ GPUs $CUDA_VISIBLE_DEVICES}${threads:+ with $threads torch threads}; it waits up to ${MEGARL_ENGINE_WAIT_S}s for $model/weights_manifest.json"
 # shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
 exec "$MEGARL_PY" -m megarl.engine.server --model "$model" --host 0.0.0.0 --port "$port" \
     --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \
-    --lease-s "$MEGARL_ENGINE_LEASE_S" ${MEGARL_ENGINE_ARGS:-}
+    --lease-s "$MEGARL_ENGINE_LEASE_S" --wait-for-model "$MEGARL_ENGINE_WAIT_S" ${MEGARL_ENGINE_ARGS:-}

@@ -129,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not _wait_for(Path(args.model) / MANIFEST, stop, args.wait_for_model):
             if not stop.is_set():
-                log.error("no %s after %.0f s", Path(args.model) / MANIFEST, args.wait_for_model)
+                log.error(
+                    "no %s after %.0f s: the trainer writes it as it starts (did it start? does this "
+                    "node see the trainer's run folder, a shared filesystem?)",
+                    Path(args.model) / MANIFEST,
+                    args.wait_for_model,
+                )
             return 3 if stop.is_set() else 2
     engine = VllmEngine(
         args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
