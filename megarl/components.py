@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,7 +291,9 @@ def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         token=run_token(run_dir),
         lease_s=r.engine_lease_s,
         threads=engine_threads(cfg, len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-        wait_for_model_s=r.engine_start_timeout_s,
+        # as long as it takes this process to read the data and build the tokenizer: an engine
+        # whose trainer dies meanwhile exits (--parent-pid); the start timeout counts from ready()
+        wait_for_model_s=math.inf,
     )
 
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="seconds to wait for --model's weights_manifest.json (written last by the trainer), "
-        "importing vLLM meanwhile (0: it must exist now)",
+        "importing vLLM meanwhile (0: it must exist now; inf: while --parent-pid lives)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
