@@ -201,4 +201,9 @@ def _dispatch(args_list: list[str]) -> int:
 if __name__ == "__main__":
     from megarl.compat.exit import exit_now
 
-    exit_now(main())  # a rank's or the launcher's teardown is seconds of nothing (compat/exit.py)
+    code = main()
+    if code == 0:  # a finished rank's or launcher's teardown is seconds of nothing (compat/exit.py)
+        exit_now(code)
+    # a failing rank leaves the usual way: torchrun stops its peers when the first one exits, so a
+    # rank ending at once could cut off rank 0 before it prints the run's one-line error
+    raise SystemExit(code)
