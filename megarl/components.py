@@ -149,7 +149,7 @@ def build(cfg: RunConfig) -> Components:
         adapter = LlamaQwen2Adapter(cfg.model)
         if dims.is_rank0:
             _write_engine_folder(run_dir / "hf_engine", adapter, tok)
-            if fleet is None and cfg.rollout.engine_addresses:  # engines started elsewhere wait for the folder
+            if cfg.rollout.engine_addresses:  # engines started elsewhere wait for the folder
                 r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
                 fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
             rewards = RewardRunner(cfg)  # reward workers start (and import the rewards) meanwhile too
