@@ -97,11 +97,13 @@ class Fleet(WeightUpdates):
         lease_s: float = 120.0,
         threads: int = 0,
         wait_for_model_s: float = 0.0,
+        heartbeat_s: float = 5.0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
         ``token``: the run's credential (default: a fresh one); ``lease_s``: engines exit after
-        this long without a request or heartbeat from this process (0: off); ``threads``: each
+        this long without a request or heartbeat from this process (0: off), which sends one
+        every ``heartbeat_s`` (a lease should span >= 3 of them); ``threads``: each
         engine's OMP_NUM_THREADS (0: inherited); ``wait_for_model_s``: how long the engines wait
         for ``model_dir``'s manifest (0: it must exist now) — the caller may write the folder
         after the spawn, while the engines import vLLM."""
@@ -147,7 +149,7 @@ class Fleet(WeightUpdates):
         for e in engines:
             fleet._spawn(e)
         fleet._starting = True
-        fleet._start_heartbeat()
+        fleet._start_heartbeat(heartbeat_s)
         if wait:
             fleet.ready()
         return fleet

@@ -14,11 +14,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--lease-s", type=float, required=True)
+    ap.add_argument("--heartbeat-s", type=float, default=5.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
     fleet = Fleet.start_local(
-        args.model, 1, 1, 0.25, out.parent / "logs", seed=0, start_timeout_s=300, lease_s=args.lease_s
+        args.model, 1, 1, 0.25, out.parent / "logs", seed=0, start_timeout_s=300, lease_s=args.lease_s,
+        heartbeat_s=args.heartbeat_s,
     )
     e = fleet.engines[0]
     assert e.proc is not None

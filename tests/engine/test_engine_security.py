@@ -219,7 +219,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _start_parent(model: Path, tmp_path: Path, lease_s: float) -> tuple[subprocess.Popen, dict]:
+def _start_parent(model: Path, tmp_path: Path, lease_s: float, heartbeat_s: float = 5.0) -> tuple[subprocess.Popen, dict]:
     out = tmp_path / "parent.json"
     env = dict(os.environ) | {"PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen(
@@ -230,6 +230,8 @@ def _start_parent(model: Path, tmp_path: Path, lease_s: float) -> tuple[subproce
             str(model),
             "--lease-s",
             str(lease_s),
+            "--heartbeat-s",
+            str(heartbeat_s),
             "--out",
             str(out),
         ],
@@ -271,16 +273,19 @@ def test_sigkilled_parent_takes_its_engine_and_next_start_cleans_its_folder(
 
 
 def test_lease_ends_an_engine_whose_trainer_stopped_talking(model: Path, tmp_path: Path) -> None:
-    parent, info = _start_parent(model, tmp_path, lease_s=15)
+    # the trainer's defaults are a 120 s lease and a heartbeat every 5 s; the same 3+ heartbeats
+    # per lease here, on a 6 s lease, so the test waits seconds instead of minutes
+    lease_s, heartbeat_s = 6, 1.5
+    parent, info = _start_parent(model, tmp_path, lease_s=lease_s, heartbeat_s=heartbeat_s)
     try:
-        time.sleep(20)  # heartbeats keep it alive past its 15 s lease
+        time.sleep(2 * lease_s)  # heartbeats keep it alive past its lease
         assert not _gone(info["engine_pid"])
         os.kill(parent.pid, signal.SIGSTOP)  # alive (same parent pid) but silent, like a hung remote trainer
-        took = _wait_gone(info["engine_pid"], within_s=15 + 45)
-        print(f"engine exited {took:.1f}s after its trainer went silent (lease 15 s)")
-        assert took >= 10
+        took = _wait_gone(info["engine_pid"], within_s=lease_s + 45)
+        print(f"engine exited {took:.1f}s after its trainer went silent (lease {lease_s} s)")
+        assert took >= lease_s - heartbeat_s - 0.5  # the lease runs from the last heartbeat, not from the start
         log = (tmp_path / "logs" / "engine0.log").read_text()
-        assert "exiting: no authenticated request for 15s (lease)" in log
+        assert f"exiting: no authenticated request for {lease_s}s (lease)" in log
     finally:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
