@@ -44,6 +44,8 @@ def efficiency(b: float, b_noise: float, b0: float) -> float:
         raise ValueError(f"batches must be > 0, got b={b}, b0={b0}")
     if not b_noise >= 0:
         raise ValueError(f"b_noise={b_noise} must be >= 0")
+    if math.isinf(b_noise):  # the limit: every sample counts fully, whatever the batch
+        return 1.0
     return (b_noise + b0) / (b_noise + b)
 
 

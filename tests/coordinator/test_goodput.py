@@ -39,6 +39,19 @@ def test_efficiency_and_goodput_formulas() -> None:
     assert goodput(256, 200, 64, 8.0) == pytest.approx(32 * 264 / 456, rel=1e-12)
 
 
+def test_unbounded_noise_scale_counts_every_sample_fully() -> None:
+    """B_noise = inf is the band's upper end while |G|² is not resolved. Its limit is efficiency
+    1 at every batch (not inf/inf = nan), so the goodput optimum there is the throughput optimum,
+    the grid's top for t = α + β·B; with nan every comparison failed and the optimum came out as
+    whatever batch was current, which put the band's upper end at the current batch."""
+    assert efficiency(4096, math.inf, 64) == 1.0 and efficiency(8, math.inf, 64) == 1.0
+    assert goodput(512, math.inf, 64, 2.0) == 256.0
+    grid = BatchGrid(samples_per_prompt=8, min_prompts=4, max_prompts=256)
+    for current in (4, 32, 256):
+        assert choose_batch(grid, math.inf, Affine(13.0, 0.05), current, min_gain=0.0).best_prompts == 256
+    assert choose_batch(grid, 1e12, Affine(13.0, 0.05), 32, min_gain=0.0).best_prompts == 256  # the finite limit
+
+
 def test_grid_respects_bounds_divisibility_and_spacing() -> None:
     grid = BatchGrid(samples_per_prompt=8, min_prompts=5, max_prompts=500, factor=2.0, divisor=48)
     ps = grid.prompts()
