@@ -72,6 +72,12 @@ class CoordinatorConfig:
     """The hold band's upper end is capped at r·B_noise (0: no cap). While |G|² is not resolved
     from zero the band has no upper end, and without the cap any too-large batch would be held
     (docs/COORDINATOR.md §2)."""
+    unresolved_as_infinite: bool = False
+    """Count a model whose EMA(|G|²) is <= 0 (|G|² not resolved from zero) as B_noise = inf in
+    the batch decision, instead of keeping the batch until the estimate turns positive. Keeping
+    makes the decision one-sided: it then acts only on readings taken after |G|² came out high,
+    which are biased low, the more so the smaller the batch (docs/COORDINATOR.md §2). A move on
+    an unresolved estimate is limited to ``track_factor``, the first one included."""
     lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
     """How LR follows the batch from (lr_reference_batch, lr_ref = optim.lr / critic.lr);
     surge: Adam's optimum rises then falls in B, peaking at B_noise (docs/COORDINATOR.md §3)."""

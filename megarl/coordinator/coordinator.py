@@ -197,10 +197,18 @@ class Coordinator:
         tpr = self._time.tokens_per_response
         return None if not tpr else value / tpr
 
-    def _decision_model(self) -> str | None:
-        """The model whose B_noise decides (the smallest); None until every one is resolved."""
+    def _decision_values(self) -> dict[str, float | None]:
+        """B_noise in responses of each model that plans the batch; an observed but unresolved
+        one is inf with ``unresolved_as_infinite``, else None."""
         models = self.run.batch_models or sorted(self._noise)
         values = {m: self._b_noise_responses(m, e.b_simple if (e := self._noise.get(m)) else None) for m in models}
+        if self.config.unresolved_as_infinite:
+            return {m: math.inf if v is None and m in self._noise else v for m, v in values.items()}
+        return values
+
+    def _decision_model(self) -> str | None:
+        """The model whose B_noise decides (the smallest); None until every one is known."""
+        values = self._decision_values()
         known = {m: v for m, v in values.items() if v is not None}
         if not known or len(known) != len(values):
             return None
@@ -208,7 +216,7 @@ class Coordinator:
 
     def _decision_b_noise(self) -> float | None:
         m = self._decision_model()
-        return None if m is None else self._b_noise_responses(m, self._noise[m].b_simple)
+        return None if m is None else self._decision_values()[m]
 
     def _band_responses(self, model: str) -> tuple[float, float] | None:
         band = self._noise[model].band() if model in self._noise else None
@@ -266,6 +274,9 @@ class Coordinator:
                 return cur, f"keep: noise estimate has {dof:.3g} degrees of freedom < min_dof={cfg.min_dof:g}"
             self._settled = True
             d = jump(self.grid, b_noise, self._time, cur, b0)
+            if math.isinf(b_noise):  # no upper bound yet: a step, not a leap to the grid's top
+                step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
+                return step_to, f"{d.reason}; |G|² not resolved: limited to {step_to} prompts"
         else:
             band = self._band_responses(model)
             d = hold_or_move(
