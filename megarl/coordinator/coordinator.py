@@ -206,17 +206,15 @@ class Coordinator:
             return {m: math.inf if v is None and m in self._noise else v for m, v in values.items()}
         return values
 
-    def _decision_model(self) -> str | None:
-        """The model whose B_noise decides (the smallest); None until every one is known."""
+    def _decision(self) -> tuple[str, float] | None:
+        """(model, B_noise in responses) of the model that decides (the smallest B_noise);
+        None until every model's is known."""
         values = self._decision_values()
         known = {m: v for m, v in values.items() if v is not None}
         if not known or len(known) != len(values):
             return None
-        return min(known, key=lambda m: known[m])
-
-    def _decision_b_noise(self) -> float | None:
-        m = self._decision_model()
-        return None if m is None else self._decision_values()[m]
+        model = min(known, key=lambda m: known[m])
+        return model, known[model]
 
     def _band_responses(self, model: str) -> tuple[float, float] | None:
         band = self._noise[model].band() if model in self._noise else None
@@ -253,7 +251,7 @@ class Coordinator:
         total = sum(tput)
         return [v / total for v in tput]
 
-    def _choose(self, step: int, b_noise: float | None) -> tuple[int, str]:
+    def _choose(self, step: int, decision: tuple[str, float] | None) -> tuple[int, str]:
         cfg = self.config
         cur = self._prompts
         if not cfg.adapt:
@@ -262,9 +260,9 @@ class Coordinator:
             return cur, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
         if self._last_switch_step is not None and step - self._last_switch_step < cfg.cooldown_steps:
             return cur, f"cooldown (changed at step {self._last_switch_step})"
-        model = self._decision_model()
-        if b_noise is None or model is None:
+        if decision is None:
             return cur, "keep: noise scale not resolved yet"
+        model, b_noise = decision
         if not self._time.ready:
             return cur, "keep: no timings yet"
         b0 = float(self.run.initial_batch)
@@ -292,9 +290,10 @@ class Coordinator:
         step = self._last_step + 1
         if self._plan is not None and self._plan.step == step:
             return self._plan
-        b_noise = self._decision_b_noise()
+        decision = self._decision()
+        b_noise = None if decision is None else decision[1]
         old = self._prompts * self.run.samples_per_prompt
-        prompts, reason = self._choose(step, b_noise)
+        prompts, reason = self._choose(step, decision)
         b = prompts * self.run.samples_per_prompt
         v_scale: dict[str, float] = {}
         if prompts != self._prompts:

@@ -70,7 +70,7 @@ def grpo_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: pytest.FixtureRequest) -> None:
     config, extra = setup
     parts = tmp_path / "parts"
-    if config == GRPO[0]:
+    if setup in (GRPO, GRPO_ASYNC):
         full = request.getfixturevalue("grpo_full")
     else:
         full = tmp_path / "full"
