@@ -28,6 +28,9 @@ sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
     python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--max-samples N] [--out DIR]
         # no sweep: that setting and the coordinator (both starts) on seeds 1..6, paired
         # ratios per seed (runs named as in the full mode: the two share a result cache)
+    python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 3 --arm inf:coordinator.unresolved_as_infinite=true
+        # an A/B of a coordinator option: both starts with and without it, interleaved per seed
+        # (coord_small_inf, ...); the JSON line adds control/arm time ratios per start
 """
 
 from __future__ import annotations
@@ -102,18 +105,35 @@ def plan(mode: Mode, best: runs.Variant | None, extra: list[str]) -> list[tuple[
     return order
 
 
-def coordinators(mode: Mode, extra: list[str]) -> tuple[runs.Variant, runs.Variant]:
+def coordinators(mode: Mode, extra: list[str], suffix: str = "") -> tuple[runs.Variant, runs.Variant]:
     """The coordinator started at the sweep's smallest and at its largest prompt count."""
     lo, hi = mode.coord_range
     return (
-        runs.coordinator("coord_small", mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra),
-        runs.coordinator("coord_large", mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra),
+        runs.coordinator("coord_small" + suffix, mode.prompts[0], lo, hi, mode.lr_ref, mode.p_ref, extra),
+        runs.coordinator("coord_large" + suffix, mode.prompts[-1], lo, hi, mode.lr_ref, mode.p_ref, extra),
     )
 
 
-def plan_seeds(mode: Mode, fixed: runs.Variant, extra: list[str]) -> list[tuple[runs.Variant, int]]:
-    """``--best`` mode: the fixed setting and both coordinator starts on every seed, rotated."""
+def parse_arms(specs: list[str]) -> dict[str, list[str]]:
+    """``--arm NAME:KEY=VALUE`` (repeatable; one NAME may take several) → {NAME: [KEY=VALUE, ...]}."""
+    arms: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, setting = spec.partition(":")
+        if not sep or not name.isidentifier() or "=" not in setting:
+            raise ValueError(f"--arm {spec!r}: expected NAME:KEY=VALUE (NAME a plain identifier)")
+        arms.setdefault(name, []).append(setting)
+    return arms
+
+
+def plan_seeds(
+    mode: Mode, fixed: runs.Variant, extra: list[str], arms: dict[str, list[str]] | None = None
+) -> list[tuple[runs.Variant, int]]:
+    """``--best`` mode: the fixed setting and both coordinator starts on every seed, rotated;
+    each arm adds both starts again with its settings on top (``coord_small_NAME``, ...), run
+    interleaved with the others so the comparison sees the same machine."""
     group = [fixed, *coordinators(mode, extra)]
+    for name, sets in (arms or {}).items():
+        group += coordinators(mode, extra + sets, "_" + name)
     order = []
     for seed in range(1, mode.seeds + 1):
         k = seed % len(group)
@@ -230,7 +250,9 @@ def run_all(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small mode (a few minutes on 2 idle cores): validates the machinery")
+    ap.add_argument(
+        "--quick", action="store_true", help="small mode (a few minutes on 2 idle cores): validates the machinery"
+    )
     ap.add_argument("--out", help="output folder (default runs/bench_ttt[_quick]); a rerun resumes it")
     ap.add_argument("--gains", help="comma-separated target gains over the base's validation reward")
     ap.add_argument(
@@ -239,6 +261,14 @@ def main() -> int:
         default=[],
         metavar="KEY=VALUE",
         help="extra --set for the coordinator runs (e.g. coordinator.warmup_steps=3)",
+    )
+    ap.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="with --best: also run both coordinator starts with this --set, as coord_small_NAME / "
+        "coord_large_NAME, interleaved with the control (repeat to add settings or arms)",
     )
     ap.add_argument("--warm-start-steps", type=int, help="supervised steps of the shared base (mode default)")
     ap.add_argument("--max-samples", type=int, help="responses trained per run at most (mode default)")
@@ -262,9 +292,15 @@ def main() -> int:
     if args.best and args.best not in grid:
         ap.error(f"--best {args.best!r} is not a sweep setting of this mode ({', '.join(grid)})")
     fixed = grid.get(args.best) if args.best else None
+    try:
+        arms = parse_arms(args.arm)
+    except ValueError as e:
+        ap.error(str(e))
+    if arms and fixed is None:
+        ap.error("--arm needs --best (the sweep mode compares one coordinator)")
     if args.dry_run:
         order = (
-            plan_seeds(mode, fixed, args.coord_set)
+            plan_seeds(mode, fixed, args.coord_set, arms)
             if fixed
             else plan(mode, runs.Variant("<best of sweep>", "sweep", 0, 16, 0.0), args.coord_set)
         )
@@ -291,7 +327,9 @@ def main() -> int:
         return res
 
     if fixed is not None:
-        return report_seeds(run_plan(out, common, plan_seeds(mode, fixed, args.coord_set), execute), targets, fixed, t0)
+        return report_seeds(
+            run_plan(out, common, plan_seeds(mode, fixed, args.coord_set, arms), execute), targets, fixed, t0
+        )
     results, best = run_all(out, mode, common, args.coord_set, execute)
     report = analyse(results, targets, best.name)
     print(table(report["rows"], COLUMNS))

@@ -183,9 +183,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def estimate_wall_s(
-    results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int
-) -> float | None:
+def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int) -> float | None:
     """Wall time of runs at ``batches`` training ``samples`` responses each, validated every
     ``eval_samples``, from the measured costs: step time t(B) = a + b·B (least squares over
     fixed runs), validation per evaluation and start-up/shutdown per run (means)."""
@@ -209,10 +207,16 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _arm_suffixes(coords: list[str]) -> list[str]:
+    """'' for the control coordinator, '_NAME' for each ``--arm`` (from ``coord_small_NAME`` ...)."""
+    return list(dict.fromkeys(c.removeprefix("coord_small").removeprefix("coord_large") for c in coords))
+
+
 def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str) -> dict[str, Any]:
     """``--best`` mode (no sweep): the coordinators against one fixed setting on every seed.
 
-    Per seed and start, best time / coordinator time at the headline target; a run that missed
+    Per seed and coordinator variant (both starts, and both again for each ``--arm``), best
+    time / coordinator time at the headline target; a run that missed
     it gives a bound (``<`` when the coordinator missed: its time is at least the run's, so the
     ratio is at most this; ``>`` when the fixed run missed). The geometric mean is over seeds
     where both reached it; ``worst_per_seed`` is the smallest ratio or bound that is an upper
@@ -220,7 +224,8 @@ def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str
     or censored the other way)."""
     h = headline_index(results, best)
     ratios: dict[str, Any] = {"fixed": best, "headline_target": targets[h]}
-    for start in ("coord_small", "coord_large"):
+    coords = list(dict.fromkeys(r["variant"] for r in results if r["kind"] == "coord"))
+    for start in coords:
         per_seed: dict[int, str] = {}
         exact: list[float] = []
         upper: list[float] = []
@@ -244,9 +249,13 @@ def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str
         ratios[f"best/{start}"] = _round(fit.geomean(exact)) if exact else None
         ratios[f"best/{start}_per_seed"] = per_seed
         ratios[f"best/{start}_worst_per_seed"] = _round(min(upper)) if upper else None
-    gm, per = fit.paired_ratio(_times(results, "coord_small", h), _times(results, "coord_large", h))
-    ratios["coord_small/coord_large"] = _round(gm)
-    ratios["coord_small/coord_large_per_seed"] = {s: _round(x) for s, x in per.items()}
+    pairs = [(f"coord_small{s}", f"coord_large{s}") for s in _arm_suffixes(coords)]
+    pairs += [(f"{c}", f"{c}{s}") for s in _arm_suffixes(coords) if s for c in ("coord_small", "coord_large")]
+    for a, b in pairs:  # start vs start within an arm; control vs arm for each start
+        if a in coords and b in coords:
+            gm, per = fit.paired_ratio(_times(results, a, h), _times(results, b, h))
+            ratios[f"{a}/{b}"] = _round(gm)
+            ratios[f"{a}/{b}_per_seed"] = {s: _round(x) for s, x in per.items()}
     ratios["censored_runs"] = sum(not r["reached"][h] for r in results)
     chosen = [r["coord"]["final_batch"] for r in results if r["kind"] == "coord" and r["coord"]]
     b = next(r["batch"] for r in results if r["variant"] == best)

@@ -166,3 +166,29 @@ def test_compare_seeds_pairs_each_seed_and_bounds_censored_runs():
     assert r["coord_small/coord_large_per_seed"] == {1: round(50 / 75, 3)}
     assert r["censored_runs"] == 1
     assert r["chosen_batch/fixed_batch"] == [0.5, 0.5, 0.5, 0.5]
+
+
+def test_compare_seeds_reports_each_arm_against_the_fixed_run_and_its_control():
+    c = {"final_batch": 512}
+    results = [
+        _result("sweep_p32_m1", "sweep", 1, 512, 60.0, 30),
+        _result("coord_small", "coord", 1, 128, 80.0, 40, coord=c),
+        _result("coord_large", "coord", 1, 1024, 60.0, 20, coord=c),
+        _result("coord_small_inf", "coord", 1, 128, 40.0, 40, coord=c),
+        _result("coord_large_inf", "coord", 1, 1024, 50.0, 20, coord=c),
+        _result("sweep_p32_m1", "sweep", 2, 512, 90.0, 45),
+        _result("coord_small", "coord", 2, 128, 100.0, 60, reached=False, coord=c),
+        _result("coord_large", "coord", 2, 1024, 45.0, 15, coord=c),
+        _result("coord_small_inf", "coord", 2, 128, 60.0, 30, coord=c),
+        _result("coord_large_inf", "coord", 2, 1024, 90.0, 15, coord=c),
+    ]
+    r = compare_seeds(results, [0.4], "sweep_p32_m1")["ratios"]
+    assert r["best/coord_small_inf_per_seed"] == {1: "1.500", 2: "1.500"}
+    assert r["best/coord_small_inf"] == 1.5
+    assert r["best/coord_large_inf_worst_per_seed"] == 1.0
+    assert r["best/coord_small_per_seed"] == {1: "0.750", 2: "<0.900"}  # the control, as before
+    assert r["coord_small_inf/coord_large_inf_per_seed"] == {1: 0.8, 2: round(60 / 90, 3)}
+    assert r["coord_small/coord_small_inf_per_seed"] == {1: 2.0}  # seed 2's control missed: no pair
+    assert r["coord_large/coord_large_inf_per_seed"] == {1: 1.2, 2: 0.5}
+    assert r["coord_large/coord_large_inf"] == round((1.2 * 0.5) ** 0.5, 3)
+    assert len(r["chosen_batch/fixed_batch"]) == 8

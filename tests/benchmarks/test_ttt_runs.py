@@ -116,3 +116,31 @@ def test_a_rerun_starts_from_an_empty_run_dir_holding_the_base_tokenizer(tmp_pat
     runs.copy_tokenizer(base, run)
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == ["tokenizer", "tokenizer/tokenizer.model"]
     assert (run / "tokenizer" / "tokenizer.model").read_bytes() == b"\x00spm-bytes"
+
+
+def test_an_arm_runs_both_starts_again_with_its_settings_interleaved_with_the_control():
+    import benchmarks.time_to_target as ttt
+
+    full = ttt.MODES["full"]
+    fixed = next(v for v in runs.sweep(full.prompts, full.mults, full.lr_ref, full.p_ref) if v.name == "sweep_p32_m1")
+    arms = ttt.parse_arms(["inf:coordinator.unresolved_as_infinite=true", "inf:coordinator.band_ratio=0"])
+    assert arms == {"inf": ["coordinator.unresolved_as_infinite=true", "coordinator.band_ratio=0"]}
+    order = ttt.plan_seeds(full, fixed, ["coordinator.warmup_steps=3"], arms)
+    names = ["sweep_p32_m1", "coord_small", "coord_large", "coord_small_inf", "coord_large_inf"]
+    for seed in (1, 2, 3):
+        group = [v for v, s in order if s == seed]
+        assert sorted(v.name for v in group) == sorted(names)
+        byname = {v.name: v for v in group}
+        for start in ("coord_small", "coord_large"):
+            control, arm = byname[start], byname[start + "_inf"]
+            assert (arm.prompts, arm.lr) == (control.prompts, control.lr)
+            assert list(arm.sets) == [*control.sets, *arms["inf"]]  # the control's settings, then the arm's
+            assert "coordinator.warmup_steps=3" in control.sets
+    assert [v.name for v, s in order if s == 1][0] != [v.name for v, s in order if s == 2][0]  # rotated
+    for bad in (["inf=coordinator.x=1"], ["in f:coordinator.x=1"], ["inf:coordinator.x"]):
+        try:
+            ttt.parse_arms(bad)
+        except ValueError as e:
+            assert bad[0] in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
