@@ -14,6 +14,7 @@ policy loss (docs/COORDINATOR.md §1). The LR schedule
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -25,6 +26,8 @@ from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, Step
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe, rescale
+
+log = logging.getLogger("megarl")
 
 
 def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
@@ -51,6 +54,8 @@ class Planner:
         self._grads: list[ModelGradStats] = []  # measured in this step's update, observed after it
         self._ahead: dict[int, StepPlan] = {}
         """Plans made before an earlier update, for the batches generated ahead (rollout.max_staleness)."""
+        self._prompts: int | None = None
+        """Prompts of the last coordinator plan (a change is logged with its reason)."""
         self.unit = "tokens" if cfg.algo.loss_agg == "token-mean" else "responses"
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
@@ -92,6 +97,18 @@ class Planner:
                 reason="fixed by config (coordinator.enabled=false)",
             )
         p = self.coord.next_plan()  # for the step after the last observed one (= step without pipelining)
+        if p.num_prompts != self._prompts:  # a user sees why the batch moved (megarl report plots where)
+            if self._prompts is not None:
+                lr = ", ".join(f"{m} {v * schedule:.3g}" for m, v in p.lr.items())
+                log.info(
+                    "coordinator: step %d: %d -> %d prompts (lr %s): %s",
+                    step,
+                    self._prompts,
+                    p.num_prompts,
+                    lr,
+                    p.reason,
+                )
+            self._prompts = p.num_prompts
         return dataclasses.replace(p, step=step, lr={m: v * schedule for m, v in p.lr.items()})
 
     # ------------------------------------------------------------------ grad probes

@@ -69,3 +69,26 @@ def test_parts_count_only_responses_with_reward_signal() -> None:
     # one part with signal is no estimate
     only = torch.tensor([False] * 6 + [True, True])
     assert grad_stats("actor", part_sq, rows, torch.ones(8), only, 1.0, "responses", "dp") is None
+
+
+def test_a_batch_change_is_logged_with_its_reason_and_the_predicted_step_times(caplog) -> None:
+    """The coordinator fed a synthetic trainer whose optimum lies far above 8 prompts: the
+    planner's plan moves, and the log says from where to where, at which LR, why, and the step
+    times the move was planned on; steps that keep the batch log nothing."""
+    from tests.coordinator.test_policy import PartsTrainer
+
+    planner = _planner()
+    assert planner.coord is not None
+    trainer = PartsTrainer(1, parts=16, b_noise=4000.0)
+    prompts = []
+    with caplog.at_level("INFO", logger="megarl"):
+        for step in range(30):
+            plan = planner.plan(step)
+            prompts.append(plan.num_prompts)
+            planner.coord.observe(step, *trainer.step(plan))
+    moves = sum(a != b for a, b in zip(prompts, prompts[1:], strict=False))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("coordinator:")]
+    assert moves >= 1 and len(lines) == moves
+    first = next(i for i, (a, b) in enumerate(zip(prompts, prompts[1:], strict=False), start=1) if a != b)
+    assert lines[0].startswith(f"coordinator: step {first}: 8 -> {prompts[first]} prompts (lr actor ")
+    assert "b_noise=" in lines[0] and "predicted step" in lines[0] and f"at {prompts[first] * 16} responses" in lines[0]

@@ -297,6 +297,8 @@ class Coordinator:
         b = prompts * self.run.samples_per_prompt
         v_scale: dict[str, float] = {}
         if prompts != self._prompts:
+            if self._time.ready:  # what the move was planned on, for the log line (Planner)
+                reason += f"; predicted step {self._time.predict(old):.3g} s at {old} -> {self._time.predict(b):.3g} s at {b} responses"
             self._prompts = prompts
             self._last_switch_step = step
             if self.config.adam_rescale:
