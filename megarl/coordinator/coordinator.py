@@ -358,6 +358,7 @@ class Coordinator:
         tpr = self._time.tokens_per_response
         out["coord/tokens_per_response"] = nan if tpr is None else tpr
         out["coord/gen_tokens_per_s"] = self._time.generation_tokens_per_s(b) if self._time.ready else nan
+        out["coord/time_eras"] = float(self._time.eras)
         for r, share in enumerate((plan.dp_shares if plan is not None else None) or self._dp_shares()):
             out[f"coord/dp_share/{r}"] = share
         return out

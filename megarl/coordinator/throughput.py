@@ -25,6 +25,20 @@ the one batch B̄ is split into a fixed part by `prior_fixed_fraction` f: alpha 
 beta = (1-f)·t̄/B̄. This prior is what makes the first batch change possible at all; once the
 batch has changed, the fit takes over.
 
+Eras. Times of a batch size measured long ago compare with today's only if the machine still
+runs at the speed it ran then. On a shared machine it does not (this project's CPUs: the same
+demo step took 0.5 s, then 1.4 s, within one run), and a fit of a fast era's size against a slow
+era's swings between "all fixed cost" and "all marginal": it moved the demo's batch 512 ↔ 1024
+three times in one run. So each new time is tested against its size's kept times
+(`LinearTimeModel.era_changed`): when the mean of the last ``ERA_RECENT`` moved by more than
+``ERA_Z`` standard errors and by more than ``ERA_REL`` relative, a new era began. The times of
+every other size, and this size's from before (the latest ones nearer the old mean included),
+are then dropped. A change of the machine's
+speed scales alpha and beta alike and leaves alpha/beta — the shape the goodput optimum
+B* = √(alpha·B_noise/beta) depends on — unchanged, so until a second size is measured in the new
+era the model keeps the shape of its last fit over two or more sizes (instead of the prior),
+at the current size's new time.
+
 Invariants: pure Python, deterministic; `state_dict()` holds only JSON types and restores an
 identical model.
 """
@@ -34,6 +48,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from typing import Any
+
+ERA_RECENT = 3
+"""Times a change of era is judged on (the size's latest)."""
+ERA_Z = 4.0
+"""How many standard errors the latest times' mean must move from the earlier kept times' mean."""
+ERA_REL = 0.15
+"""And by how much relative to it: a GPU's 1 % jitter shifting significantly is not a new era."""
 
 
 class LinearTimeModel:
@@ -47,6 +68,10 @@ class LinearTimeModel:
         self.window = window
         self.prior_fixed_fraction = prior_fixed_fraction
         self._obs: dict[float, deque[float]] = {}
+        self._shape: float | None = None
+        """alpha/beta of the last fit over two or more sizes (inf: no marginal cost)."""
+        self.eras = 0
+        """Changes of era seen (`era_changed`)."""
         self._coef: tuple[float, float] | None = None
 
     def observe(self, b: float, seconds: float) -> None:
@@ -55,8 +80,31 @@ class LinearTimeModel:
             raise ValueError(f"batch b={b} must be > 0")
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds={seconds} must be finite and >= 0")
-        self._obs.setdefault(float(b), deque(maxlen=self.window)).append(float(seconds))
+        b = float(b)
+        times = self._obs.setdefault(b, deque(maxlen=self.window))
+        times.append(float(seconds))
+        if self.era_changed(times):
+            self.eras += 1
+            ts = list(times)
+            m0, m1 = sum(ts[:-ERA_RECENT]) / (len(ts) - ERA_RECENT), sum(ts[-ERA_RECENT:]) / ERA_RECENT
+            new = [t for t in ts[-ERA_RECENT:] if abs(t - m1) < abs(t - m0)] or ts[-1:]
+            self._obs = {b: deque(new, maxlen=self.window)}
         self._coef = self._fit()
+
+    @staticmethod
+    def era_changed(times: deque[float]) -> bool:
+        """Whether the mean of the last ERA_RECENT ``times`` differs from the mean of the others
+        (at least 2·ERA_RECENT of them) by more than ERA_Z standard errors (their spread) and by
+        more than ERA_REL of it."""
+        k = ERA_RECENT
+        if len(times) < 3 * k:
+            return False
+        ts = list(times)
+        before, recent = ts[:-k], ts[-k:]
+        m0, m1 = sum(before) / len(before), sum(recent) / k
+        var = sum((t - m0) ** 2 for t in before) / (len(before) - 1)
+        se = math.sqrt(var * (1 / k + 1 / len(before)))
+        return abs(m1 - m0) > max(ERA_Z * se, ERA_REL * m0)
 
     @property
     def ready(self) -> bool:
@@ -75,17 +123,19 @@ class LinearTimeModel:
         n = sum(w for _, w, _ in pts)
         b_mean = sum(w * b for b, w, _ in pts) / n
         t_mean = sum(w * t for _, w, t in pts) / n
-        if len(pts) < 2:
-            f = self.prior_fixed_fraction
+        if len(pts) < 2:  # the last fit's shape (one era ago, or before the batch changed), else the prior
+            shape = self._shape
+            f = self.prior_fixed_fraction if shape is None else (1.0 if math.isinf(shape) else shape / (shape + b_mean))
             return f * t_mean, (1.0 - f) * t_mean / b_mean
         sxx = sum(w * (b - b_mean) ** 2 for b, w, _ in pts)
         sxy = sum(w * (b - b_mean) * (t - t_mean) for b, w, t in pts)
         beta = sxy / sxx
         alpha = t_mean - beta * b_mean
         if beta < 0.0:
-            return t_mean, 0.0
-        if alpha < 0.0:
-            return 0.0, sum(w * b * t for b, w, t in pts) / sum(w * b * b for b, w, _ in pts)
+            alpha, beta = t_mean, 0.0
+        elif alpha < 0.0:
+            alpha, beta = 0.0, sum(w * b * t for b, w, t in pts) / sum(w * b * b for b, w, _ in pts)
+        self._shape = alpha / beta if beta > 0 else math.inf
         return alpha, beta
 
     def coefficients(self) -> tuple[float, float]:
@@ -105,6 +155,8 @@ class LinearTimeModel:
             "window": self.window,
             "prior_fixed_fraction": self.prior_fixed_fraction,
             "obs": [[b, list(ts)] for b, ts in self._obs.items()],  # insertion order: an identical fit
+            "shape": "inf" if self._shape == math.inf else self._shape,  # strict JSON has no Infinity
+            "eras": self.eras,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -112,6 +164,9 @@ class LinearTimeModel:
         self.window = int(state["window"])
         self.prior_fixed_fraction = float(state["prior_fixed_fraction"])
         self._obs = {float(b): deque((float(t) for t in ts), maxlen=self.window) for b, ts in state["obs"]}
+        shape = state.get("shape")  # absent in states saved before eras: no shape kept
+        self.eras = int(state.get("eras", 0))
+        self._shape = None if shape is None else float(shape)
         self._coef = self._fit()
 
 
@@ -194,6 +249,11 @@ class StepTimeModel:
     def ready(self) -> bool:
         """True once a step was observed."""
         return self.generate.ready and self.train.ready
+
+    @property
+    def eras(self) -> int:
+        """Changes of the machine's speed seen, over the phases (`LinearTimeModel.era_changed`)."""
+        return self.generate.eras + self.logprobs.eras + self.train.eras
 
     @property
     def tokens_per_response(self) -> float | None:

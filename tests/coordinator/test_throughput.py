@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
+from megarl.coordinator.throughput import ERA_RECENT, LinearTimeModel, StepTimeModel
 
 
 def test_exact_fit_from_noiseless_observations() -> None:
@@ -120,3 +120,69 @@ def test_state_round_trip() -> None:
         assert copy.predict(x) == m.predict(x)
         assert copy.generation_tokens_per_s(x) == m.generation_tokens_per_s(x)
     assert copy.generate.window == 5
+
+
+def test_timing_noise_alone_never_starts_a_new_era() -> None:
+    """2000 steps at one size with 5 % (CPU-like) or 1 % (GPU-like) independent noise: no
+    change of era is seen, so no size's times are ever dropped."""
+    rng = np.random.default_rng(4)
+    for noise in (0.05, 0.01):
+        m = LinearTimeModel(window=32)
+        for _ in range(2000):
+            m.observe(256, 1.0 + noise * float(rng.normal()))
+        assert m.eras == 0
+
+
+def test_a_slower_machine_starts_a_new_era_and_the_shape_is_kept() -> None:
+    """t = 2 + 0.01·B measured at 256, then at 512 (5 % noise): alpha/beta ≈ 200 responses. Then
+    the machine runs 2x slower while the run stays at 512. Fitted across the eras (fast 256
+    against slow 512) the line has no fixed cost (alpha 0: the goodput optimum at the grid's
+    bottom); instead the change is seen within ERA_RECENT steps, 256's fast times are dropped,
+    and 512 keeps the shape of the last fit at its new, slow level."""
+    rng = np.random.default_rng(0)
+    m = LinearTimeModel(window=32)
+    for k in range(60):
+        b = 256 if k < 20 else 512
+        m.observe(b, (2 + 0.01 * b) * (1 + 0.05 * float(rng.normal())))
+    a0, b0 = m.coefficients()
+    assert a0 / b0 == pytest.approx(200, rel=0.3) and m.eras == 0
+    slow = []
+    for _ in range(ERA_RECENT):
+        slow.append(2 * (2 + 0.01 * 512) * (1 + 0.05 * float(rng.normal())))
+        m.observe(512, slow[-1])
+    assert m.eras == 1 and m.num_distinct_batches == 1
+    alpha, beta = m.coefficients()
+    assert alpha / beta == pytest.approx(a0 / b0, rel=1e-9)
+    assert alpha + beta * 512 == pytest.approx(float(np.mean(slow)), rel=1e-9)
+    assert m.predict(256) == pytest.approx(2 * (2 + 0.01 * 256), rel=0.15)
+    mixed = LinearTimeModel(window=32)  # the kept means of the two eras, fitted together
+    for b, t in ((256, 2 + 2.56), (512, 2 * 7.12)):
+        mixed.observe(b, t)
+    assert mixed.coefficients()[0] == 0.0
+
+
+def test_state_round_trip_keeps_the_shape_and_reads_older_states() -> None:
+    m = LinearTimeModel(window=16)
+    for k in range(40):
+        m.observe(64 if k < 20 else 128, 1.0 + 0.01 * (64 if k < 20 else 128) + 0.001 * (k % 3))
+    for _ in range(ERA_RECENT):
+        m.observe(128, 5.0)  # a new era: 128 alone, on the kept shape
+    assert m.eras == 1 and m.num_distinct_batches == 1
+    state = json.loads(json.dumps(m.state_dict(), allow_nan=False))
+    copy = LinearTimeModel()
+    copy.load_state_dict(state)
+    assert copy.coefficients() == m.coefficients() and copy.eras == 1
+    for x in (5.1, 4.9):
+        m.observe(64, x)
+        copy.observe(64, x)
+    assert copy.coefficients() == m.coefficients()
+    flat = LinearTimeModel()
+    for b in (64, 128):
+        flat.observe(b, 3.0)  # beta 0: alpha/beta is infinite, saved as "inf"
+    again = LinearTimeModel()
+    again.load_state_dict(json.loads(json.dumps(flat.state_dict(), allow_nan=False)))
+    assert again.coefficients() == flat.coefficients() == (3.0, 0.0)
+    legacy = LinearTimeModel()  # saved before eras: no shape, the prior for one size
+    legacy.load_state_dict({k: state[k] for k in ("window", "prior_fixed_fraction", "obs")})
+    assert legacy.eras == 0
+    assert legacy.coefficients()[0] == pytest.approx(0.3 * 5.0)
