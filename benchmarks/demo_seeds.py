@@ -3,7 +3,9 @@ several seeds, one after the other, with mean and spread.
 
 Per seed: validation reward before RL (after the warm start) and after, RL wall time and
 total wall time, the mean phase split of a step, and the sequence of rollout batches the
-coordinator chose (responses, with the step each took effect) and the LR it ended at.
+coordinator chose (responses, with the step each took effect), how many of its changes reversed
+the one before (the demo should make none), the time model's eras (changes of the machine's
+speed it saw, docs/COORDINATOR.md §2) and the LR it ended at.
 
     python benchmarks/demo_seeds.py [--seeds 1,2,3] [--out runs/bench_demo_seeds]
 
@@ -39,6 +41,13 @@ def batch_path(records: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], fl
     return path, lr
 
 
+def reversals(path: list[tuple[int, int]]) -> int:
+    """Changes of the batch that go the other way from the change before (512 → 1024 → 512: 1):
+    the "flips back and forth" issue #13 asks the demo not to make."""
+    moves = [b1 > b0 for (_, b0), (_, b1) in zip(path, path[1:], strict=False)]
+    return sum(a != b for a, b in zip(moves, moves[1:], strict=False))
+
+
 def one(seed: int, out: Path) -> dict[str, Any]:
     run = out / f"seed{seed}"
     s = run_train(
@@ -56,6 +65,8 @@ def one(seed: int, out: Path) -> dict[str, Any]:
         "rl_s": s["rl_wall_s"],
         "total_s": s["wall_s"],
         "batches": " → ".join(f"{b}@{st}" for st, b in path),
+        "reversals": reversals(path),
+        "eras": int(steps[-1].get("coord/time_eras", 0)) if steps else 0,
         "final_lr": lr,
     }
     for p in PHASES:
@@ -70,7 +81,12 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     rows = [one(int(s), out) for s in args.seeds.split(",")]
-    print(table(rows, ["seed", "val_start", "val_end", "rl_s", "total_s", *PHASES, "final_lr", "batches"]))
+    print(
+        table(
+            rows,
+            ["seed", "val_start", "val_end", "rl_s", "total_s", *PHASES, "final_lr", "reversals", "eras", "batches"],
+        )
+    )
     summary: dict[str, Any] = {"benchmark": "demo_seeds", "seeds": [r["seed"] for r in rows]}
     for k in ("val_start", "val_end", "rl_s", "total_s", *PHASES):
         vals = [float(r[k]) for r in rows]
@@ -80,6 +96,8 @@ def main() -> int:
             "per_seed": [round(v, 4) for v in vals],
         }
     summary["batches"] = [r["batches"] for r in rows]
+    summary["reversals"] = [r["reversals"] for r in rows]
+    summary["eras"] = [r["eras"] for r in rows]
     print(json.dumps(summary))
     return 0
 
