@@ -77,7 +77,8 @@ class CoordinatorConfig:
     the batch decision, instead of keeping the batch until the estimate turns positive. Keeping
     makes the decision one-sided: it then acts only on readings taken after |G|² came out high,
     which are biased low, the more so the smaller the batch (docs/COORDINATOR.md §2). A move on
-    an unresolved estimate is limited to ``track_factor``, the first one included."""
+    an unresolved estimate is limited to ``track_factor``, the first one included. Off: on the
+    time-to-target benchmark it won from a large start and lost from a small one (§5)."""
     lr_rule: Literal["none", "linear", "sqrt", "adascale", "surge"] = "sqrt"
     """How LR follows the batch from (lr_reference_batch, lr_ref = optim.lr / critic.lr);
     surge: Adam's optimum rises then falls in B, peaking at B_noise (docs/COORDINATOR.md §3)."""
