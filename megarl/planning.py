@@ -102,7 +102,7 @@ class Planner:
                 lr = ", ".join(f"{m} {v * schedule:.3g}" for m, v in p.lr.items())
                 log.info(
                     "coordinator: step %d: %d -> %d prompts (lr %s): %s",
-                    step,
+                    step + 1,  # numbered as in metrics.jsonl and the step lines
                     self._prompts,
                     p.num_prompts,
                     lr,

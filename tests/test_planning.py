@@ -90,5 +90,5 @@ def test_a_batch_change_is_logged_with_its_reason_and_the_predicted_step_times(c
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("coordinator:")]
     assert moves >= 1 and len(lines) == moves
     first = next(i for i, (a, b) in enumerate(zip(prompts, prompts[1:], strict=False), start=1) if a != b)
-    assert lines[0].startswith(f"coordinator: step {first}: 8 -> {prompts[first]} prompts (lr actor ")
+    assert lines[0].startswith(f"coordinator: step {first + 1}: 8 -> {prompts[first]} prompts (lr actor ")
     assert "b_noise=" in lines[0] and "predicted step" in lines[0] and f"at {prompts[first] * 16} responses" in lines[0]
