@@ -250,9 +250,7 @@ def run_all(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--quick", action="store_true", help="small mode (a few minutes on 2 idle cores): validates the machinery"
-    )
+    ap.add_argument("--quick", action="store_true", help="small mode (a few minutes on 2 idle cores): validates the machinery")
     ap.add_argument("--out", help="output folder (default runs/bench_ttt[_quick]); a rerun resumes it")
     ap.add_argument("--gains", help="comma-separated target gains over the base's validation reward")
     ap.add_argument(

@@ -183,7 +183,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int) -> float | None:
+def estimate_wall_s(
+    results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int
+) -> float | None:
     """Wall time of runs at ``batches`` training ``samples`` responses each, validated every
     ``eval_samples``, from the measured costs: step time t(B) = a + b·B (least squares over
     fixed runs), validation per evaluation and start-up/shutdown per run (means)."""
@@ -249,8 +251,9 @@ def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str
         ratios[f"best/{start}"] = _round(fit.geomean(exact)) if exact else None
         ratios[f"best/{start}_per_seed"] = per_seed
         ratios[f"best/{start}_worst_per_seed"] = _round(min(upper)) if upper else None
-    pairs = [(f"coord_small{s}", f"coord_large{s}") for s in _arm_suffixes(coords)]
-    pairs += [(f"{c}", f"{c}{s}") for s in _arm_suffixes(coords) if s for c in ("coord_small", "coord_large")]
+    suffixes = _arm_suffixes(coords)
+    pairs = [(f"coord_small{s}", f"coord_large{s}") for s in suffixes]
+    pairs += [(c, f"{c}{s}") for s in suffixes if s for c in ("coord_small", "coord_large")]
     for a, b in pairs:  # start vs start within an arm; control vs arm for each start
         if a in coords and b in coords:
             gm, per = fit.paired_ratio(_times(results, a, h), _times(results, b, h))

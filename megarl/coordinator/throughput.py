@@ -83,28 +83,28 @@ class LinearTimeModel:
         b = float(b)
         times = self._obs.setdefault(b, deque(maxlen=self.window))
         times.append(float(seconds))
-        if self.era_changed(times):
-            self.eras += 1
-            ts = list(times)
-            m0, m1 = sum(ts[:-ERA_RECENT]) / (len(ts) - ERA_RECENT), sum(ts[-ERA_RECENT:]) / ERA_RECENT
-            new = [t for t in ts[-ERA_RECENT:] if abs(t - m1) < abs(t - m0)] or ts[-1:]
+        means = self.era_changed(times)
+        if means is not None:  # keep the latest times nearer the new mean than the old one
+            m0, m1 = means
+            new = [t for t in list(times)[-ERA_RECENT:] if abs(t - m1) < abs(t - m0)] or [times[-1]]
             self._obs = {b: deque(new, maxlen=self.window)}
+            self.eras += 1
         self._coef = self._fit()
 
     @staticmethod
-    def era_changed(times: deque[float]) -> bool:
-        """Whether the mean of the last ERA_RECENT ``times`` differs from the mean of the others
-        (at least 2·ERA_RECENT of them) by more than ERA_Z standard errors (their spread) and by
-        more than ERA_REL of it."""
+    def era_changed(times: deque[float]) -> tuple[float, float] | None:
+        """(old mean, new mean) if the mean of the last ERA_RECENT ``times`` differs from the
+        mean of the others (at least 2·ERA_RECENT of them) by more than ERA_Z standard errors
+        (their spread) and by more than ERA_REL of it; else None."""
         k = ERA_RECENT
         if len(times) < 3 * k:
-            return False
+            return None
         ts = list(times)
         before, recent = ts[:-k], ts[-k:]
         m0, m1 = sum(before) / len(before), sum(recent) / k
         var = sum((t - m0) ** 2 for t in before) / (len(before) - 1)
         se = math.sqrt(var * (1 / k + 1 / len(before)))
-        return abs(m1 - m0) > max(ERA_Z * se, ERA_REL * m0)
+        return (m0, m1) if abs(m1 - m0) > max(ERA_Z * se, ERA_REL * m0) else None
 
     @property
     def ready(self) -> bool:

@@ -84,25 +84,15 @@ def test_a_crossing_is_read_only_where_its_window_is_complete():
     """A run cut right after a high evaluation: the running line at the end follows that
     value, so a crossing read there would move with where the run was cut."""
     rising = [0.30, 0.31, 0.32, 0.33, 0.34, 0.35, 0.36, 0.37]
-    cut = Curve(
-        steps=[5 * i for i in range(6)],
-        train_s=[float(i) for i in range(6)],
-        samples=[10 * i for i in range(6)],
-        reward=rising[:5] + [0.50],
-    )
+    cut = Curve(steps=[5 * i for i in range(6)], train_s=[float(i) for i in range(6)],
+                samples=[10 * i for i in range(6)], reward=rising[:5] + [0.50])
     assert smooth(cut.reward, half=2)[-1] > 0.44  # the end leans on the last value
     assert not crossing(cut, 0.42, half=2).reached  # no evaluation past it: nothing to read
     assert crossing(cut, 0.42, half=0).reached  # (raw, half=0: the last point counts)
     # the same run with two more evaluations: the crossing is read, from a complete window
-    longer = Curve(
-        steps=[5 * i for i in range(8)],
-        train_s=[float(i) for i in range(8)],
-        samples=[10 * i for i in range(8)],
-        reward=rising[:5] + [0.50, 0.52, 0.54],
-    )
+    longer = Curve(steps=[5 * i for i in range(8)], train_s=[float(i) for i in range(8)],
+                   samples=[10 * i for i in range(8)], reward=rising[:5] + [0.50, 0.52, 0.54])
     x = crossing(longer, 0.42, half=2)
     sm = smooth(longer.reward, half=2)
     k = next(i for i, v in enumerate(sm) if v >= 0.42)
-    assert (
-        x.reached and k <= len(sm) - 3 and x.time_s == pytest.approx(k - 1 + (0.42 - sm[k - 1]) / (sm[k] - sm[k - 1]))
-    )
+    assert x.reached and k <= len(sm) - 3 and x.time_s == pytest.approx(k - 1 + (0.42 - sm[k - 1]) / (sm[k] - sm[k - 1]))

@@ -202,7 +202,9 @@ def test_state_dict_round_trip_gives_identical_plans(save_in: str) -> None:
 
 
 def _nan_equal(a: dict[str, float], b: dict[str, float]) -> bool:
-    return a.keys() == b.keys() and all((math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a)
+    return a.keys() == b.keys() and all(
+        (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a
+    )
 
 
 def test_dp_shares_follow_rank_throughput() -> None:

@@ -98,7 +98,10 @@ def test_choose_batch_matches_brute_force_on_saturating_curve(b_noise: float) ->
 def test_more_noise_means_larger_batch() -> None:
     tm = Affine(20.0, 0.05)
     grid = BatchGrid(samples_per_prompt=8, min_prompts=1, max_prompts=1024)
-    chosen = [choose_batch(grid, bn, tm, current=8, min_gain=0.0).best_prompts for bn in (10.0, 100.0, 1000.0, 10000.0)]
+    chosen = [
+        choose_batch(grid, bn, tm, current=8, min_gain=0.0).best_prompts
+        for bn in (10.0, 100.0, 1000.0, 10000.0)
+    ]
     assert chosen == sorted(chosen)
     assert chosen[0] < chosen[-1]
 

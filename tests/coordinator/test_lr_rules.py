@@ -41,7 +41,9 @@ def test_adascale_gain_closed_form_and_bounds() -> None:
     # Equivalent B_noise form: r = S·(B_noise + b_ref)/(B_noise + b).
     for b in (2.0, 16.0, 100.0, 1e4):
         bn = 32.0 / 1.0
-        assert adascale_gain(b, 16, 1.0, 32.0) == pytest.approx(b / 16 * (bn + 16) / (bn + b), rel=1e-12)
+        assert adascale_gain(b, 16, 1.0, 32.0) == pytest.approx(
+            b / 16 * (bn + 16) / (bn + b), rel=1e-12
+        )
     # Limits: noise-free → 1 (no change); noise-dominated → S (sqrt rule for Adam).
     assert adascale_gain(64, 16, 1.0, 0.0) == 1.0
     assert adascale_gain(64, 16, 1.0, 1e12) == pytest.approx(4.0, rel=1e-6)

@@ -89,7 +89,9 @@ def test_dp_equal_batches_is_the_textbook_two_batch_estimate() -> None:
     want = two_batch_estimates(sum(local) / 4, 8.0, glob, 32.0)
     assert got == pytest.approx(want, rel=1e-12)
     # With equal batches the two ways of averaging the global gradient coincide.
-    assert dp_estimates(local, [8.0] * 4, glob, grad_average="ranks") == pytest.approx(want, rel=1e-12)
+    assert dp_estimates(local, [8.0] * 4, glob, grad_average="ranks") == pytest.approx(
+        want, rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("grad_average", ["samples", "ranks"])
@@ -109,7 +111,9 @@ def test_dp_unequal_batches_exact_on_expectations(grad_average: str) -> None:
     ("batches", "grad_average"),
     [([8, 8, 8, 8], "samples"), ([4, 8, 12, 16], "samples"), ([4, 8, 12, 16], "ranks")],
 )
-def test_dp_estimator_recovers_b_simple_on_noisy_quadratic(batches: list[int], grad_average: str) -> None:
+def test_dp_estimator_recovers_b_simple_on_noisy_quadratic(
+    batches: list[int], grad_average: str
+) -> None:
     est, per_step, g2_true, tr_true = _simulate_dp(7, batches, grad_average)
     b = est.b_simple
     assert b is not None
@@ -164,7 +168,9 @@ def test_microbatch_fallback_on_one_rank() -> None:
     est = NoiseScaleEstimator(0.999)
     for t in range(steps):
         est.update(
-            *microbatch_estimates([float(m[t] @ m[t]) for m in means], [6.0] * 4, float(step_grad[t] @ step_grad[t]))
+            *microbatch_estimates(
+                [float(m[t] @ m[t]) for m in means], [6.0] * 4, float(step_grad[t] @ step_grad[t])
+            )
         )
     assert est.b_simple == pytest.approx(B_SIMPLE_TRUE, rel=0.10)
 

@@ -285,17 +285,11 @@ def test_unresolved_as_infinite_removes_the_low_reading_of_small_batches() -> No
     181 prompts (B_noise 8000) the run's mean goodput rises from 0.78 to 0.88 of the optimum's
     and its worst seed from 0.53 to 0.74; where the optimum is near (B_noise 400, 45 prompts)
     it does no harm."""
-    far_off, far_on = (
-        _mean_relative_goodput(False, 8000.0, range(1, 9)),
-        _mean_relative_goodput(True, 8000.0, range(1, 9)),
-    )
+    far_off, far_on = _mean_relative_goodput(False, 8000.0, range(1, 9)), _mean_relative_goodput(True, 8000.0, range(1, 9))
     print("B_noise 8000, per seed: today", np.round(far_off, 3), "inf", np.round(far_on, 3))
     assert np.mean(far_on) > np.mean(far_off) + 0.05
     assert min(far_on) > min(far_off) + 0.1
-    near_off, near_on = (
-        _mean_relative_goodput(False, 400.0, range(1, 9)),
-        _mean_relative_goodput(True, 400.0, range(1, 9)),
-    )
+    near_off, near_on = _mean_relative_goodput(False, 400.0, range(1, 9)), _mean_relative_goodput(True, 400.0, range(1, 9))
     print("B_noise 400, per seed: today", np.round(near_off, 3), "inf", np.round(near_on, 3))
     assert np.mean(near_on) > np.mean(near_off) - 0.01
 
