@@ -46,29 +46,37 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
         batch, metrics = c.ahead.take(step) if c.ahead is not None else c.rollouts.collect(step, *plan_size(plan))
     lag = c.publisher.version - batch.sample_versions()  # policy versions each sample lags the trainer
     metrics["rollout/responses"] = float(batch.size)  # on every rank (the other rollout stats: rank 0's)
+    w0 = microbatch_s(c)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (rollout/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
         ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))
+    w1 = microbatch_s(c)
     with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)
         adv, adv_metrics = c.advantages(batch, ev)
         metrics.update(adv_metrics)
     with timer("update"):  # 4. Megatron forward/backward + optimizer step(s), actor and critic
         metrics.update(c.updater(batch, adv, ev, plan, step))
+    work = {"logprobs": w1 - w0, "update": microbatch_s(c) - w1}  # the rest of each phase is fixed cost
     if c.ahead is not None:  # the fleet finishes what it generates: no update lands mid-generation
         with timer("generate"):
             c.ahead.drain()
     with timer("sync"):  # 5. new weights into every engine
         metrics.update(c.publisher.push())
     with timer("plan"):  # 6. noise estimates + timings -> the coordinator's next plan
-        c.planner.observe(step, batch.size, int(batch.response_lens.sum()), timer.times, c.dims)
+        c.planner.observe(step, batch.size, int(batch.response_lens.sum()), timer.times, c.dims, work)
         metrics.update(c.planner.metrics())
     metrics.update(timer.metrics())
     metrics["timing/step/total"] = total = time.perf_counter() - t0
     busy = c.ahead.fleet_busy_s(t0, t0 + total) if c.ahead is not None else timer.times["generate"]
     metrics.update(pipeline_metrics(lag, timer.times["generate"], busy, total))
     return metrics
+
+
+def microbatch_s(c: Components) -> float:
+    """Seconds of micro-batch work this rank's models have done so far (`Model.microbatch_s`)."""
+    return sum(m.microbatch_s for m in c.models().values())
 
 
 def plan_size(plan: StepPlan) -> tuple[int, int]:

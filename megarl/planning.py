@@ -181,16 +181,28 @@ class Planner:
     # ------------------------------------------------------------------ phase 6
 
     def observe(
-        self, step: int, batch_size: int, batch_tokens: int, times: dict[str, float], dims: ParallelDims
+        self,
+        step: int,
+        batch_size: int,
+        batch_tokens: int,
+        times: dict[str, float],
+        dims: ParallelDims,
+        work: dict[str, float] | None = None,
     ) -> None:
-        """Feed the coordinator this step's gradient statistics and phase timings (collective)."""
+        """Feed the coordinator this step's gradient statistics and phase timings (collective).
+        ``work``: the seconds of the "update" and "logprobs" phases spent on micro-batch work;
+        the rest of each phase is its measured fixed cost."""
         grads, self._grads = self._grads, []
         if self.coord is None:
             return
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
         other = sum(v for k, v in times.items() if k not in ("generate", "update", "logprobs"))
         # every rank must plan identically: use rank 0's clock
-        t = torch.tensor([times["generate"], times["update"], other, times.get("logprobs", 0.0)], dtype=torch.float64)
+        work = work or {}
+        fixed = [max(0.0, times.get(k, 0.0) - work[k]) if k in work else math.nan for k in ("update", "logprobs")]
+        t = torch.tensor(
+            [times["generate"], times["update"], other, times.get("logprobs", 0.0), *fixed], dtype=torch.float64
+        )
         dist.broadcast(t, src=0)
         # each DP rank's own update time (shares follow measured per-rank throughput)
         mine = torch.tensor([times["update"]], dtype=torch.float64)
@@ -203,6 +215,8 @@ class Planner:
             train_s=float(t[1]),
             other_s=float(t[2]),
             logprobs_s=float(t[3]),
+            train_fixed_s=None if math.isnan(t[4]) else float(t[4]),
+            logprobs_fixed_s=None if math.isnan(t[5]) else float(t[5]),
             rollout_responses=batch_size,
             rollout_tokens=batch_tokens,
             rank_train_s=[float(x) for x in gathered] if dims.dp > 1 else None,

@@ -103,7 +103,9 @@ class CoordinatorConfig:
     time_window: int = 32
     """Latest times kept per batch size by each step-time least-squares fit, steps."""
     prior_fixed_fraction: float = 0.3
-    """Assumed batch-independent fraction of phase time until two batch sizes were seen."""
+    """Assumed batch-independent fraction of a phase's time until two batch sizes were seen, for
+    the phases that cannot measure theirs (generation; the log-prob forwards and the update
+    measure it: time outside their micro-batch work)."""
 
 
 @dataclass(kw_only=True)

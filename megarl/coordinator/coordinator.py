@@ -101,6 +101,8 @@ class Coordinator:
             logprobs_s=timings.logprobs_s,
             train_s=timings.train_s,
             other_s=timings.other_s,
+            train_fixed_s=timings.train_fixed_s,
+            logprobs_fixed_s=timings.logprobs_fixed_s,
         )
 
         for ema, x in zip(self._rank_tput, rank_tput, strict=True) if rank_tput else ():
@@ -359,6 +361,8 @@ class Coordinator:
         out["coord/tokens_per_response"] = nan if tpr is None else tpr
         out["coord/gen_tokens_per_s"] = self._time.generation_tokens_per_s(b) if self._time.ready else nan
         out["coord/time_eras"] = float(self._time.eras)
+        for phase in ("logprobs", "train"):  # the prior's fixed share at one batch size (measured, else the setting)
+            out[f"coord/time_fixed_frac/{phase}"] = getattr(self._time, phase).fixed_fraction
         for r, share in enumerate((plan.dp_shares if plan is not None else None) or self._dp_shares()):
             out[f"coord/dp_share/{r}"] = share
         return out

@@ -59,6 +59,11 @@ class StepTimings:
     (linear in the batch, modelled like training)."""
     other_s: float = 0.0
     """Everything else in the step (scoring, advantages, weight sync), seconds."""
+    train_fixed_s: float | None = None
+    """The part of `train_s` outside its micro-batch work (optimizer steps, pipeline fill and
+    drain), or None when not measured: the time model's prior shape at one batch size."""
+    logprobs_fixed_s: float | None = None
+    """The same for `logprobs_s`."""
     rollout_responses: int
     """Responses generated this step (prompts x samples_per_prompt after any filtering)."""
     rollout_tokens: int
@@ -74,6 +79,10 @@ class StepTimings:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"StepTimings.{name}={value} must be finite and >= 0 seconds")
+        for name in ("train_fixed_s", "logprobs_fixed_s"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"StepTimings.{name}={value} must be None or finite and >= 0 seconds")
         if self.rollout_responses <= 0:
             raise ValueError(f"StepTimings.rollout_responses={self.rollout_responses} must be > 0")
         if self.rollout_tokens < 0:

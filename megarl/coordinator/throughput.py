@@ -21,9 +21,15 @@ to 1024 each time it had forgotten that 1024 was slow. Kept per size, a batch on
 stays measured (its times refresh whenever it is used again).
 
 Prior with fewer than 2 distinct B values (the batch has never changed): the mean time t̄ at
-the one batch B̄ is split into a fixed part by `prior_fixed_fraction` f: alpha = f·t̄,
-beta = (1-f)·t̄/B̄. This prior is what makes the first batch change possible at all; once the
-batch has changed, the fit takes over.
+the one batch B̄ is split into a fixed part f: alpha = f·t̄, beta = (1-f)·t̄/B̄. This prior is
+what makes the first batch change possible at all; once the batch has changed, the fit takes
+over. f is measured where the phase can tell: a phase made of micro-batches (the log-prob
+forwards, the update) reports with each time the seconds it spent outside its micro-batch
+work (optimizer step, pipeline fill and drain, bookkeeping), whose share of the time is the
+fixed fraction at that batch (the mean over the last `window` steps). Elsewhere (generation)
+f is `prior_fixed_fraction`. The measured share matters: on a CPU the update is ~all
+micro-batch work, and a 30 % prior called a third of it fixed, which made 2× the batch look
+~15 % cheaper per response than it was — the demo's one excursion 512 → 1024 → 512 (session 18).
 
 Eras. Times of a batch size measured long ago compare with today's only if the machine still
 runs at the speed it ran then. On a shared machine it does not (this project's CPUs: the same
@@ -70,16 +76,23 @@ class LinearTimeModel:
         self._obs: dict[float, deque[float]] = {}
         self._shape: float | None = None
         """alpha/beta of the last fit over two or more sizes (inf: no marginal cost)."""
+        self._fixed: deque[float] = deque(maxlen=window)
+        """Measured fixed shares of the phase's time (`observe`'s fixed_s / seconds)."""
         self.eras = 0
         """Changes of era seen (`era_changed`)."""
         self._coef: tuple[float, float] | None = None
 
-    def observe(self, b: float, seconds: float) -> None:
-        """Record that a phase with batch b took `seconds`."""
+    def observe(self, b: float, seconds: float, fixed_s: float | None = None) -> None:
+        """Record that a phase with batch b took `seconds`, `fixed_s` of them (when measured)
+        outside its per-sample work."""
         if not b > 0:
             raise ValueError(f"batch b={b} must be > 0")
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds={seconds} must be finite and >= 0")
+        if fixed_s is not None and not (fixed_s >= 0 and math.isfinite(fixed_s)):
+            raise ValueError(f"fixed_s={fixed_s} must be finite and >= 0")
+        if fixed_s is not None and seconds > 0:  # clocks read apart: a share above 1 is 1
+            self._fixed.append(min(1.0, fixed_s / seconds))
         b = float(b)
         times = self._obs.setdefault(b, deque(maxlen=self.window))
         times.append(float(seconds))
@@ -125,7 +138,7 @@ class LinearTimeModel:
         t_mean = sum(w * t for _, w, t in pts) / n
         if len(pts) < 2:  # the last fit's shape (one era ago, or before the batch changed), else the prior
             shape = self._shape
-            f = self.prior_fixed_fraction if shape is None else (1.0 if math.isinf(shape) else shape / (shape + b_mean))
+            f = self.fixed_fraction if shape is None else (1.0 if math.isinf(shape) else shape / (shape + b_mean))
             return f * t_mean, (1.0 - f) * t_mean / b_mean
         sxx = sum(w * (b - b_mean) ** 2 for b, w, _ in pts)
         sxy = sum(w * (b - b_mean) * (t - t_mean) for b, w, t in pts)
@@ -137,6 +150,12 @@ class LinearTimeModel:
             alpha, beta = 0.0, sum(w * b * t for b, w, t in pts) / sum(w * b * b for b, w, _ in pts)
         self._shape = alpha / beta if beta > 0 else math.inf
         return alpha, beta
+
+    @property
+    def fixed_fraction(self) -> float:
+        """The prior's fixed share of the time at one size: measured (mean of the last `window`
+        shares `observe` was given), else `prior_fixed_fraction`."""
+        return sum(self._fixed) / len(self._fixed) if self._fixed else self.prior_fixed_fraction
 
     def coefficients(self) -> tuple[float, float]:
         """(alpha seconds, beta seconds per sample); raises before the first observation."""
@@ -157,6 +176,7 @@ class LinearTimeModel:
             "obs": [[b, list(ts)] for b, ts in self._obs.items()],  # insertion order: an identical fit
             "shape": "inf" if self._shape == math.inf else self._shape,  # strict JSON has no Infinity
             "eras": self.eras,
+            "fixed": list(self._fixed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,6 +187,7 @@ class LinearTimeModel:
         shape = state.get("shape")  # absent in states saved before eras: no shape kept
         self.eras = int(state.get("eras", 0))
         self._shape = None if shape is None else float(shape)
+        self._fixed = deque((float(f) for f in state.get("fixed", ())), maxlen=self.window)  # absent before session 19
         self._coef = self._fit()
 
 
@@ -231,8 +252,11 @@ class StepTimeModel:
         train_s: float,
         other_s: float,
         logprobs_s: float = 0.0,
+        train_fixed_s: float | None = None,
+        logprobs_fixed_s: float | None = None,
     ) -> None:
-        """Record one step's phase times for a rollout of `responses` responses."""
+        """Record one step's phase times for a rollout of `responses` responses (``*_fixed_s``:
+        the part of a phase outside its micro-batch work, when measured)."""
         if responses <= 0:
             raise ValueError(f"rollout_responses={responses} must be > 0")
         if tokens < 0:
@@ -240,8 +264,8 @@ class StepTimeModel:
         if not other_s >= 0:
             raise ValueError(f"other_s={other_s} must be >= 0")
         self.generate.observe(responses, generate_s)
-        self.logprobs.observe(responses, logprobs_s)
-        self.train.observe(responses, train_s)
+        self.logprobs.observe(responses, logprobs_s, logprobs_fixed_s)
+        self.train.observe(responses, train_s, train_fixed_s)
         self._other.update(other_s)
         self._tokens_per_response.update(tokens / responses)
 

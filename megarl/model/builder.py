@@ -104,6 +104,11 @@ class Model:
     scheduler: Any = None
     probe: Any = None
     """megarl.model.grad_stats.GradProbe when the coordinator measures this model."""
+    microbatch_s: float = 0.0
+    """Seconds this rank spent on micro-batch work (forward/backward schedules less their
+    pipeline fill and drain), summed over calls: callers read differences. What a phase spends
+    beyond it (optimizer steps, collectives after the schedule) is the coordinator's measured
+    fixed cost of that phase (`megarl.coordinator.throughput`)."""
 
     @property
     def core(self) -> torch.nn.Module:

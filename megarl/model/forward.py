@@ -24,6 +24,7 @@ are computed for language models on the global layout only (actor, reference), w
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -146,7 +147,8 @@ def _run_schedule(
             config.variable_seq_lengths = True
         groups["p2p_communicator"] = P2PCommunicator(pp_group=dims.pp_group, config=config)
     fb = get_forward_backward_func(pp_size=dims.pp, vp_size=None)
-    return fb(  # type: ignore[no-any-return]
+    t0 = time.perf_counter()
+    out = fb(
         forward_step_func=forward_step,
         data_iterator=iter(zip(mbs, packs, strict=True)),
         model=[model.module],
@@ -156,6 +158,9 @@ def _run_schedule(
         forward_only=forward_only,
         **groups,
     )
+    # m micro-batches through p stages take m + p - 1 slots; p - 1 of them are fill and drain
+    model.microbatch_s += (time.perf_counter() - t0) * len(mbs) / (len(mbs) + dims.pp - 1)
+    return out  # type: ignore[no-any-return]
 
 
 def labels_of(tokens: torch.Tensor) -> torch.Tensor:

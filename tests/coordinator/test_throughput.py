@@ -186,3 +186,48 @@ def test_state_round_trip_keeps_the_shape_and_reads_older_states() -> None:
     legacy.load_state_dict({k: state[k] for k in ("window", "prior_fixed_fraction", "obs")})
     assert legacy.eras == 0
     assert legacy.coefficients()[0] == pytest.approx(0.3 * 5.0)
+
+
+def test_a_measured_fixed_share_replaces_the_prior_until_a_second_size_is_measured() -> None:
+    m = LinearTimeModel(prior_fixed_fraction=0.3, window=4)
+    for seconds, fixed in ((1.0, 0.04), (1.2, 0.08), (1.0, 0.06)):
+        m.observe(512, seconds, fixed_s=fixed)  # shares 0.04, 0.0667, 0.06
+    share = (0.04 + 0.08 / 1.2 + 0.06) / 3
+    assert m.fixed_fraction == pytest.approx(share)
+    t = (1.0 + 1.2 + 1.0) / 3
+    assert m.coefficients() == pytest.approx((share * t, (1 - share) * t / 512))
+    assert m.predict(1024) == pytest.approx(t * (2 - share))  # 2× the batch: ~2× the time, not 1.7×
+    for _ in range(3):
+        m.observe(512, 1.0, fixed_s=0.5)  # a window of 4 shares: the oldest three go
+    assert m.fixed_fraction == pytest.approx((0.06 + 3 * 0.5) / 4)
+    for _ in range(4):
+        m.observe(256, 0.75, fixed_s=0.0)  # a second size: the fit over sizes, not the shares
+    alpha, beta = m.coefficients()
+    assert beta == pytest.approx((np.mean([1.0, 1.0, 1.0, 1.0]) - 0.75) / 256)
+    assert alpha == pytest.approx(0.5)
+    unmeasured = LinearTimeModel(prior_fixed_fraction=0.3)
+    unmeasured.observe(512, 1.0)  # generation: nothing to measure, the configured prior
+    assert unmeasured.fixed_fraction == 0.3 and unmeasured.coefficients()[0] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="fixed_s=-0.1"):
+        m.observe(512, 1.0, fixed_s=-0.1)
+    over = LinearTimeModel()
+    over.observe(100, 1.0, fixed_s=1.3)  # two clocks read apart: a share above 1 counts as 1
+    assert over.fixed_fraction == 1.0 and over.coefficients() == (1.0, 0.0)
+
+
+def test_measured_shares_survive_a_checkpoint_and_older_states_load_without_them() -> None:
+    m = StepTimeModel(window=8)
+    for k in range(3):
+        m.observe(responses=512, tokens=4096, generate_s=0.2, train_s=0.4 + 0.01 * k, other_s=0.05,
+                  logprobs_s=0.2, train_fixed_s=0.02, logprobs_fixed_s=0.01)
+    state = json.loads(json.dumps(m.state_dict(), allow_nan=False))
+    copy = StepTimeModel()
+    copy.load_state_dict(state)
+    assert copy.train.fixed_fraction == m.train.fixed_fraction == pytest.approx(np.mean([0.02 / (0.4 + 0.01 * k) for k in range(3)]))
+    assert copy.logprobs.fixed_fraction == pytest.approx(0.05)
+    assert copy.generate.fixed_fraction == 0.3  # never measured
+    assert copy.predict(1024) == m.predict(1024)
+    del state["train"]["fixed"]  # saved before session 19
+    legacy = StepTimeModel()
+    legacy.load_state_dict(state)
+    assert legacy.train.fixed_fraction == 0.3

@@ -51,3 +51,8 @@ def test_ppo_critic_on_its_own_layout_with_the_coordinator(tmp_path: Path) -> No
     assert any(math.isfinite(r["coord/tr_sigma/critic"]) and r["coord/tr_sigma/critic"] > 0 for r in steps)
     assert steps[0]["coord/noise_dof/critic"] == 3.0  # 4 parts: micro-batches of both DP ranks
     assert steps[0]["coord/signal_fraction/critic"] == 1.0  # a value loss has gradient on every row
+    # the update's and the forwards' fixed shares are measured (the configured prior is 0.3):
+    # each phase runs micro-batches of three models, and its time outside them is a share of it
+    for phase in ("train", "logprobs"):
+        fracs = {r[f"coord/time_fixed_frac/{phase}"] for r in steps}
+        assert len(fracs) == 3 and all(0 < f < 1 for f in fracs), (phase, fracs)
