@@ -187,7 +187,7 @@ class Planner:
         batch_tokens: int,
         times: dict[str, float],
         dims: ParallelDims,
-        work: dict[str, float] | None = None,
+        work: dict[str, float],
     ) -> None:
         """Feed the coordinator this step's gradient statistics and phase timings (collective).
         ``work``: the seconds of the "update" and "logprobs" phases spent on micro-batch work;
@@ -198,8 +198,7 @@ class Planner:
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
         other = sum(v for k, v in times.items() if k not in ("generate", "update", "logprobs"))
         # every rank must plan identically: use rank 0's clock
-        work = work or {}
-        fixed = [max(0.0, times.get(k, 0.0) - work[k]) if k in work else math.nan for k in ("update", "logprobs")]
+        fixed = [max(0.0, times.get(k, 0.0) - work[k]) for k in ("update", "logprobs")]
         t = torch.tensor(
             [times["generate"], times["update"], other, times.get("logprobs", 0.0), *fixed], dtype=torch.float64
         )
@@ -215,8 +214,8 @@ class Planner:
             train_s=float(t[1]),
             other_s=float(t[2]),
             logprobs_s=float(t[3]),
-            train_fixed_s=None if math.isnan(t[4]) else float(t[4]),
-            logprobs_fixed_s=None if math.isnan(t[5]) else float(t[5]),
+            train_fixed_s=float(t[4]),
+            logprobs_fixed_s=float(t[5]),
             rollout_responses=batch_size,
             rollout_tokens=batch_tokens,
             rank_train_s=[float(x) for x in gathered] if dims.dp > 1 else None,
