@@ -294,6 +294,7 @@ def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         # as long as it takes this process to read the data and build the tokenizer: an engine
         # whose trainer dies meanwhile exits (--parent-pid); the start timeout counts from ready()
         wait_for_model_s=math.inf,
+        cpu_gemm=r.cpu_gemm,
     )
 
 

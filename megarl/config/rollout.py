@@ -111,6 +111,12 @@ class RolloutConfig:
     host's trainer ranks leave, at least 1 each (:func:`megarl.components.engine_threads`).
     Engines with ``engine_tp`` > 1 bind their workers through vLLM (VLLM_CPU_OMP_THREADS_BIND).
     CPU engines the SLURM scripts start apply the same rule per node (``slurm/engine_task.sh``)."""
+    cpu_gemm: Literal["auto", "packed", "plain"] = "auto"
+    """Linear layers of a CPU engine megarl starts: ``packed`` (vLLM's oneDNN kernels; an update
+    is vLLM's layer-wise reload and repack), ``plain`` (``F.linear`` on the weights; an update is
+    a copy in place); ``auto``: plain up to hidden size 256, where packing does not decode faster
+    (:func:`megarl.engine.vllm_engine.cpu_gemm_mode`). Engines started elsewhere take
+    ``--cpu-gemm`` (SLURM: ``MEGARL_ENGINE_ARGS``). No effect on GPU engines."""
     engine_addresses: list[str] = field(default_factory=list)
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25

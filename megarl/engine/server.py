@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
     ap.add_argument(
+        "--cpu-gemm",
+        choices=("auto", "packed", "plain"),
+        default="auto",
+        help="CPU engines: vLLM's packed oneDNN GEMMs, or plain F.linear (updates are a copy in place); "
+        "auto: plain up to hidden size 256",
+    )
+    ap.add_argument(
         "--staging-dir",
         default=os.environ.get(STAGING_ENV, ""),
         help=f"the only folder /weights/load reads (default ${STAGING_ENV}; unset: /weights/load is off)",
@@ -137,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return 3 if stop.is_set() else 2
     engine = VllmEngine(
-        args.model, args.tp, args.kv_cache_gb, args.seed, args.max_model_len, args.sleep_mode, args.staging_dir
+        args.model,
+        args.tp,
+        args.kv_cache_gb,
+        args.seed,
+        args.max_model_len,
+        args.sleep_mode,
+        args.staging_dir,
+        args.cpu_gemm,
     )
     if stop.is_set():
         return 3

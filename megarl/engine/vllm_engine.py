@@ -25,7 +25,7 @@ import torch
 from megarl.engine.credentials import inside
 from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
 from megarl.engine.wire import encode_generation
-from megarl.engine.worker_ext import EXTENSION
+from megarl.engine.worker_ext import CPU_GEMM_ENV, EXTENSION, use_plain_cpu_gemm
 from megarl.errors import EngineError
 
 log = logging.getLogger("megarl.engine")
@@ -37,6 +37,27 @@ TIME_MODEL_ENV = "MEGARL_ENGINE_TIME_MODEL"
 CPU_PREFILL_TOKENS = 16384
 """Scheduler budget (``max_num_batched_tokens``) of a CPU engine: a wave of seeded requests
 must prefill in one step (see :func:`waves`); vLLM's CPU default is 4096 per TP rank."""
+
+
+PLAIN_GEMM_MAX_HIDDEN = 256
+"""``cpu_gemm=auto`` keeps a CPU engine's weights plain up to this hidden size: there a packed
+oneDNN GEMM decodes no faster than ``F.linear`` (0.4-1.05x its time at 128-256 wide layers, 8-256
+rows) and every update would pay vLLM's layer-wise reload; from 512 wide packing is 1.1-1.5x
+faster (docs/LOG.md, 2026-12-05)."""
+
+
+def cpu_gemm_mode(requested: str, hidden_size: int, on_cpu: bool) -> str:
+    """The GEMM a CPU engine's linear layers use: ``packed`` (vLLM's oneDNN/SGL kernels, its
+    default) or ``plain`` (``F.linear`` on the parameters, updated by a copy in place);
+    ``auto`` picks plain up to :data:`PLAIN_GEMM_MAX_HIDDEN`. A GPU engine: ``packed`` (the
+    choice does not exist there; weights are always its parameters)."""
+    if requested not in ("auto", "packed", "plain"):
+        raise EngineError(f"cpu_gemm {requested!r} unknown (auto, packed, plain)")
+    if not on_cpu:
+        return "packed"
+    if requested == "auto":
+        return "plain" if hidden_size <= PLAIN_GEMM_MAX_HIDDEN else "packed"
+    return requested
 
 
 def waves(
@@ -110,6 +131,7 @@ class VllmEngine:
         max_len: int,
         sleep_mode: bool = False,
         staging_dir: str = "",
+        cpu_gemm: str = "auto",
     ) -> None:
         from vllm import LLM
 
@@ -120,6 +142,11 @@ class VllmEngine:
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
         on_cpu = not torch.cuda.is_available()
+        hidden = int(json.loads((self.model_dir / "config.json").read_text()).get("hidden_size", 0))
+        self.cpu_gemm = cpu_gemm_mode(cpu_gemm, hidden, on_cpu)
+        if self.cpu_gemm == "plain":  # before vLLM builds the model, here and in its worker processes
+            os.environ[CPU_GEMM_ENV] = "plain"
+            use_plain_cpu_gemm()
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -153,7 +180,13 @@ class VllmEngine:
         if self.time_model:
             self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
         threads = torch.get_num_threads()
-        log.info("KV cache: %d tokens (block size %d); torch threads %d", self.kv_tokens, self.block_size, threads)
+        log.info(
+            "KV cache: %d tokens (block size %d); torch threads %d; CPU GEMM %s",
+            self.kv_tokens,
+            self.block_size,
+            threads,
+            self.cpu_gemm if on_cpu else "n/a",
+        )
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
         """(block size, KV-cache tokens) of this engine, as vLLM sized it."""

@@ -1,10 +1,14 @@
 """How weights enter a vLLM worker: a worker extension (``LLM(worker_extension_cls=...)``).
 
 vLLM mixes this class into its worker, so ``llm.collective_rpc("megarl_...")`` runs these
-methods on every worker of one engine (all TP ranks). Every update ends in ONE
-``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` with HF
-names: on CPU ``model.load_weights`` does not work after the CPU repacking (see FACTS), and
-one call keeps fused targets (q/k/v, gate/up) together.
+methods on every worker of one engine (all TP ranks). Every update is ONE call with HF
+names, so fused targets (q/k/v, gate/up) stay together:
+  ``model.load_weights``   a copy into the parameters in place: a CPU engine whose layers
+                           compute ``F.linear`` on their parameters (``--cpu-gemm plain``)
+  ``reload_weights``       vLLM's layer-wise reload, everywhere else: a packed CPU layer
+                           (vLLM's default) has dropped its weight for a oneDNN kernel, so
+                           ``model.load_weights`` fails there (see FACTS); the reload restores
+                           each layer, loads it and runs its post-load processing again
 
 Sources, by transport:
   in-process tensors  ``megarl_apply``          engine server and worker share a process (TP=1)
@@ -21,6 +25,7 @@ attribute.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,10 +36,60 @@ from megarl.engine import wire
 
 EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
+CPU_GEMM_ENV = "MEGARL_CPU_GEMM"
+"""``plain``: this process's vLLM keeps CPU linear weights as tensors (set by the engine for
+its worker processes, which import this module before they build the model)."""
+
+
+def use_plain_cpu_gemm() -> None:
+    """From here on vLLM's CPU linear layers (and the LM head) compute ``F.linear`` on their
+    own weight instead of packing it into a oneDNN/SGL kernel and dropping it.
+
+    vLLM picks a CPU GEMM per layer after loading (``dispatch_cpu_unquantized_gemm``, imported
+    by the layers at that moment, so replacing the module attribute reaches them). Packed, an
+    update must go through the layer-wise reload (6.9 ms for the demo model against 0.6 ms
+    for a copy); plain, decoding is as fast for layers up to ~256 wide and 1.1-2.2x slower
+    from 512 (docs/LOG.md, 2026-12-05). Idempotent; call it before the model is built."""
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "megarl_plain", False):
+        return
+    packed = utils.dispatch_cpu_unquantized_gemm
+
+    def plain(layer: Any, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.ndim != 2 or weight.is_meta:
+            packed(layer, remove_weight)  # not a dense 2-D weight (conv, MoE experts): vLLM's way
+            return
+        layer.cpu_linear = torch.nn.functional.linear
+
+    plain.megarl_plain = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = plain
+
+
+if os.environ.get(CPU_GEMM_ENV) == "plain":  # a worker process of a TP > 1 CPU engine
+    use_plain_cpu_gemm()
+
+
+def loads_in_place(model: torch.nn.Module) -> bool:
+    """True if every layer computes from its parameters, so ``model.load_weights`` is a whole
+    update: no CPU layer holds a packed kernel of an older weight (a packed LM head keeps its
+    weight *and* a kernel built from it: a copy would leave the logits stale)."""
+    linear = torch.nn.functional.linear
+    return all(getattr(m, "cpu_linear", linear) is linear for m in model.modules())
+
 
 def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    model = worker.model_runner.get_model()
+    in_place = getattr(worker, "_megarl_in_place", None)
+    if in_place is None:  # the layers' kernels are chosen once, when the model is built
+        in_place = worker._megarl_in_place = loads_in_place(model) and not torch.cuda.is_available()
+    if in_place:
+        with torch.no_grad():
+            model.load_weights(weights=iter(weights))
+        return
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    _refresh_tied_lm_head(worker.model_runner.get_model())
+    _refresh_tied_lm_head(model)
 
 
 def _refresh_tied_lm_head(model: Any) -> None:
