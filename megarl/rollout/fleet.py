@@ -213,6 +213,7 @@ class Fleet(WeightUpdates):
         threading.Thread(target=beat, name="fleet-heartbeat", daemon=True).start()
 
     def _spawn(self, e: EngineClient) -> None:
+        e.close()  # connections kept to an earlier process of this engine
         env = dict(os.environ)
         env.update(e.env)
         assert e.log_path is not None
@@ -339,6 +340,8 @@ class Fleet(WeightUpdates):
                 e.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 e.proc.kill()
+        for e in self.engines:
+            e.close()
         if self._own_staging and self.staging_dir is not None:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
 

@@ -114,19 +114,23 @@ class WeightSync:
         t_gather = time.perf_counter() - t0
         buckets = pack_buckets(named, self.bucket_bytes) if dims.is_stage_owner else []
         nbytes = sum(bucket_bytes(b) for b in buckets)
-        self._agree(self._rank0(lambda: tr.begin(version)), version, committed=None)
+        begun = self._rank0(lambda: tr.begin(version))
+        if tr.send_needs_begin:  # every rank stops here if the engines could not begin
+            self._agree(begun, version, committed=None)
         receipt, error = None, ""
         try:
             receipt = tr.send(version, buckets)
         except WeightSyncError as err:
             error = str(err)
         t_send = time.perf_counter() - t0 - t_gather
-        gathered: list[Any] = [None] * dims.world_size
-        dist.all_gather_object(gathered, (receipt, error, nbytes))
+        gathered: list[Any] = [(receipt, error, nbytes)]
+        if dims.pp > 1:  # other stages' owners sent too: rank 0 loads their receipts
+            gathered = [None] * dims.world_size
+            dist.all_gather_object(gathered, (receipt, error, nbytes))
         stats = {"gather_s": t_gather, "write_s": t_send}
         if dims.is_rank0:
             t1 = time.perf_counter()
-            errors = [e for _, e, _ in gathered if e]
+            errors = [e for e in [begun] if e] + [e for _, e, _ in gathered if e]
             error = errors[0] if errors else self._rank0(lambda: self._finish(version, [r for r, _, _ in gathered]))
             if error:
                 error += self._rank0(lambda: tr.abort(version))  # "" unless restarting a dead engine failed too

@@ -26,6 +26,10 @@ class Transport(Protocol):
     name: str
     device: str
     """Where the gathered tensors should be: 'cpu' (serialised) or 'cuda' (sent from GPU)."""
+    send_needs_begin: bool
+    """``send`` reaches the engines (or is a trainer collective), so every rank must know that
+    rank 0's begin succeeded before any sends; False: ``send`` only writes locally (shm), and
+    a failed begin is reported with the rest of the update."""
 
     def begin(self, version: int) -> None: ...
     def send(self, version: int, buckets: list[Bucket]) -> Any: ...
@@ -71,6 +75,7 @@ class FleetPhases:
     restarted after commit, replaying this version (or after abort, the previous one)."""
 
     fleet: Fleet | None
+    send_needs_begin = True
 
     def begin(self, version: int) -> None:
         if self.fleet is not None:

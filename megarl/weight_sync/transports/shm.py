@@ -21,6 +21,7 @@ class ShmTransport(FleetPhases):
 
     name = "shm"
     device = "cpu"
+    send_needs_begin = False  # files in the staging folder: the engines read them at load
 
     def __init__(self, fleet: Fleet | None, dims: ParallelDims, root: Path) -> None:
         self.fleet, self.dims, self.root = fleet, dims, root
