@@ -52,8 +52,12 @@ def _reference(hf: Path) -> torch.Tensor:
         return model(tokens).logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-@pytest.mark.parametrize("mode", ["packed", "plain"])
-def test_successive_updates_reach_every_layer(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "tp"), [("packed", 1), ("plain", 1), ("plain", 2)])
+def test_successive_updates_reach_every_layer(tmp_path: Path, mode: str, tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2: the engine's two vLLM worker processes build and update the model themselves, so
+    the plain GEMM must reach them (``MEGARL_CPU_GEMM``), or they would reload layer-wise."""
+    if tp > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core each (vLLM asks for NUMA nodes otherwise)
     models = [tiny_hf_model(tmp_path / f"hf{k}", arch="qwen3", vocab=64, tie=True, seed=k, qk_gain=4.0) for k in (1, 2)]
     refs = [_reference(hf) for hf in models]
     assert (refs[0] - refs[1]).abs().max() > 0.1  # the two models are told apart
@@ -63,7 +67,7 @@ def test_successive_updates_reach_every_layer(tmp_path: Path, mode: str) -> None
     (engine_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))
     logs = tmp_path / "logs"
     fleet = Fleet.start_local(
-        engine_dir, 1, 1, 0.25, logs, seed=0, request_timeout_s=120, start_timeout_s=300, cpu_gemm=mode
+        engine_dir, 1, tp, 0.25, logs, seed=0, request_timeout_s=120, start_timeout_s=300, cpu_gemm=mode
     )
     diffs = []
     try:
@@ -76,7 +80,7 @@ def test_successive_updates_reach_every_layer(tmp_path: Path, mode: str) -> None
             diffs.append((got - ref).abs().max().item())
     finally:
         fleet.shutdown()
-    print(f"{mode}: max |Δ logprob| after each update: {', '.join(f'{d:.1e}' for d in diffs)}")
+    print(f"{mode}, engine TP {tp}: max |Δ logprob| after each update: {', '.join(f'{d:.1e}' for d in diffs)}")
     assert max(diffs) < 1e-3, diffs
     log = (logs / "engine0.log").read_text()
     assert f"CPU GEMM {mode}" in log  # the engine ran the mode asked for ...
