@@ -46,7 +46,7 @@ from pathlib import Path
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
 from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
-from megarl.engine.vllm_engine import VllmEngine
+from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
 from megarl.errors import CredentialError
 
 __all__ = ["MANIFEST", "main"]
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
     ap.add_argument(
         "--cpu-gemm",
-        choices=("auto", "packed", "plain"),
+        choices=CPU_GEMMS,
         default="auto",
         help="CPU engines: vLLM's packed oneDNN GEMMs, or plain F.linear (updates are a copy in place); "
         "auto: plain up to hidden size 256",

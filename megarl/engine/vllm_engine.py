@@ -39,6 +39,9 @@ CPU_PREFILL_TOKENS = 16384
 must prefill in one step (see :func:`waves`); vLLM's CPU default is 4096 per TP rank."""
 
 
+CPU_GEMMS = ("auto", "packed", "plain")
+"""The values of ``rollout.cpu_gemm`` / ``--cpu-gemm`` (see :func:`cpu_gemm_mode`)."""
+
 PLAIN_GEMM_MAX_HIDDEN = 256
 """``cpu_gemm=auto`` keeps a CPU engine's weights plain up to this hidden size: there a packed
 oneDNN GEMM decodes no faster than ``F.linear`` (0.4-1.05x its time at 128-256 wide layers, 8-256
@@ -51,8 +54,8 @@ def cpu_gemm_mode(requested: str, hidden_size: int, on_cpu: bool) -> str:
     default) or ``plain`` (``F.linear`` on the parameters, updated by a copy in place);
     ``auto`` picks plain up to :data:`PLAIN_GEMM_MAX_HIDDEN`. A GPU engine: ``packed`` (the
     choice does not exist there; weights are always its parameters)."""
-    if requested not in ("auto", "packed", "plain"):
-        raise EngineError(f"cpu_gemm {requested!r} unknown (auto, packed, plain)")
+    if requested not in CPU_GEMMS:
+        raise EngineError(f"cpu_gemm {requested!r} unknown ({', '.join(CPU_GEMMS)})")
     if not on_cpu:
         return "packed"
     if requested == "auto":

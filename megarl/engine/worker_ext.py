@@ -48,8 +48,8 @@ def use_plain_cpu_gemm() -> None:
     vLLM picks a CPU GEMM per layer after loading (``dispatch_cpu_unquantized_gemm``, imported
     by the layers at that moment, so replacing the module attribute reaches them). Packed, an
     update must go through the layer-wise reload (6.9 ms for the demo model against 0.6 ms
-    for a copy); plain, decoding is as fast for layers up to ~256 wide and 1.1-2.2x slower
-    from 512 (docs/LOG.md, 2026-12-05). Idempotent; call it before the model is built."""
+    for a copy); plain, decoding is as fast for layers up to ~256 wide and slower for wider ones
+    (``vllm_engine.PLAIN_GEMM_MAX_HIDDEN``). Idempotent; call it before the model is built."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "megarl_plain", False):

@@ -130,7 +130,7 @@ class WeightSync:
         stats = {"gather_s": t_gather, "write_s": t_send}
         if dims.is_rank0:
             t1 = time.perf_counter()
-            errors = [e for e in [begun] if e] + [e for _, e, _ in gathered if e]
+            errors = [e for e in [begun, *(e for _, e, _ in gathered)] if e]
             error = errors[0] if errors else self._rank0(lambda: self._finish(version, [r for r, _, _ in gathered]))
             if error:
                 error += self._rank0(lambda: tr.abort(version))  # "" unless restarting a dead engine failed too
