@@ -8,6 +8,11 @@ the one before (the demo should make none), the time model's eras (changes of th
 speed it saw, docs/COORDINATOR.md §2) and the LR it ended at.
 
     python benchmarks/demo_seeds.py [--seeds 1,2,3] [--out runs/bench_demo_seeds]
+        [--set KEY=VALUE ...] [--arm NAME:KEY=VALUE[,KEY=VALUE...]]
+
+``--set`` applies to every run. ``--arm`` also runs that variant on every seed, right after
+the control's run of the same seed (interleaved: both see the same minutes of the machine),
+and adds its table and the per-seed differences arm − control.
 
 Prints a table and one JSON line (means, sample standard deviations, per-seed values).
 """
@@ -48,12 +53,12 @@ def reversals(path: list[tuple[int, int]]) -> int:
     return sum(a != b for a, b in zip(moves, moves[1:], strict=False))
 
 
-def one(seed: int, out: Path) -> dict[str, Any]:
-    run = out / f"seed{seed}"
+def one(seed: int, out: Path, sets: list[str] = [], name: str = "") -> dict[str, Any]:  # noqa: B006
+    run = out / f"{name}seed{seed}"
     s = run_train(
         str(ROOT / "examples/grpo_cpu.yaml"),
-        ["train.resume=never", f"train.seed={seed}", f"train.run_dir={run}"],
-        out / f"seed{seed}.log",
+        ["train.resume=never", f"train.seed={seed}", f"train.run_dir={run}", *sets],
+        out / f"{name}seed{seed}.log",
     )
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in recs if "timing/step/update" in r]
@@ -74,20 +79,11 @@ def one(seed: int, out: Path) -> dict[str, Any]:
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--out", default=str(ROOT / "runs/bench_demo_seeds"))
-    args = ap.parse_args()
-    out = Path(args.out)
-    rows = [one(int(s), out) for s in args.seeds.split(",")]
-    print(
-        table(
-            rows,
-            ["seed", "val_start", "val_end", "rl_s", "total_s", *PHASES, "final_lr", "reversals", "eras", "batches"],
-        )
-    )
-    summary: dict[str, Any] = {"benchmark": "demo_seeds", "seeds": [r["seed"] for r in rows]}
+COLUMNS = ["seed", "val_start", "val_end", "rl_s", "total_s", *PHASES, "final_lr", "reversals", "eras", "batches"]
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"seeds": [r["seed"] for r in rows]}
     for k in ("val_start", "val_end", "rl_s", "total_s", *PHASES):
         vals = [float(r[k]) for r in rows]
         summary[k] = {
@@ -98,6 +94,35 @@ def main() -> int:
     summary["batches"] = [r["batches"] for r in rows]
     summary["reversals"] = [r["reversals"] for r in rows]
     summary["eras"] = [r["eras"] for r in rows]
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--out", default=str(ROOT / "runs/bench_demo_seeds"))
+    ap.add_argument("--set", action="append", default=[], dest="sets", help="KEY=VALUE for every run")
+    ap.add_argument("--arm", default="", help="NAME:KEY=VALUE[,KEY=VALUE...], run after the control per seed")
+    args = ap.parse_args()
+    out = Path(args.out)
+    arm_name, _, arm_sets = args.arm.partition(":")
+    if args.arm and not arm_sets:
+        ap.error(f"--arm {args.arm!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+    rows, arm_rows = [], []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        rows.append(one(seed, out, args.sets))
+        if args.arm:
+            arm_rows.append(one(seed, out, [*args.sets, *arm_sets.split(",")], name=f"{arm_name}_"))
+    print(table(rows, COLUMNS))
+    summary: dict[str, Any] = {"benchmark": "demo_seeds", **summarise(rows)}
+    if args.arm:
+        print(f"arm {arm_name}: {arm_sets}")
+        print(table(arm_rows, COLUMNS))
+        summary["arm"] = {"name": arm_name, "sets": arm_sets, **summarise(arm_rows)}
+        summary["arm_minus_control"] = {
+            k: [round(float(a[k]) - float(c[k]), 4) for a, c in zip(arm_rows, rows, strict=True)]
+            for k in ("val_end", "rl_s")
+        }
     print(json.dumps(summary))
     return 0
 
