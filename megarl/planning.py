@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megarl.config import OptimConfig, RunConfig
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
+from megarl.model.adam_state import adam_preconditioner
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe, rescale
 
@@ -142,7 +143,12 @@ class Planner:
         each rollout only (later PPO epochs reuse the samples and would bias tr(Σ) low)."""
         if self.coord is None or update_index != 0:
             return False
-        model.probe.start()
+        weights = None
+        if self.cfg.coordinator.noise_kind == "adam":  # Adam's P = 1/(√v̂+ε) of the steps so far
+            weights = adam_preconditioner(model.optimizer, model.module, model.probe.weights)
+            if weights is None:  # before Adam's first step there is no preconditioner: no reading
+                return False
+        model.probe.start(weights)
         return True
 
     def record_probe(
@@ -173,6 +179,9 @@ class Planner:
         if len(parts) != len(rows):
             raise RuntimeError(f"grad probe of {name!r} saw {len(parts)} parts, expected {len(rows)}")
         source = "microbatch" if model.probe.microbatch else "dp"
+        if model.probe.weights is not None:  # preconditioned: |P·G|² from the probe, not the optimizer's |G|²
+            assert model.probe.global_sq is not None, "the preconditioned probe saw no DP reduction"
+            grad_norm = math.sqrt(model.probe.global_sq)
         stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source)
         if stats is not None:
             self._grads.append(stats)

@@ -254,12 +254,14 @@ def _coordinator(cfg: RunConfig) -> None:
             cfg.optim.clip_grad,
             "must be > 0 with coordinator.enabled (its grad norm is reused)",
         )
-    if c.noise_kind != "plain":
+    if c.noise_kind not in ("plain", "adam"):
+        fail("coordinator.noise_kind", c.noise_kind, "must be 'plain' (raw gradients) or 'adam' (Adam-preconditioned)")
+    if c.enabled and c.noise_kind == "adam" and cfg.parallel.use_distributed_optimizer:
         fail(
-            "coordinator.noise_kind",
-            c.noise_kind,
-            "must be 'plain': the 'adam' (preconditioned) noise scale needs every part's gradient "
-            "divided by Adam's sqrt(v)+eps, which the trainer does not measure (docs/COORDINATOR.md §1)",
+            "parallel.use_distributed_optimizer",
+            True,
+            "must be false with coordinator.noise_kind='adam': the distributed optimizer keeps one DP "
+            "rank's shard of Adam's second moments, and the probe weighs whole local gradients",
         )
     if c.lr_reference_batch < 0:
         fail(

@@ -90,8 +90,9 @@ class CoordinatorConfig:
     lr_max: float = 1.0e-2
     """Upper clip of every planned LR."""
     noise_kind: str = "plain"
-    """Which noise scale drives decisions; only "plain" (raw gradients). "adam"
-    (preconditioned gradients) is rejected: nothing measures them (docs/COORDINATOR.md §1)."""
+    """Which noise scale drives decisions: "plain" (raw gradients) or "adam" (each part's
+    gradient times Adam's preconditioner 1/(√v̂+ε) before the step; needs
+    parallel.use_distributed_optimizer false; docs/COORDINATOR.md §1)."""
     noise_calibration: float = 1.0
     """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
     microbatch_parts: bool = True

@@ -79,11 +79,8 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"band_ratio={s.band_ratio} must be 0 (no cap) or >= 1")
     if not s.band_z > 0:
         raise ValueError(f"band_z={s.band_z} must be > 0")
-    if s.noise_kind != "plain":
-        raise ValueError(
-            f"noise_kind={s.noise_kind!r} must be 'plain': the Adam-preconditioned noise scale is "
-            "not measured by the trainer (docs/COORDINATOR.md §1)"
-        )
+    if s.noise_kind not in ("plain", "adam"):
+        raise ValueError(f"noise_kind={s.noise_kind!r} must be 'plain' or 'adam'")
     if not s.min_dof >= 0:
         raise ValueError(f"min_dof={s.min_dof} must be >= 0 degrees of freedom")
     if not s.noise_calibration > 0:

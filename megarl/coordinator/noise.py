@@ -34,9 +34,9 @@ one group are negatively correlated; a part holding whole groups keeps the parts
 a part that splits groups does not (the trainer's micro-batches hold whole groups when the
 micro-batch size is a multiple of the group size, docs/COORDINATOR.md §1).
 
-No Adam-preconditioned variant: it would need every part's gradient divided element-wise by
-√v̂+ε, i.e. Adam's (sharded) second moments read at each micro-batch boundary, which the
-trainer does not do; `coordinator.noise_kind` therefore accepts only "plain".
+Adam-preconditioned variant (``coordinator.noise_kind: adam``): the trainer's probe weighs
+every part's gradient and the reduced one element-wise by Adam's P = 1/(√v̂+ε) of the step
+(``megarl.model.grad_stats``); the algebra here is unchanged, only its inputs are |P·g|².
 
 Invariants: all functions are pure, take Python floats and return Python floats; nothing
 here knows about processes or torch.distributed.

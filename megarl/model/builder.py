@@ -176,14 +176,19 @@ def build_gpt(
     return model
 
 
-def _no_token_scaling_finalize(pre_hook: Callable[[list[Any]], None] | None = None) -> Callable:
-    """finalize_model_grads that never divides by token counts (see module docstring)."""
+def _no_token_scaling_finalize(
+    pre_hook: Callable[[list[Any]], None] | None = None, post_hook: Callable[[list[Any]], None] | None = None
+) -> Callable:
+    """finalize_model_grads that never divides by token counts (see module docstring);
+    ``pre_hook`` / ``post_hook`` see the model chunks before / after the DP reduction."""
     from megatron.core.distributed import finalize_model_grads
 
     def finalize(model: list[Any], num_tokens: Any = None, **kwargs: Any) -> None:
         if pre_hook is not None:
             pre_hook(model)
         finalize_model_grads(model, None, **kwargs)
+        if post_hook is not None:
+            post_hook(model)
 
     return finalize
 
@@ -206,7 +211,11 @@ def _wrap_for_training(model: Model, pcfg: ParallelConfig, ocfg: OptimConfig) ->
         if model.probe is not None:
             model.probe.before_reduce(chunks[0])
 
-    model.config.finalize_model_grads_func = _no_token_scaling_finalize(pre_reduce)
+    def post_reduce(chunks: list[Any]) -> None:
+        if model.probe is not None:
+            model.probe.after_reduce(chunks[0])
+
+    model.config.finalize_model_grads_func = _no_token_scaling_finalize(pre_reduce, post_reduce)
     model.config.grad_scale_func = None
     opt_cfg = OptimizerConfig(
         optimizer="adam",

@@ -13,6 +13,12 @@ Per optimizer step (the first mini-batch of each rollout) the probe records:
   (:meth:`GradProbe.gather_microbatches`): every micro-batch of every DP rank is then a part
   of the noise estimate (``source="microbatch"``), B/mbs parts instead of DP.
 
+Preconditioned (``coordinator.noise_kind: adam``): with ``weights`` — Adam's element-wise
+preconditioner P = 1/(√v̂+ε) per grad buffer (:func:`megarl.model.adam_state.adam_preconditioner`,
+read before the step: v̂ of the steps so far) — every norm above is |P·g|² instead of
+|g|², and |P·G|² is read from the reduced buffer after the DP reduction (:meth:`after_reduce`)
+over the same counted ranges (the optimizer's grad norm is unpreconditioned).
+
 Scaling: megarl losses are divided by the GLOBAL denominator D (tokens or responses, see
 ``megarl.algo.aggregation``), so a part with n of the D units holds (n/D)·ḡ_part; the
 probe rescales each part to its own mean gradient, |ḡ_part|² = |g_part|²·(D/n)².
@@ -44,6 +50,10 @@ class GradProbe:
     _segments: list[list[tuple[int, int]]] | None = None
     _prev: list[torch.Tensor] | None = None
     _pending: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] | None = None
+    """Per grad buffer, Adam's preconditioner laid out like the buffer (noise_kind adam), else None."""
+    global_sq: float | None = None
+    """|P·G|² of the reduced gradient (with ``weights`` only; the plain |G|² is the optimizer's)."""
 
     def __post_init__(self) -> None:
         if self.microbatch and self.dims.pp > 1:
@@ -91,19 +101,22 @@ class GradProbe:
         device = grads[0].device if grads else self.dims.device
         chunk = 1 << 22 if device.type == "cuda" else 1 << 16
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for g, ranges in zip(grads, self._counted(ddp), strict=True):
+        weights: list[torch.Tensor | None] = list(self.weights) if self.weights else [None] * len(grads)
+        for g, w, ranges in zip(grads, weights, self._counted(ddp), strict=True):
             for start, end in ranges:
                 for i in range(start, end, chunk):
-                    v = g[i : min(i + chunk, end)].double()
+                    j = min(i + chunk, end)
+                    v = g[i:j].double() if w is None else g[i:j].double() * w[i:j]
                     total += torch.dot(v, v)
         return total
 
     seconds: float = 0.0
     """Wall time spent in the probe during the last measured step (its whole cost)."""
 
-    def start(self) -> None:
+    def start(self, weights: list[torch.Tensor] | None = None) -> None:
+        """Measure the next update; ``weights``: Adam's preconditioner per grad buffer (or None)."""
         self.active, self.local_sq, self.mb_sq, self._prev, self.seconds = True, 0.0, [], None, 0.0
-        self._pending = []
+        self._pending, self.weights, self.global_sq = [], weights, None
 
     def microbatch_boundary(self, ddp: Any) -> None:
         """Called before each micro-batch's forward (k > 0) and before the DP reduce.
@@ -139,6 +152,19 @@ class GradProbe:
         values = [float(x) for x in sums.cpu()]
         self.mb_sq, self.local_sq = values[:-1], values[-1]
         self._pending, self._prev = [], None  # the copy lives for the measured step only
+        self.seconds += time.perf_counter() - t0
+
+    def after_reduce(self, ddp: Any) -> None:
+        """|P·G|² of the reduced gradient (preconditioned probes only), summed over the
+        model-parallel group; every DP rank holds the whole reduced buffer (no distributed
+        optimizer with ``weights``), so nothing is summed over DP."""
+        if not (self.active and self.weights is not None):
+            return
+        t0 = time.perf_counter()
+        total = self._local_sq(ddp, self._buffers(ddp))
+        if self.dims.tp * self.dims.pp > 1:
+            dist.all_reduce(total, group=self.dims.mp_group)
+        self.global_sq = float(total)
         self.seconds += time.perf_counter() - t0
 
     def gather_microbatches(self) -> list[float]:

@@ -100,3 +100,62 @@ def test_nothing_to_scale_before_the_first_step_and_bad_factors_refused() -> Non
     assert scale_adam_second_moments(wrapped, 0.5) == 0
     with pytest.raises(ValueError, match="factor nan must be finite and > 0"):
         scale_adam_second_moments(wrapped, math.nan)
+
+
+class _Buffer:  # the two fields of a megatron grad buffer the preconditioner reads
+    def __init__(self, params: list[torch.nn.Parameter], pad: int) -> None:
+        self.param_index_map, start = {}, pad  # padding before, between and after the params
+        for p in params:
+            self.param_index_map[p] = (start, start + p.numel(), 0)
+            start += p.numel() + pad
+        self.grad_data = torch.full((start,), 7.0)
+
+
+def test_adam_preconditioner_is_the_factor_adam_applies() -> None:
+    """P per grad-buffer element = the factor torch Adam multiplied m̂ by in its last update
+    (Δθ = −lr·m̂·P, read off Adam's own step in float64), 0 in the buffer's padding, None
+    before the first step. (The probe reads P before a step: v̂ of the steps so far.)"""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+    from megarl.model.adam_state import adam_preconditioner
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(3, 4, generator=gen, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float64))
+    lr, beta1, steps = 1e-3, 0.9, 3
+    adam = torch.optim.Adam([a, b], lr=lr, betas=(beta1, 0.99), eps=1e-3)
+    opt = ChainedOptimizer([FP32Optimizer(adam, OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0), None)])
+    buf = _Buffer([a, b], pad=2)
+    ddp = SimpleNamespace(buffers=[buf])
+    assert adam_preconditioner(opt, ddp) is None  # no state before the first step
+    for k in range(1, steps + 1):
+        for p in (a, b):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64) * k
+        if k == steps:  # m̂ and θ of the last step, to read off the factor it applied
+            m_hat = {p: (beta1 * adam.state[p]["exp_avg"] + (1 - beta1) * p.grad) / (1 - beta1**k) for p in (a, b)}
+            before = {p: p.detach().clone() for p in (a, b)}
+        adam.step()
+    w = adam_preconditioner(opt, ddp)
+    assert w is not None and len(w) == 1
+    for p in (a, b):
+        start, end, _ = buf.param_index_map[p]
+        applied = (before[p] - p.detach()) / (lr * m_hat[p])
+        assert torch.allclose(w[0][start:end].reshape(p.shape).double(), applied, rtol=1e-5), p.shape
+    pads = torch.ones_like(w[0], dtype=torch.bool)
+    for start, end, _ in buf.param_index_map.values():
+        pads[start:end] = False
+    assert int(pads.sum()) == 6 and (w[0][pads] == 0).all()
+    assert adam_preconditioner(opt, ddp, out=w) is w  # refilled in place
+
+
+def test_adam_preconditioner_refuses_the_distributed_optimizer() -> None:
+    from types import SimpleNamespace
+
+    from megarl.model.adam_state import adam_preconditioner
+
+    DistributedOptimizer = type("DistributedOptimizer", (), {})  # megatron's class, by name
+    with pytest.raises(ValueError, match="use_distributed_optimizer = false"):
+        adam_preconditioner(DistributedOptimizer(), SimpleNamespace(buffers=[]))

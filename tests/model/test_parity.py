@@ -170,3 +170,25 @@ def test_grad_probe_matches_brute_force(results: dict) -> None:
     if "probe/mb_sq" in results["tp2"]:  # TP-sharded params summed over the TP group
         assert torch.allclose(results["tp2"]["probe/mb_sq"], parts, rtol=1e-5)
     assert halves.min() > tp1["probe/global_sq"].item()  # small batches are noisier
+
+
+def test_adam_preconditioned_probe_matches_brute_force(results: dict) -> None:
+    """coordinator.noise_kind adam: after one Adam step, every part's |P·g|² (P = 1/(√v̂+ε)
+    read from the optimizer, laid out over megatron's grad buffers) equals the gradient of
+    that part alone weighted element-wise by P, and |P·G|² (read after the DP reduction) the
+    whole batch's — in every layout that keeps whole second moments (not the distributed
+    optimizer, which the config refuses)."""
+    tp1 = results["tp1"]
+    parts, halves, whole = (tp1[f"adam/brute_{k}_sq"] for k in ("part", "half", "all"))
+    assert torch.allclose(tp1["adam/mb_sq"], parts, rtol=1e-5), (tp1["adam/mb_sq"], parts)
+    assert torch.allclose(tp1["adam/global_sq"], whole, rtol=1e-5), (tp1["adam/global_sq"], whole)
+    assert torch.allclose(results["dp2"]["adam/rank_sq"], halves, rtol=1e-4), (results["dp2"]["adam/rank_sq"], halves)
+    for layout in ("tp2", "pp2", "dp2"):
+        got = results[layout]["adam/global_sq"].item() / whole.item()
+        assert abs(got - 1) < 1e-4, (layout, got)
+    if "adam/mb_sq" in results["tp2"]:  # TP shards of P·g summed over the TP group
+        assert torch.allclose(results["tp2"]["adam/mb_sq"], parts, rtol=1e-4)
+    # P is not a constant factor (else a P laid out on the wrong elements would pass): the
+    # parts' |P·g|²/|g|² differ (1.28× apart on this model after one step)
+    per_part = parts / tp1["adam/brute_plain_part_sq"]
+    assert per_part.max() / per_part.min() > 1.1, per_part

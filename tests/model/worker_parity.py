@@ -151,6 +151,49 @@ if dims.dp == 1 and dims.pp == 1:
             norms.append(g2**2)
         result[f"probe/brute_{name}_sq"] = torch.tensor(norms)
 
+# The Adam-preconditioned probe (coordinator.noise_kind adam): pm has taken one Adam step, so
+# P = 1/(sqrt(v_hat)+eps) exists; a second update on the same rows, every norm of P*g.
+from megarl.model.adam_state import adam_preconditioner  # noqa: E402
+
+if not args.dist_opt:  # (refused with the distributed optimizer: it holds one shard of v)
+    inner = pm.optimizer.optimizer
+    P = {}  # per parameter name, before the step (the factor the step applies)
+    for n, p in pm.core.named_parameters():
+        st, grp = inner.state[p], inner.param_groups[0]
+        P[n] = 1.0 / ((st["exp_avg_sq"] / (1 - grp["betas"][1] ** float(st["step"]))).sqrt() + grp["eps"])
+    w1 = {n: p.detach().clone() for n, p in pm.core.named_parameters()}
+    pm.probe.start(adam_preconditioner(pm.optimizer, pm.module))
+    train_step(
+        pm,
+        {"tokens": tokens[prow], "mask": mask[prow], "adv": adv[prow], "old": old[prow]},
+        policy_loss_fn("token-mean", denom),
+        micro_batch_size=args.mbs,
+        groups=pgroups,
+    )
+    result["adam/global_sq"] = torch.tensor([pm.probe.global_sq])
+    result["adam/rank_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.gather_local(), per_rank)])
+    if pm.probe.microbatch:
+        mb = pm.probe.gather_microbatches() if dims.dp > 1 else pm.probe.mb_sq
+        result["adam/mb_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(mb, mb_units, strict=True)])
+    if dims.dp == 1 and dims.pp == 1 and dims.tp == 1:
+        # brute force: the whole batch, each half and each micro-batch alone at pm's weights, |P*g|^2
+        for name, size in (("all", B), ("half", B // 2), ("part", args.mbs)):
+            norms, plain = [], []
+            for i in range(0, B, size):
+                sl = slice(i, i + size)
+                fm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
+                with torch.no_grad():
+                    for n, p in fm.core.named_parameters():
+                        p.copy_(w1[n])
+                fm.optimizer.reload_model_params()
+                d = algo.global_denominator("token-mean", mask[sl])
+                train_step(fm, {"tokens": tokens[sl], "mask": mask[sl], "adv": adv[sl], "old": old[sl]},
+                           policy_loss_fn("token-mean", d), micro_batch_size=min(args.mbs, size))
+                norms.append(sum(float(((P[n] * p.main_grad).double() ** 2).sum()) for n, p in fm.core.named_parameters()))
+                plain.append(sum(float((p.main_grad.double() ** 2).sum()) for _, p in fm.core.named_parameters()))
+            result[f"adam/brute_{name}_sq"] = torch.tensor(norms)
+            result[f"adam/brute_plain_{name}_sq"] = torch.tensor(plain)
+
 # Critic: value head on the same trunk, one clipped value-loss step.
 critic = build_gpt(dataclasses.replace(mcfg, tie_embeddings=False), pcfg, dims, value_head=True, optim=OPTIM)
 with torch.no_grad():
