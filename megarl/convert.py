@@ -115,14 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if args.tp < 1 or args.pp < 1:
         raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
+    if Path(args.out).is_file():
+        raise SystemExit(f"--out {args.out} is a file: give a folder")
     if args.command == "hf-to-megarl":
         check_hf_source(args.hf)
         _check_hf_model(args.hf, args.tp, args.pp)
         run: Any = hf_to_megarl
     else:
         from megarl.checkpoint.dist_ckpt import checkpoint_model_config
+        from megarl.checkpoint.hf_io import replaceable_hf_folder
 
+        try:  # before any work: the export replaces an HF folder, never anything else
+            replaceable_hf_folder(Path(args.out))
+        except FileExistsError as e:
+            raise SystemExit(f"--out: {e}") from None
         checkpoint_model_config(args.ckpt, args.model)  # a missing/partial checkpoint fails here
+        if args.tokenizer is not None and not args.tokenizer.exists():
+            raise SystemExit(f"--tokenizer {args.tokenizer} does not exist")
         run = megarl_to_hf
     nproc = args.tp * args.pp
     if "RANK" not in os.environ and nproc > 1:

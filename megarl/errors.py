@@ -82,5 +82,9 @@ class EngineError(RuntimeError):
     version. The trainer sees it as a :class:`RolloutError` / :class:`WeightSyncError`."""
 
 
+class EngineUnhealthy(EngineError):
+    """Engine side: the engine cannot serve until restarted (HTTP 503, also on /health)."""
+
+
 class CredentialError(RuntimeError):
     """Engine side: the run's credential is missing or unsafe to use (the engine will not start)."""

@@ -293,6 +293,37 @@ def test_convert_missing_checkpoint(capfd: pytest.CaptureFixture[str], tmp_path:
     assert line == f"megarl: checkpoint error: checkpoint path {tmp_path}/none does not exist"
 
 
+def test_convert_never_replaces_a_folder_that_is_not_an_hf_model(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """megarl-to-hf replaces an earlier HF export at --out, and refuses anything else before any
+    work: a run folder (holding the very checkpoint being read), a folder of the user's files."""
+    from megarl.checkpoint.hf_io import replaceable_hf_folder
+
+    run = tmp_path / "run"
+    (run / "checkpoints/step_2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    line = _one_line(capfd, ["convert", "megarl-to-hf", "--ckpt", str(run / "checkpoints"), "--out", str(run)])
+    assert f"convert error: --out: {run} exists and holds checkpoints/, metrics.jsonl: not an HF model folder" in line
+    assert (run / "checkpoints/step_2").is_dir() and (run / "metrics.jsonl").read_text() == "{}\n"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (mine / "config.json").write_text("{}")
+    assert "holds notes.txt:" in _one_line(capfd, ["convert", "megarl-to-hf", "--ckpt", str(run), "--out", str(mine)])
+    assert (mine / "notes.txt").read_text() == "keep"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "--out " + str(afile) + " is a file" in _one_line(capfd, ["convert", "megarl-to-hf", "--ckpt", str(run), "--out", str(afile)])
+    export = tmp_path / "export"  # an earlier export (sharded weights, tokenizer, chat template): replaceable
+    export.mkdir()
+    for name in ("config.json", "generation_config.json", "model-00001-of-00002.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model"):
+        (export / name).write_text("")
+    replaceable_hf_folder(export)
+    replaceable_hf_folder(tmp_path / "new")
+
+
 def test_report_missing_and_empty(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert _one_line(capfd, ["report", str(tmp_path / "none")]) == (
         f"megarl: report error: run folder {tmp_path}/none does not exist"

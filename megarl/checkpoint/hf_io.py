@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -174,11 +175,41 @@ def copy_weights(src: Model, dst: Model, adapter: LlamaQwen2Adapter) -> None:
         dst.optimizer.reload_model_params()
 
 
+HF_FOLDER_FILES = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|"
+    r"chat_template|preprocessor_config|weights_manifest)\.json|model(-\d+-of-\d+)?\.safetensors|"
+    r"model\.safetensors\.index\.json|tokenizer\.model|chat_template\.jinja|merges\.txt|vocab\.txt|.*\.tiktoken"
+)
+"""Names of the files an HF model folder holds: the only ones :func:`save_hf_folder` replaces."""
+
+
+def replaceable_hf_folder(path: Path) -> None:
+    """Raise unless ``path`` is absent, empty, or an HF model folder (only :data:`HF_FOLDER_FILES`):
+    replacing it must never delete anything else (a run folder, a checkpoint, a user's files)."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a folder for an HF model")
+    other = sorted(
+        p.name + ("/" if p.is_dir() else "")
+        for p in path.iterdir()
+        if not HF_FOLDER_FILES.fullmatch(p.name) or p.is_dir()
+    )
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise FileExistsError(
+            f"{path} exists and holds {shown}: not an HF model folder, so it is not replaced; "
+            "choose a new or empty output folder"
+        )
+
+
 def save_hf_folder(path: str | Path, tensors: dict[str, torch.Tensor], hf_config: Any) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` + ``generation_config.json`` atomically."""
+    """Write ``model.safetensors`` + ``config.json`` + ``generation_config.json`` atomically,
+    replacing an earlier HF folder at ``path`` (anything else there is refused, nothing deleted)."""
     from safetensors.torch import save_file
 
     path = Path(path)
+    replaceable_hf_folder(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(

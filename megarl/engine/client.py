@@ -1,7 +1,8 @@
 """The trainer's side of the engine protocol: one :class:`EngineClient` per engine server.
 
 Requests use the route table of ``megarl.engine.routes`` and carry the run's credential
-(``Authorization: Bearer``); ``/generate`` answers one binary frame (``megarl.engine.wire``),
+(``Authorization: Bearer``), sent only on a connection where the engine first proved it holds
+the credential (``/hello``: an HMAC of a fresh nonce, ``credentials.engine_proof``); ``/generate`` answers one binary frame (``megarl.engine.wire``),
 every other route JSON. An engine that answers with an error raises
 :class:`RolloutError` naming engine, address and route, one that does not answer at all
 :class:`EngineDead` (the fleet restarts local engines that are down).
@@ -9,20 +10,20 @@ every other route JSON. An engine that answers with an error raises
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
+import secrets
 import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megarl.engine import routes
-from megarl.engine.credentials import TOKEN_ENV, auth_header
+from megarl.engine.credentials import TOKEN_ENV, auth_header, engine_proof
 from megarl.engine.wire import GENERATION_TYPE, decode_generation
 from megarl.errors import EngineDead, RolloutError
 
@@ -44,7 +45,8 @@ class EngineClient:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     launch: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    """The engine process's environment additions (may hold the credential: not in repr)."""
     token: str = field(default="", repr=False)
     """The run's credential, sent with every request."""
     answered_at: float = field(default=float("-inf"), repr=False)
@@ -77,6 +79,8 @@ class EngineClient:
         for retry in (False, True):
             conn, reused = self._connection(timeout, fresh=retry)
             try:
+                if not reused:
+                    self._hello(conn)
                 conn.request(method, path, body=data, headers=headers)
                 r = conn.getresponse()
                 body = r.read()
@@ -110,6 +114,32 @@ class EngineClient:
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
         return conn, True
+
+    def _hello(self, conn: http.client.HTTPConnection) -> None:
+        """Have the engine prove, on this connection, that it holds the run's credential before
+        the credential goes over it (RolloutError otherwise: a process that took the engine's
+        port, or an engine of another run). Network errors propagate to the caller's mapping."""
+        nonce = secrets.token_hex(16)
+        conn.request("GET", f"{routes.HELLO}?nonce={nonce}")
+        r = conn.getresponse()
+        body = r.read()
+        port = int(self.address.rsplit(":", 1)[1])
+        try:
+            proof = json.loads(body).get("proof", "") if r.status == 200 else ""
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            proof = ""
+        if not (
+            isinstance(proof, str)
+            and hmac.compare_digest(proof.encode(), engine_proof(self.token, nonce, port).encode())
+        ):
+            conn.close()
+            raise RolloutError(
+                f"engine {self.name} ({self.address}) did not prove it holds this run's credential "
+                f"(GET {routes.HELLO}: HTTP {r.status}): another process holds the port, or it is an engine of "
+                "another run; the credential was not sent"
+            )
+        if r.will_close:  # (a megarl engine keeps it open)
+            conn.close()
 
     def _release(self, conn: http.client.HTTPConnection, r: http.client.HTTPResponse) -> None:
         if r.will_close or conn.sock is None:  # the engine closes it (e.g. after a refusal)
@@ -156,22 +186,27 @@ class EngineClient:
         """(health, why not, answered): ``answered`` is True when something replied at the
         address but not as a megarl engine (it will not become one by waiting). A megarl engine
         that refuses this run's credential (401) raises: it belongs to another run."""
-        req = urllib.request.Request(f"http://{self.address}{routes.HEALTH}", headers=auth_header(self.token))
+        conn = http.client.HTTPConnection(self.address, timeout=timeout)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                body = r.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 401:
-                raise RolloutError(
-                    f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
-                    f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
-                ) from e
-            return None, f"GET /health answered HTTP {e.code}", True
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, socket.gaierror):
-                return None, f"host not found ({reason})", True
-            return None, str(reason), False
+            self._hello(conn)
+            conn.request("GET", routes.HEALTH, headers=auth_header(self.token))
+            r = conn.getresponse()
+            body, status = r.read(), r.status
+        except RolloutError as e:  # something answered, not an engine of this run
+            return None, str(e), True
+        except (ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            if isinstance(e, socket.gaierror):
+                return None, f"host not found ({e})", True
+            return None, str(e) or type(e).__name__, False
+        finally:
+            conn.close()
+        if status == 401:
+            raise RolloutError(
+                f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
+                f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
+            )
+        if status != 200:
+            return None, f"GET /health answered HTTP {status}", True
         try:
             health = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):

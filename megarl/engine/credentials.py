@@ -102,6 +102,15 @@ def auth_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def engine_proof(token: str, nonce: str, port: int) -> str:
+    """What an engine answers on ``/hello``: HMAC-SHA256 of the client's nonce and the port the
+    engine listens on, keyed by the run's token. A process that took an engine's port before
+    the engine bound it (any local user can: the port is on the engine's command line) cannot
+    compute it, so the client never sends it the credential; the port in the proof stops a
+    relay to another engine of the same run."""
+    return hmac.new(token.encode(), f"megarl-engine:{port}:{nonce}".encode(), "sha256").hexdigest()
+
+
 def token_matches(header: str | None, token: str) -> bool:
     """Constant-time check of an ``Authorization`` header against the run's token."""
     if not header or not header.startswith("Bearer "):

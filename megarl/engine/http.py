@@ -1,6 +1,9 @@
 """The engine server's HTTP face: route table, credential check, body limits, lifeline.
 
-Every route, ``/health`` included, needs the run's credential (``Authorization: Bearer``,
+``/hello`` is the one route without it: the engine answers the client's nonce with
+``engine_proof`` (an HMAC keyed by the credential), so a client checks that it talks to an
+engine of its run before it sends the credential. Every other route, ``/health`` included,
+needs the run's credential (``Authorization: Bearer``,
 ``megarl.engine.credentials``); a request without it gets 401 before its body is read, so
 a stranger can neither reach the engine nor make it buffer anything. Bodies are bounded
 (``Limits``): a weight bucket cannot be larger than the whole model at fp32 plus its
@@ -31,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from megarl.engine import routes
-from megarl.engine.credentials import token_matches
+from megarl.engine.credentials import engine_proof, token_matches
 from megarl.engine.wire import GENERATION_TYPE
-from megarl.errors import EngineError
+from megarl.errors import EngineError, EngineUnhealthy
 
 if TYPE_CHECKING:
     from megarl.engine.vllm_engine import VllmEngine
@@ -155,7 +158,7 @@ def make_handler(
             """Check the credential, then the route; the path, or None once refused."""
             path = urlsplit(self.path).path
             if not token_matches(self.headers.get("Authorization"), token):
-                log.warning("refused %s %s from %s: missing or wrong credential", method, path, self.client_address[0])
+                log.warning("refused %s %r from %s: missing or wrong credential", method, path, self.client_address[0])
                 self._send(401, {"error": "missing or wrong credential"}, close=True,
                            extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return None
@@ -165,9 +168,23 @@ def make_handler(
                 return None
             return path
 
+        def _hello(self) -> None:
+            """The engine's proof for the client's nonce (no credential needed, nothing revealed)."""
+            nonce = parse_qs(urlsplit(self.path).query).get("nonce", [""])[0]
+            if not (16 <= len(nonce) <= 128 and nonce.isascii() and nonce.isalnum()):
+                self._send(400, {"error": "/hello needs ?nonce=<16-128 letters or digits>"}, close=True)
+                return
+            port = int(self.server.server_address[1])  # type: ignore[index]
+            self._send(200, {"port": port, "proof": engine_proof(token, nonce, port)})
+
         def do_GET(self) -> None:  # noqa: N802
+            if urlsplit(self.path).path == routes.HELLO:
+                self._hello()
+                return
             path = self._route("GET")
-            if path is not None:
+            if path is not None and path == routes.HEALTH and engine.failed:  # the fleet restarts it
+                self._send(503, {"ok": False, "version": engine.version, "error": engine.failed})
+            elif path is not None:
                 self._send(200, get[path]())
 
         def do_POST(self) -> None:  # noqa: N802
@@ -203,7 +220,7 @@ def make_handler(
                 self._send(411, {"error": "send a Content-Length, not Transfer-Encoding"}, close=True)
                 return None
             raw = self.headers.get("Content-Length", "0")
-            if not raw.isdigit():
+            if not (raw.isascii() and raw.isdigit()):  # ("²".isdigit() is True, int("²") fails)
                 self._send(400, {"error": f"bad Content-Length {raw!r}"}, close=True)
                 return None
             limit = limits.max_weights_bytes if path == routes.LOAD_BYTES else limits.max_json_bytes
@@ -225,6 +242,8 @@ def make_handler(
         def _call(self, fn: Callable[[], dict[str, Any] | bytes]) -> None:
             try:
                 self._send(200, fn())
+            except EngineUnhealthy as e:
+                self._send(503, {"error": str(e)})
             except EngineError as e:
                 self._send(409, {"error": str(e)})
             except Exception as e:  # engine-side failure: report it, keep serving if alive

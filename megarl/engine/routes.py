@@ -1,6 +1,7 @@
 """The engine protocol's route table: one name per route, shared by the server
 (``megarl.engine.http``), the client (``megarl.engine.client``), the fleet and the weight-sync
-transports, so a path is written once. Every route needs the run's credential."""
+transports, so a path is written once. Every route needs the run's credential, except
+:data:`HELLO`, where the engine proves it holds the credential before the client sends it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ABORT = "/weights/abort"  # POST {}: drop what is staged
 SLEEP = "/sleep"  # POST {"level"}: vLLM sleep mode (colocated, CUDA)
 WAKE_UP = "/wake_up"  # POST {"tags"}: weights before a sync, kv_cache after it
 SHUTDOWN = "/shutdown"  # POST {}
+HELLO = "/hello"  # GET ?nonce=HEX, no credential -> {"port", "proof"} (megarl.engine.credentials.engine_proof)
 
 ROUTES: dict[str, str] = {
     HEALTH: "GET",

@@ -26,7 +26,7 @@ from megarl.engine.credentials import inside
 from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
 from megarl.engine.wire import encode_generation
 from megarl.engine.worker_ext import CPU_GEMM_ENV, EXTENSION, use_plain_cpu_gemm
-from megarl.errors import EngineError
+from megarl.errors import EngineError, EngineUnhealthy
 
 log = logging.getLogger("megarl.engine")
 
@@ -112,6 +112,21 @@ def waves(
     return out
 
 
+def token_lists(field: str, seqs: Any, vocab: int) -> list[list[int]]:
+    """``seqs`` as non-empty lists of token ids in [0, ``vocab``), or EngineError naming the
+    first bad one: vLLM indexes its embedding with them, and an id out of range fails inside
+    its step loop, not at admission."""
+    if not isinstance(seqs, list) or not seqs:
+        raise EngineError(f"{field} must be a non-empty list of token-id lists, got {type(seqs).__name__}")
+    for i, s in enumerate(seqs):
+        if not isinstance(s, list) or not s:
+            raise EngineError(f"{field}[{i}] must be a non-empty list of token ids")
+        if not all(type(t) is int for t in s) or min(s) < 0 or (vocab > 0 and max(s) >= vocab):
+            bad = next(t for t in s if type(t) is not int or t < 0 or (vocab > 0 and t >= vocab))
+            raise EngineError(f"{field}[{i}] holds {bad!r}, not a token id in [0, {vocab})")
+    return seqs
+
+
 def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
     """The log-prob of each sampled token. ``FlatLogprobs`` with one entry per position (what
     ``logprobs=0`` gives: the sampled token only) is read as its flat list; anything else
@@ -145,7 +160,13 @@ class VllmEngine:
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
         on_cpu = not torch.cuda.is_available()
-        hidden = int(json.loads((self.model_dir / "config.json").read_text()).get("hidden_size", 0))
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        hidden = int(hf_config.get("hidden_size", 0))
+        self.vocab = int(hf_config.get("vocab_size", 0))
+        """Token ids a request may hold: [0, vocab) (vLLM indexes its embedding with them)."""
+        self.failed = ""
+        """Why a generation left vLLM with requests it could not abort: /health then answers 503
+        and the fleet restarts the engine (it would otherwise loop on them, holding every request)."""
         self.cpu_gemm = cpu_gemm_mode(cpu_gemm, hidden, on_cpu)
         if self.cpu_gemm == "plain":  # before vLLM builds the model, here and in its worker processes
             os.environ[CPU_GEMM_ENV] = "plain"
@@ -209,7 +230,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = req["prompts"]
+        prompts = token_lists("prompts", req.get("prompts"), self.vocab)
         seeds = req.get("seeds") or [None] * len(prompts)
         want_logprobs = bool(req.get("logprobs", True))  # False: the samples' "logprobs" are []
         params = [
@@ -249,9 +270,7 @@ class VllmEngine:
             t0 = time.perf_counter()
             results = []
             for lo, hi in parts:
-                results += self.llm.generate(
-                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi], use_tqdm=False
-                )
+                results += self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi])
             timings = {"engine_s": time.perf_counter() - t0}
             if self.time_model:  # the model's forward only (the rest is vLLM's scheduling and sampling)
                 timings["model_s"] = max(self.llm.collective_rpc("megarl_model_seconds"))
@@ -277,16 +296,36 @@ class VllmEngine:
         sp = SamplingParams(
             max_tokens=1, prompt_logprobs=0, temperature=float(req.get("temperature", 1.0)), detokenize=False
         )
+        sequences = token_lists("sequences", req.get("sequences"), self.vocab)
         with self.lock:
-            res = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(s)) for s in req["sequences"]], sp, use_tqdm=False
-            )
+            res = self._run([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], sp)
             version = self.version
         out = []
-        for seq, r in zip(req["sequences"], res):
+        for seq, r in zip(sequences, res):
             pl = r.prompt_logprobs or []
             out.append([float(d[t].logprob) for d, t in zip(pl[1:], seq[1:]) if d is not None])
         return {"version": version, "logprobs": out}
+
+    def _run(self, prompts: list[Any], params: Any) -> list[Any]:
+        """``LLM.generate`` (under the lock). A failure inside vLLM's step loop leaves its
+        requests in the scheduler, and the next call would step them again: they are aborted,
+        and an engine that still holds some is marked failed (503 until restarted)."""
+        if self.failed:
+            raise EngineUnhealthy(f"engine failed earlier ({self.failed}); it must be restarted")
+        try:
+            return list(self.llm.generate(prompts, params, use_tqdm=False))
+        except Exception as error:
+            engine, cause = self.llm.llm_engine, error
+            try:
+                if engine.has_unfinished_requests():
+                    engine.abort_request(list(getattr(engine.output_processor, "request_states", {})))
+                stuck = engine.has_unfinished_requests()
+            except Exception as abort_error:  # any failure here means: restart
+                stuck, cause = True, abort_error
+            if stuck:
+                self.failed = f"{type(cause).__name__}: {cause}"
+                log.error("vLLM holds requests it cannot abort after %s: reporting unhealthy", self.failed)
+            raise
 
     # -- weights -------------------------------------------------------------------
     def close(self) -> None:

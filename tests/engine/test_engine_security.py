@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from megarl.engine.credentials import (
 from megarl.engine.http import Limits
 from megarl.engine.routes import ROUTES
 from megarl.engine.staging import MANIFEST
-from megarl.errors import WeightSyncError
+from megarl.errors import RolloutError, WeightSyncError
 from megarl.rollout.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model
 
@@ -46,6 +47,7 @@ from tests.helpers import ROOT, tiny_hf_model
 PROBE = r"""
 import json, os, sys, urllib.error, urllib.request
 from megarl.engine.routes import ROUTES
+from megarl.errors import RolloutError
 addr, skip = os.environ["ADDR"], set(sys.argv[1:])
 codes = {}
 for path, method in ROUTES.items():
@@ -106,6 +108,30 @@ def test_every_route_needs_the_credential(fleet: Fleet) -> None:
     assert right["/heartbeat"] == [200, {"ok": True}]
     assert right["/sleep"][0] == 409  # reached the engine (no sleep mode on CPU), not refused at the door
     assert fleet.engine_tps() == [1]
+
+
+def test_requests_with_bad_token_ids_are_refused_and_the_engine_keeps_serving(fleet: Fleet) -> None:
+    """An id outside the vocabulary (64), negative, or not an int used to fail inside vLLM's step
+    loop and leave its request scheduled: every later generation hung while /health said ok.
+    Now each is refused (409) naming the prompt and the id, and the engine still serves."""
+    e = fleet.engines[0]
+    good = {"prompts": [[1, 5, 7]], "n": 2, "max_tokens": 3, "seeds": [1]}
+    version, before, _ = e.generate(good, 60)
+    cases = [
+        ({"prompts": [[1, 2, 64]], "max_tokens": 4}, "prompts[0] holds 64, not a token id in [0, 64)"),
+        ({"prompts": [[3], [1, -2]], "max_tokens": 4}, "prompts[1] holds -2, not a token id in [0, 64)"),
+        ({"prompts": [[1, 2, "x"]], "max_tokens": 4}, "prompts[0] holds 'x', not a token id"),
+        ({"prompts": "abc", "max_tokens": 4}, "prompts must be a non-empty list of token-id lists, got str"),
+        ({"prompts": [[]], "max_tokens": 4}, "prompts[0] must be a non-empty list of token ids"),
+    ]
+    for body, message in cases:
+        with pytest.raises(RolloutError, match=re.escape(message)):
+            e.generate(body, 60)
+    with pytest.raises(RolloutError, match=re.escape("sequences[0] holds 99, not a token id in [0, 64)")):
+        e.post("/logprobs", {"sequences": [[1, 99]]}, 60)
+    assert e.health() == {"ok": True, "version": version}
+    again = e.generate(good, 60)  # seeded: the very same samples, at once
+    assert again[1] == before
 
 
 def test_load_reads_only_the_staging_folder(fleet: Fleet, model: Path, tmp_path: Path) -> None:

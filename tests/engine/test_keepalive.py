@@ -27,7 +27,7 @@ TOKEN = "run-token"
 class FakeEngine:
     """What the routes read of a VllmEngine; every POST handler answers {"ok": True}."""
 
-    version, tp, asleep = 7, 1, set[str]()
+    version, tp, asleep, failed = 7, 1, set[str](), ""
 
     def __getattr__(self, name: str) -> Any:
         return lambda req: {"ok": True, "version": self.version}
@@ -85,12 +85,12 @@ def test_requests_share_one_connection(server: tuple[Server, int]) -> None:
 
 def test_a_refusal_closes_its_connection(server: tuple[Server, int]) -> None:
     srv, port = server
-    stranger = EngineClient("engine0", f"127.0.0.1:{port}", token="another-run")
-    with pytest.raises(RolloutError, match="missing or wrong credential"):
-        stranger.info()
-    assert stranger._idle == []  # the server closed it: nothing kept to reuse
     e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
+    with pytest.raises(RolloutError, match="no route GET /generate"):  # refused with "Connection: close"
+        e._request(routes.GENERATE, None, "", 5)
+    assert e._idle == []  # the server closed it: nothing kept to reuse
     assert e.info()["version"] == 7
+    assert len(srv.accepted) == 2
 
 
 def test_a_dropped_connection_is_retried_once_on_a_fresh_one() -> None:

@@ -44,7 +44,8 @@ def test_address_that_is_not_an_engine_fails_fast(server: ThreadingHTTPServer) -
     t0 = time.monotonic()
     with pytest.raises(
         RolloutError,
-        match=rf"rollout.engine_addresses: {address} is not a megarl engine: GET /health answered \{{'status': 'green'\}}",
+        match=rf"rollout.engine_addresses: {address} is not a megarl engine: engine engine0 \({address}\) did not "
+        r"prove it holds this run's credential \(GET /hello: HTTP 404\)",
     ):
         Fleet.attach([address], request_timeout_s=5, start_timeout_s=300, token="t0ken")
     assert time.monotonic() - t0 < 5  # not the 300 s start timeout
