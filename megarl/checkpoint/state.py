@@ -128,10 +128,22 @@ def rotate_metrics(path: Path) -> None:
 
 
 def trim_metrics(path: Path, step: int) -> None:
-    """Keep records up to ``step`` (a crash after the checkpoint may have logged more)."""
+    """Keep records up to ``step`` (a crash after the checkpoint may have logged more). A line a
+    hard kill cut short (not JSON, or no step) is dropped with a warning: it came after the last
+    whole record, i.e. after the checkpoint's step, and the resumed run logs that step again."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record_step = int(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            logging.getLogger("megarl").warning("%s:%d is not a whole metrics record (cut short?): dropped", path, n)
+            continue
+        if record_step <= step:
+            keep.append(line)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

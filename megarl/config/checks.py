@@ -7,6 +7,7 @@ rule, before any process group starts.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     """Every rule, section by section, before any process group starts; the first broken one
     raises ConfigError naming the field, the value and the rule."""
     _positive(cfg)
+    _finite(cfg)
     _rates_and_sampling(cfg)
     _paths(cfg)
     m = resolved_model(cfg)
@@ -358,9 +360,28 @@ def _positive(cfg: RunConfig) -> None:
                 "max_staleness",
                 "engine_threads",
                 "engine_logprobs_every",
+                "stop_after_failed_steps",
             )
             if value < 0 or (value == 0 and not path.endswith(nonneg)):
                 fail(path, value, "must be a positive integer")
+
+
+def _finite(cfg: RunConfig) -> None:
+    """No NaN or infinity in any float setting (a NaN reward or KL weight surfaces steps later as
+    NaN weights, blamed on the weight sync), and the loss weights and coefficients >= 0."""
+    for path, value in walk(cfg):
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            fail(path, value, "must be a finite number")
+    a = cfg.algo
+    for name in ("clip_high", "kl_coef", "entropy_coef", "kl_target", "kl_horizon"):
+        if getattr(a, name) < 0:
+            fail(f"algo.{name}", getattr(a, name), "must be >= 0")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(a, name) <= 1:
+            fail(f"algo.{name}", getattr(a, name), "must be in [0, 1]")
+    if cfg.critic.value_clip < 0:
+        fail("critic.value_clip", cfg.critic.value_clip, "must be >= 0 (0: no clipping)")
 
 
 def _rates_and_sampling(cfg: RunConfig) -> None:

@@ -69,6 +69,10 @@ class RewardConfig:
     """Address-space limit of each worker, MiB (a reward over it fails with MemoryError; 0 = none)."""
     failed_reward: float = 0.0
     """Reward of a sample whose reward call raised, timed out or crashed its worker."""
+    stop_after_failed_steps: int = 3
+    """Stop the run (it can resume) once every sample's reward failed in this many consecutive
+    steps: the reward is broken and every advantage is 0. A shorter outage (a verifier service
+    down for a step or two) is survived. 0 = never stop."""
     isolate_builtins: bool = False
     """Run the built-in rewards in the worker pool too (default: in-process, they are trusted)."""
 

@@ -49,6 +49,21 @@ from megarl.types import RolloutBatch
 log = logging.getLogger("megarl")
 
 
+def failed_steps_check(report: RewardReport, failed_steps: int, limit: int, step: int) -> int:
+    """Consecutive steps so far in which every sample's reward failed (``report`` is this
+    step's); raises once they reach ``limit`` (0: never): nothing is learned from rewards that
+    are all ``reward.failed_reward``, and the reward code is what to fix."""
+    failed_steps = failed_steps + 1 if report.samples and report.failures == report.samples else 0
+    if limit and failed_steps >= limit:
+        raise RolloutError(
+            f"step {step}: the reward failed on every sample for {failed_steps} steps in a row "
+            f"(reward.stop_after_failed_steps={limit}); this step: {report.samples} samples, {report.timeouts} "
+            f"timed out, {report.crashes} crashed their worker, {report.errors} raised or returned a non-number, "
+            f"e.g. {'; '.join(report.examples)}. Fix reward.fn and resume."
+        )
+    return failed_steps
+
+
 class RolloutCollector:
     def __init__(
         self,
@@ -68,6 +83,8 @@ class RolloutCollector:
         self.prompt_stats = PromptStats()
         self.engine_wait_s = 0.0
         """Seconds rank 0 waited for engines spawned at start-up to become healthy."""
+        self.failed_steps = 0
+        """Rank 0: consecutive steps in which every reward failed (reward.stop_after_failed_steps)."""
 
     def fleet_ready(self) -> None:
         """Rank 0: engines spawned at start-up are healthy (waits once, the first time)."""
@@ -143,6 +160,8 @@ class RolloutCollector:
         stats.update(rnd.rewards.metrics())
         if line := rnd.rewards.summary(self.cfg.reward.failed_reward):
             log.warning("step %d rewards: %s", step + 1, line)
+        limit = self.cfg.reward.stop_after_failed_steps
+        self.failed_steps = failed_steps_check(rnd.rewards, self.failed_steps, limit, step + 1)
         stats["rollout/sampling_rounds"] = float(rnd.count)
         # which prompts, in which order (a resumed run must replay none and skip none)
         fp = sum((i + 1) * zlib.crc32(g.record.where.encode()) for i, g in enumerate(kept))

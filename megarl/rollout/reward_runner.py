@@ -112,6 +112,8 @@ def import_reward(spec: str) -> Callable[..., Any]:
             raise RewardSpecError(f"reward file {path} does not exist")
         # one module name per file, so two reward files with the same stem do not collide
         name = f"megarl_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        if str(path.parent) not in sys.path:  # its own helper modules next to it import as in a script
+            sys.path.append(str(path.parent))
         module = sys.modules.get(name)
         if module is None:
             mspec = importlib.util.spec_from_file_location(name, path)
@@ -125,6 +127,8 @@ def import_reward(spec: str) -> Callable[..., Any]:
                 del sys.modules[name]
                 raise
     else:
+        if "" not in sys.path and os.getcwd() not in sys.path:  # the `megarl` console script lacks it
+            sys.path.append(os.getcwd())
         module = importlib.import_module(target)
     obj: Any = module
     for part in attr.split("."):
@@ -222,6 +226,8 @@ def _reason(e: BaseException) -> str:
 
 
 def _number(value: Any) -> float:
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy / torch scalar
+        value = value.item()
     if not isinstance(value, numbers.Real):
         raise TypeError(f"reward returned {type(value).__name__} {value!r}, not a number")
     out = float(value)
@@ -235,6 +241,8 @@ def invoke(entry: Entry, payload: Any) -> Any:
     if entry.batched:
         samples = list(payload)
         values = entry.fn(samples)
+        if getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):  # a numpy array / torch tensor
+            values = values.tolist()
         if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != len(samples):
             got = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
             raise TypeError(f"batched reward returned {got} for {len(samples)} samples")

@@ -317,3 +317,66 @@ def test_megarl_train_stops_on_a_bad_reward_before_starting_anything(
     assert rc == 2 and time.monotonic() - t0 < 10
     assert f"megarl: config error: reward.fn[0]='{path}:two_args' wrong signature" in capsys.readouterr().err
     assert not run.exists()  # no process group, engine or run folder was started
+
+
+def test_a_reward_file_imports_its_neighbours_and_a_module_name_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a script would: ``score.py`` next to its ``helper.py``; ``mymod:f`` from the folder
+    it sits in, under the ``megarl`` console script (whose sys.path has no working directory)."""
+    import sys
+
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "rw/helper_s21.py").write_text("def bonus():\n    return 0.5\n")
+    (tmp_path / "rw/score.py").write_text("from helper_s21 import bonus\n\ndef score(response):\n    return 1.0 + bonus()\n")
+    (tmp_path / "mymod_s21.py").write_text("def f(response):\n    return 2.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), str(tmp_path / "rw"))])
+    runner = _runner([f"{tmp_path}/rw/score.py:score", "mymod_s21:f"], weights=[1.0, 10.0])
+    try:
+        scores, report = runner.score(_samples(["7"]))
+    finally:
+        runner.close()
+    assert report.failures == 0 and scores == [1.5 + 20.0]
+
+
+def test_array_rewards_and_a_step_where_every_reward_failed(tmp_path: Path) -> None:
+    """A batched reward may return a numpy array (one value per sample) and a per-sample one a
+    numpy / torch scalar; reward.stop_after_failed_steps steps in a row where every sample's
+    reward failed stop the run, naming why (a shorter outage is survived)."""
+    from megarl.errors import RolloutError
+    from megarl.rollout.collector import failed_steps_check
+
+    path = _module(tmp_path, "arr", """
+        import numpy as np, torch
+
+        def batch(samples):
+            return np.array([len(s.response) for s in samples], dtype=np.float32)
+        batch.batched = True
+
+        def scalar(response):
+            return torch.tensor(0.25)
+
+        def broken(response):
+            raise KeyError("answer")
+    """)
+    runner = _runner([f"{path}:batch", f"{path}:scalar"])
+    try:
+        scores, good = runner.score(_samples(["a", "bb", "ccc"]))
+        assert good.failures == 0 and scores == [1.25, 2.25, 3.25]
+    finally:
+        runner.close()
+    runner = _runner([f"{path}:broken"])
+    try:
+        scores, report = runner.score(_samples(["a", "b"]))
+    finally:
+        runner.close()
+    assert report.failures == 2 and scores == [0.0, 0.0]
+    assert failed_steps_check(report, 0, 3, 1) == 1
+    assert failed_steps_check(good, 1, 3, 2) == 0  # a step with rewards resets the count
+    assert failed_steps_check(report, failed_steps_check(report, 0, 3, 3), 3, 4) == 2
+    assert failed_steps_check(report, 5, 0, 9) == 6  # 0: never stops
+    with pytest.raises(RolloutError, match=r"step 7: the reward failed on every sample for 3 steps in a row "
+                       r"\(reward.stop_after_failed_steps=3\); this step: 2 samples, 0 timed out, 0 crashed "
+                       r"their worker, 2 raised or returned a non-number, e.g. data.jsonl:1 #0: .*KeyError"):
+        failed_steps_check(report, 2, 3, 7)
