@@ -17,8 +17,20 @@ from megarl.config.run import RunConfig
 from megarl.errors import ConfigError
 
 
+@dataclasses.dataclass(frozen=True)
+class SetText:
+    """A ``--set`` value: its text as typed and as YAML reads it. A string field takes the
+    text (YAML would cut ``a #1`` at the comment, turn ``no`` into False and ``a: b`` into a
+    mapping); every other field takes the YAML value."""
+
+    raw: str
+    parsed: Any
+
+
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     """Check/convert ``value`` to the annotated type ``tp``; raise ConfigError naming path."""
+    if isinstance(value, SetText):
+        return _coerce(path, tp, value.raw if tp is str else value.parsed)
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value not in typing.get_args(tp):
@@ -86,6 +98,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key '{path}' (valid: {sorted(names)})")
         tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, SetText):
+            value = value.parsed
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 fail(path, value, "must be a mapping")
@@ -95,7 +109,23 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last silently: a second ``rollout:`` section would drop the first one's settings)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' given twice (first at line {seen[key].line + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_override(text: str) -> tuple[list[str], SetText]:
     if "=" not in text:
         raise ConfigError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
@@ -103,7 +133,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError:
         value = raw  # not YAML: the text itself (a string field takes it; others say why not)
-    return key.strip().split("."), value
+    return key.strip().split("."), SetText(raw, value)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
@@ -116,7 +146,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file {p} is a directory, not a YAML file")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}  # noqa: S506 (safe)
         except UnicodeDecodeError as e:
             raise ConfigError(f"{p}: not valid UTF-8 text (byte offset {e.start})") from None
         except yaml.YAMLError as e:

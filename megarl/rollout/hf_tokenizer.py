@@ -18,10 +18,13 @@ Invariants the rest of megarl relies on:
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, cast
 
 from megarl.rollout.data import PromptRecord, RolloutError
+
+log = logging.getLogger("megarl")
 
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -188,6 +191,13 @@ def open_tokenizer(cfg: Any, texts: list[str], train: bool) -> Any:
         spm = Path(m.init_from) / "tokenizer.model"
         if choice == "hf" and not has_fast_tokenizer(m.init_from) and is_builtin_model(spm):
             return Tokenizer(spm)  # an export of a built-in-tokenizer run from before tokenizer.json
+        if choice == "builtin" and m.init_from and train:
+            log.warning(
+                "model.init_from=%s has no tokenizer files: model.tokenizer=auto uses the built-in SentencePiece "
+                "tokenizer trained on the task's prompts, which a pretrained model does not know — point "
+                "model.tokenizer at its tokenizer folder (or set model.tokenizer=builtin to say this is meant)",
+                m.init_from,
+            )
     if choice != "builtin":
         folder = m.init_from if choice == "hf" else choice
         if not folder:
@@ -195,5 +205,12 @@ def open_tokenizer(cfg: Any, texts: list[str], train: bool) -> Any:
         return HFTokenizer(folder, d.chat_template, d.system_prompt)
     tdir = Path(cfg.train.run_dir) / "tokenizer"
     if train and not (tdir / "tokenizer.model").exists():
-        return train_tokenizer(texts, tdir)
+        try:
+            return train_tokenizer(texts, tdir)
+        except RuntimeError as e:  # sentencepiece: e.g. more distinct characters than its 48 pieces
+            raise ConfigError(
+                f"model.tokenizer={m.tokenizer!r}: the built-in tokenizer (48 pieces, for the arithmetic demo) "
+                f"cannot be trained on these prompts ({str(e).splitlines()[-1].strip()}); give a tokenizer "
+                "folder (model.tokenizer=PATH, or model.init_from with tokenizer files)"
+            ) from None
     return Tokenizer(tdir / "tokenizer.model")

@@ -259,3 +259,28 @@ def test_engine_logprobs_on_the_steps_that_read_them() -> None:
     assert steps(rollout={"engine_logprobs_every": 0}) == []
     assert steps(rollout={"engine_logprobs_every": 0}, algo={"tis_cap": 2.0}) == list(range(12))
     assert steps(rollout={"engine_logprobs_every": 0, "max_staleness": 1}, algo={"tis_cap": 2.0}) == list(range(12))
+
+
+def test_set_gives_string_fields_the_text_as_typed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """YAML would cut a '#' comment, read 'no' as False and 'a: b' as a mapping; a string field
+    takes the text itself, every other field the YAML value."""
+    from megarl.config import load_config
+
+    for text in ("You are a tutor #1 in math", "Solve it. Format: \\boxed{n}", "no", "null", "3"):
+        assert load_config(None, [f"data.system_prompt={text}"]).data.system_prompt == text
+    cfg = load_config(None, ["reward.fn=math,exact_match", "reward.weights=1,2", "coordinator.enabled=no", "train.steps=7"])
+    assert (cfg.reward.fn, cfg.reward.weights, cfg.coordinator.enabled, cfg.train.steps) == (
+        ["math", "exact_match"], [1.0, 2.0], False, 7
+    )
+
+
+def test_a_key_given_twice_in_the_yaml_is_refused_with_its_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from megarl.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  num_prompts: 4\ntrain:\n  steps: 3\nrollout:\n  samples_per_prompt: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:5:1: invalid YAML \(key 'rollout' given twice \(first at line 1\)\)"):
+        load_config(path)
+    path.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:3:3: invalid YAML \(key 'steps' given twice"):
+        load_config(path)

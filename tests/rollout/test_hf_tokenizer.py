@@ -273,3 +273,30 @@ def test_builtin_tokenizer_exports_as_transformers_reads_it(tmp_path: Path) -> N
             assert auto.encode_answer(PromptRecord("p", text, "x")) == builtin.encode_answer(PromptRecord("p", text, "x"))
             if ids[1:2] != [3]:  # (a response that opens with <unk>: transformers keeps a space)
                 assert hf.decode(ids, skip_special_tokens=True) == builtin.decode(ids), text
+
+
+def test_auto_without_tokenizer_files_warns_and_an_untrainable_builtin_names_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An init_from folder with weights but no tokenizer: auto falls back to the built-in
+    tokenizer, loudly; prompts the 48-piece built-in cannot cover give a config error naming
+    model.tokenizer instead of sentencepiece's internal error."""
+    import logging
+
+    from megarl.config import ConfigError, RunConfig
+    from megarl.rollout.hf_tokenizer import open_tokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    cfg = RunConfig()
+    cfg.train.run_dir, cfg.model.init_from = str(tmp_path / "run"), str(bare)
+    texts = [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)]
+    with caplog.at_level(logging.WARNING, logger="megarl"):
+        open_tokenizer(cfg, texts, train=True)
+    assert f"model.init_from={bare} has no tokenizer files" in caplog.text
+    cfg.train.run_dir = str(tmp_path / "run2")
+    words = ["".join(chr(0x4E00 + 7 * i + j) for j in range(3)) for i in range(40)]  # 120 distinct characters
+    with pytest.raises(ConfigError, match="model.tokenizer='auto': the built-in tokenizer .48 pieces, for the "
+                       "arithmetic demo. cannot be trained on these prompts .*give a tokenizer folder"):
+        open_tokenizer(cfg, words * 5, train=True)
