@@ -6,8 +6,10 @@ own rules (:func:`megarl.config.validate`): each reward is imported and its sign
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megarl.config import RunConfig, validate
-from megarl.errors import DataError
+from megarl.errors import ConfigError, DataError
 from megarl.rollout.data import load_prompts, tokenizer_corpus
 from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.reward_runner import check_reward_config
@@ -24,6 +26,10 @@ def check_data(cfg: RunConfig) -> dict[str, int]:
     ``rollout.max_prompt_len`` under the run's tokenizer (trained here into
     ``train.run_dir/tokenizer`` exactly as the trainer would, or the one already there).
     Raises :class:`DataError`; returns row counts for the log."""
+    try:  # the first thing written there (the tokenizer, logs, checkpoints)
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={cfg.train.run_dir!r} cannot be created: {e.strerror or e}") from None
     train, val = load_prompts(cfg.data, cfg.data.seed)
     tok = open_tokenizer(cfg, tokenizer_corpus(train), train=True)
     limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt

@@ -131,6 +131,21 @@ def test_init_from_without_weights_or_of_another_architecture(
     assert f"model.init_from='{folder}' has no *.safetensors weights" in _one_line(capfd, base)
     _gpt2(folder)
     assert "unsupported HF config model_type='gpt2': supported: llama, qwen2" in _one_line(capfd, base)
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 64}  # fmt: skip
+    for config, message in (
+        ([1, 2], "unsupported HF config (top level)='list': config.json must hold a JSON object"),
+        ({**llama, "num_attention_heads": "4"}, "unsupported HF config num_attention_heads='4': must be a positive integer"),
+        ({**llama, "rms_norm_eps": -1}, "unsupported HF config rms_norm_eps=-1: must be a positive number"),
+        ({k: v for k, v in llama.items() if k != "intermediate_size"}, "config.json: missing key 'intermediate_size'"),
+    ):
+        (folder / "config.json").write_text(json.dumps(config))
+        assert message in _one_line(capfd, base), config
+
+
+def test_run_dir_that_cannot_be_created(capfd: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(capfd, ["train", "--config", CONFIG, "--set", "train.run_dir=/proc/megarl_nope/run"])
+    assert "config error: train.run_dir='/proc/megarl_nope/run' cannot be created: No such file or directory" in line
 
 
 def test_yaml_syntax_error_names_file_and_line(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -459,6 +459,8 @@ def resolved_model(cfg: RunConfig) -> ModelConfig:
         fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
     except (KeyError, ValueError) as e:  # AdapterError, UnsupportedHFModel: the key and value named
         reason = e.args[0] if len(e.args) == 1 else e
+        if type(e) is KeyError:  # a key the model's shape needs is absent
+            reason = f"missing key {reason!r}"
         fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
 
 

@@ -77,6 +77,16 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     Raises :class:`UnsupportedHFModel` naming the first key whose value megarl would not
     reproduce (see the module docstring).
     """
+    if not isinstance(hf_cfg, Mapping):
+        raise _refuse("(top level)", type(hf_cfg).__name__, "config.json must hold a JSON object")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        value = hf_cfg.get(key)
+        if value is not None and not (type(value) is int and value > 0):
+            raise _refuse(key, value, "must be a positive integer")
+    eps = hf_cfg.get("rms_norm_eps")
+    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
+        raise _refuse("rms_norm_eps", eps, "must be a positive number")
     arch = hf_cfg.get("model_type", "llama")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3")

@@ -65,10 +65,13 @@ class HFTokenizer:
     def __init__(self, folder: str | Path, chat_template: str = "auto", system_prompt: str = "") -> None:
         from transformers import AutoTokenizer
 
+        from megarl.errors import ConfigError
+
         self.folder = Path(folder)
         if not has_hf_tokenizer(self.folder):
-            raise FileNotFoundError(
-                f"{self.folder}: no tokenizer.json, tokenizer.model or tokenizer_config.json (model.tokenizer=hf)"
+            raise ConfigError(
+                f"model.tokenizer: {self.folder} has no tokenizer.json, tokenizer.model or tokenizer_config.json"
+                + ("" if self.folder.is_dir() else " (no such folder)")
             )
         self.hf = AutoTokenizer.from_pretrained(str(self.folder))
         self.system_prompt = system_prompt
@@ -80,7 +83,7 @@ class HFTokenizer:
         else:
             path = Path(chat_template)
             if not path.is_file():
-                raise FileNotFoundError(f"data.chat_template={chat_template}: no such file (or use auto/none)")
+                raise ConfigError(f"data.chat_template={chat_template}: no such file (or use auto/none)")
             self.template = path.read_text()
         gen = self._json(GENERATION_CONFIG)
         model = self._json("config.json")
@@ -104,8 +107,18 @@ class HFTokenizer:
         """(eos, bos, pad) as the source ``config.json`` states them, for the exported config."""
 
     def _json(self, name: str) -> dict[str, Any]:
+        from megarl.errors import ConfigError
+
         p = self.folder / name
-        return dict(json.loads(p.read_text())) if p.is_file() else {}
+        if not p.is_file():
+            return {}
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: must hold a JSON object, got {type(data).__name__}")
+        return data
 
     @property
     def vocab_size(self) -> int:
@@ -130,14 +143,22 @@ class HFTokenizer:
                     f"({self.folder} has none, or data.chat_template=none)"
                 )
             return list(self.hf(rec.prompt, add_special_tokens=True)["input_ids"])
-        ids = self.hf.apply_chat_template(
-            self.messages(rec),
-            chat_template=self.template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        ids = self._render(rec, self.messages(rec), add_generation_prompt=True, tokenize=True)
         return [int(i) for i in cast("list[int]", ids)]
+
+    def _render(self, rec: PromptRecord, messages: list[dict[str, Any]], **kw: Any) -> Any:
+        """``apply_chat_template``; a template that raises on this row (many refuse a system turn
+        or turns that do not alternate) names the row."""
+        try:
+            return self.hf.apply_chat_template(messages, chat_template=self.template, return_dict=False, **kw)
+        except Exception as e:  # jinja2's TemplateError (raise_exception) and whatever a template trips on
+            from megarl.rollout.data import DataError
+
+            roles = [m.get("role") for m in messages]
+            raise DataError(
+                f"{rec.where}: the chat template ({self.folder}) refused this row's turns {roles}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
 
     def encode_answer(self, rec: PromptRecord) -> list[int]:
         """The reference answer as a continuation of the prompt, ending with EOS (warm start).
@@ -150,12 +171,7 @@ class HFTokenizer:
         if self.template is None:
             return plain
         prompt = self.encode_prompt(rec)
-        full = self.hf.apply_chat_template(
-            [*self.messages(rec), {"role": "assistant", "content": rec.answer}],
-            chat_template=self.template,
-            tokenize=True,
-            return_dict=False,
-        )
+        full = self._render(rec, [*self.messages(rec), {"role": "assistant", "content": rec.answer}], tokenize=True)
         ids = [int(i) for i in cast("list[int]", full)]
         if ids[: len(prompt)] != prompt:
             return plain

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import DataConfig
+from megarl.config import ConfigError, DataConfig
 from megarl.rollout.data import PromptRecord, RolloutError, load_prompts
 from megarl.rollout.hf_tokenizer import HFTokenizer
 from tests.helpers import tiny_hf_tokenizer
@@ -108,8 +108,27 @@ def test_chat_template_none_and_file(folder: Path, tmp_path: Path) -> None:
     tpl.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
     tok = HFTokenizer(folder, str(tpl))
     assert tok.hf.decode(tok.encode_prompt(ROWS[0])) == "[user]what is 2+3=[assistant]"
-    with pytest.raises(FileNotFoundError, match="data.chat_template=nope.jinja"):
+    with pytest.raises(ConfigError, match="data.chat_template=nope.jinja"):
         HFTokenizer(folder, "nope.jinja")
+    strict = tmp_path / "strict.jinja"  # like Gemma's / Mistral's: no system turn
+    strict.write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    )
+    tok = HFTokenizer(folder, str(strict), system_prompt="Be brief.")
+    with pytest.raises(RolloutError, match=r"r0: the chat template .* refused this row's turns \['system', 'user'\]: "
+                       "TemplateError: System role not supported"):
+        tok.encode_prompt(ROWS[0])
+    with pytest.raises(RolloutError, match="r0: the chat template"):
+        tok.encode_answer(ROWS[0])
+    with pytest.raises(ConfigError, match=f"model.tokenizer: {tmp_path}/none has no tokenizer.json.*no such folder"):
+        HFTokenizer(tmp_path / "none")
+    (tmp_path / "gen").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "gen" / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "gen/generation_config.json").write_text('{"eos_token_id": 2,')
+    with pytest.raises(ConfigError, match="gen/generation_config.json: not valid JSON"):
+        HFTokenizer(tmp_path / "gen")
 
 
 def _chat_rows() -> list[dict[str, object]]:
