@@ -277,12 +277,25 @@ def _coordinator(cfg: RunConfig) -> None:
         )
 
 
+CPU_ENGINE_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention runs (``CPUAttentionBackend.get_supported_head_sizes`` of the
+pinned vLLM; ``tests/config`` checks they agree)."""
+
+
 def _devices(cfg: RunConfig, m: ModelConfig) -> None:
-    """GPU-only choices (NCCL / CUDA IPC transports, colocation, bf16, Transformer Engine)."""
+    """GPU-only choices (NCCL / CUDA IPC transports, colocation, bf16, Transformer Engine), and
+    what the local CPU engines can run."""
     r = cfg.rollout
     import torch
 
     cuda = torch.cuda.is_available()
+    if not cuda and not r.engine_addresses and m.head_dim not in CPU_ENGINE_HEAD_DIMS:
+        fail(
+            "model.init_from" if cfg.model.init_from else "model.kv_channels",
+            cfg.model.init_from or m.kv_channels,
+            f"gives head_dim={m.head_dim} (hidden_size / num_attention_heads or kv_channels), which vLLM's CPU "
+            f"attention cannot run (supported: {', '.join(map(str, CPU_ENGINE_HEAD_DIMS))})",
+        )
     if cfg.weight_sync.transport in ("nccl", "cuda_ipc") and not cuda:
         fail("weight_sync.transport", cfg.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
     if r.colocate and not cuda:

@@ -284,3 +284,18 @@ def test_a_key_given_twice_in_the_yaml_is_refused_with_its_line(tmp_path) -> Non
     path.write_text("train:\n  steps: 3\n  steps: 4\n")
     with pytest.raises(ConfigError, match=r"c.yaml:3:3: invalid YAML \(key 'steps' given twice"):
         load_config(path)
+
+
+def test_cpu_engine_head_dims_are_vllms_and_others_are_refused() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from megarl.config import ConfigError, validate
+    from megarl.config.checks import CPU_ENGINE_HEAD_DIMS
+
+    assert list(CPU_ENGINE_HEAD_DIMS) == CPUAttentionBackend.get_supported_head_sizes()
+    cfg = _cfg(model={"hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2})  # head_dim 16
+    with pytest.raises(ConfigError, match="model.kv_channels=0 gives head_dim=16 .* which vLLM's CPU attention cannot "
+                       "run .supported: 32, 64, 80"):
+        validate(cfg, 1)
+    cfg.rollout.engine_addresses = ["gpu-node:8000"]  # engines elsewhere: their own business
+    validate(cfg, 1)

@@ -115,11 +115,12 @@ def test_resume_fails_clearly_on_other_model_shape(tmp_path: Path, grpo_full: Pa
     run = tmp_path / "run"
     shutil.copytree(grpo_full, run)  # a finished run with its checkpoint, continued with another shape
     config, extra = GRPO
-    proc = subprocess.run(train_cmd(config, [*COMMON, *extra, "train.steps=5", "model.hidden_size=64",
+    proc = subprocess.run(train_cmd(config, [*COMMON, *extra, "train.steps=5", "model.hidden_size=256",
                                         f"train.run_dir={run}"]), env=train_env(), capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode != 0
-    assert "hidden_size" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "hidden_size" in out and "does not fit the model being loaded" in out, out[-3000:]  # the checkpoint's check
     assert not (run / "checkpoints" / "step_00000005").exists()
 
 
