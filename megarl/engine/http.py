@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -96,6 +96,42 @@ class Lifeline:
         threading.Thread(target=run, name="lifeline", daemon=True).start()
 
 
+class EngineHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once (a connection beyond is
+    closed unanswered), each read bounded by the handler's ``timeout``: a stranger who opens
+    connections and sends nothing, or half a request, holds a thread for seconds, not forever,
+    and cannot lock the trainer out. A client that hangs up mid-reply is one log line."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int = 64):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("refused a connection from %s: every connection slot is taken", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        err = sys.exc_info()[1]
+        log.warning("connection from %s ended: %s: %s", client_address[0], type(err).__name__, err)
+
+
 def make_handler(
     engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
 ) -> type[BaseHTTPRequestHandler]:
@@ -134,6 +170,7 @@ def make_handler(
         # no Nagle delay between the header and body writes of a reply (~40 ms otherwise).
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True
+        timeout = 120  # seconds any one read may wait (an idle kept connection is then closed)
 
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
             log.debug(fmt, *args)

@@ -40,11 +40,10 @@ import signal
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
-from megarl.engine.http import Lifeline, Limits, make_handler
+from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
 from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
 from megarl.errors import CredentialError
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if stop.is_set():
         return 3
     limits = Limits.for_manifest(engine.manifest, int(args.max_json_mb * (1 << 20)))
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
-    server.daemon_threads = True
+    server = EngineHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
     # a short poll: shutdown() waits up to one interval (the default 0.5 s, at every run's end)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     log.info("engine ready on %s:%d", args.host, args.port)

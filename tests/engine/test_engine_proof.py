@@ -158,3 +158,42 @@ def test_hello_answers_only_a_well_formed_nonce() -> None:
             c.close()
     finally:
         srv.stop()
+
+
+def test_strangers_holding_connections_time_out_and_cannot_exhaust_the_engine() -> None:
+    """Connections that send nothing, or half a request line, hold a slot for one read timeout;
+    beyond the connection cap a new one is closed at once; then the run's client gets through."""
+    import time
+
+    from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+    from tests.engine.test_keepalive import FakeEngine
+
+    handler = make_handler(FakeEngine(), threading.Event(), TOKEN, Limits(1 << 20, 1 << 20), Lifeline(0, 0))  # type: ignore[arg-type]
+    quick = type("Quick", (handler,), {"timeout": 1.0})
+    port = free_port()
+    httpd = EngineHTTPServer(("127.0.0.1", port), quick, max_connections=4)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    strangers = []
+    try:
+        for k in range(4):
+            s = socket.create_connection(("127.0.0.1", port))
+            if k % 2:
+                s.sendall(b"GET /health HT")  # half a request line
+            strangers.append(s)
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(5)
+        assert extra.recv(100) == b""  # over the cap: closed unanswered
+        extra.close()
+        t0 = time.monotonic()
+        for s in strangers:
+            s.settimeout(5)
+            assert s.recv(100) == b""  # the server closed it after its read timeout, unanswered
+        assert time.monotonic() - t0 < 3
+        e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
+        assert e.info()["version"] == 7
+    finally:
+        for s in strangers:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
