@@ -207,6 +207,9 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["n"] != self.n:
-            raise DataError(f"sampler state is for {state['n']} prompts, data has {self.n}")
+            raise DataError(
+                f"the checkpoint's prompt sampler is for {state['n']} training prompts, the data has {self.n}: "
+                "resume with the data it was trained on, or start afresh (train.resume=never, or a new train.run_dir)"
+            )
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._perm()
