@@ -3,8 +3,9 @@
 Run as ``python -m megarl.engine.server --model DIR --port P``. The engine works on
 token ids (``skip_tokenizer_init``): the trainer owns the tokenizer.
 
-Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; every one needs the run's
-credential, see ``megarl.engine.http`` for the route table, limits and lifeline):
+Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; every one but
+/hello needs the run's credential, see ``megarl.engine.http`` for the route table, limits and lifeline):
+  GET  /hello?nonce=N                -> {"port", "proof"}   (no credential: the engine proves it holds it)
   GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
   GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
