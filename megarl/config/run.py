@@ -92,7 +92,8 @@ class CoordinatorConfig:
     noise_kind: str = "plain"
     """Which noise scale drives decisions: "plain" (raw gradients) or "adam" (each part's
     gradient times Adam's preconditioner 1/(√v̂+ε) before the step; needs
-    parallel.use_distributed_optimizer false; docs/COORDINATOR.md §1)."""
+    parallel.use_distributed_optimizer false). Measured not better and dependent on the batch
+    through v̂ (docs/COORDINATOR.md §1, §5 session 21): "plain" is the default."""
     noise_calibration: float = 1.0
     """Multiplier on B_simple (Merrill et al. 2025: the proxy can underestimate)."""
     microbatch_parts: bool = True
