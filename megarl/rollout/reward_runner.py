@@ -210,6 +210,8 @@ def check_reward_config(cfg: RunConfig) -> None:
         pkg = NEEDS_PACKAGE.get(spec)
         if pkg and importlib.util.find_spec(pkg) is None:
             raise ConfigError(f"{setting}={spec!r} needs the {pkg.replace('_', '-')} package (pip install it)")
+        if spec not in REWARDS:  # a module that hangs at import then shows where the launch stopped
+            log.info("checking %s=%r: importing it", setting, spec)
         try:
             load_entry(spec)
         except (Exception, SystemExit) as e:  # the user's import-time error, named
