@@ -381,12 +381,16 @@ def _positive(cfg: RunConfig) -> None:
 
 def _finite(cfg: RunConfig) -> None:
     """No NaN or infinity in any float setting (a NaN reward or KL weight surfaces steps later as
-    NaN weights, blamed on the weight sync), and the loss weights and coefficients >= 0."""
+    NaN weights, blamed on the weight sync)."""
     for path, value in walk(cfg):
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             fail(path, value, "must be a finite number")
-    a = cfg.algo
+
+
+def _rates_and_sampling(cfg: RunConfig) -> None:
+    """Float settings with a sign or range rule, and sampling that cannot feed the estimator."""
+    o, r, a = cfg.optim, cfg.rollout, cfg.algo
     for name in ("clip_high", "kl_coef", "entropy_coef", "kl_target", "kl_horizon"):
         if getattr(a, name) < 0:
             fail(f"algo.{name}", getattr(a, name), "must be >= 0")
@@ -395,11 +399,6 @@ def _finite(cfg: RunConfig) -> None:
             fail(f"algo.{name}", getattr(a, name), "must be in [0, 1]")
     if cfg.critic.value_clip < 0:
         fail("critic.value_clip", cfg.critic.value_clip, "must be >= 0 (0: no clipping)")
-
-
-def _rates_and_sampling(cfg: RunConfig) -> None:
-    """Float settings with a sign or range rule, and sampling that cannot feed the estimator."""
-    o, r, a = cfg.optim, cfg.rollout, cfg.algo
     for name, value in (("optim.lr", o.lr), ("critic.lr", cfg.critic.lr), ("warm_start.lr", cfg.warm_start.lr)):
         if not value > 0:
             fail(name, value, "must be > 0")

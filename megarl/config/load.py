@@ -98,9 +98,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key '{path}' (valid: {sorted(names)})")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp) and isinstance(value, SetText):
-            value = value.parsed
         if dataclasses.is_dataclass(tp):
+            value = value.parsed if isinstance(value, SetText) else value
             if not isinstance(value, dict):
                 fail(path, value, "must be a mapping")
             kwargs[key] = _build(tp, value, path + ".")  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.engine import routes
-from megarl.engine.credentials import TOKEN_ENV, auth_header, engine_proof
+from megarl.engine.credentials import auth_header, engine_proof
 from megarl.engine.wire import GENERATION_TYPE, decode_generation
 from megarl.errors import EngineDead, RolloutError
 
@@ -128,9 +128,11 @@ class EngineClient:
             proof = json.loads(body).get("proof", "") if r.status == 200 else ""
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             proof = ""
-        if not (
-            isinstance(proof, str)
-            and hmac.compare_digest(proof.encode(), engine_proof(self.token, nonce, port).encode())
+        # the proof holds for this connection only: one the server closes would be reopened unproven
+        if (
+            r.will_close
+            or not isinstance(proof, str)
+            or not hmac.compare_digest(proof.encode(), engine_proof(self.token, nonce, port).encode())
         ):
             conn.close()
             raise RolloutError(
@@ -138,8 +140,6 @@ class EngineClient:
                 f"(GET {routes.HELLO}: HTTP {r.status}): another process holds the port, or it is an engine of "
                 "another run; the credential was not sent"
             )
-        if r.will_close:  # (a megarl engine keeps it open)
-            conn.close()
 
     def _release(self, conn: http.client.HTTPConnection, r: http.client.HTTPResponse) -> None:
         if r.will_close or conn.sock is None:  # the engine closes it (e.g. after a refusal)
@@ -184,8 +184,8 @@ class EngineClient:
 
     def check_health(self, timeout: float = 2.0) -> tuple[dict[str, Any] | None, str, bool]:
         """(health, why not, answered): ``answered`` is True when something replied at the
-        address but not as a megarl engine (it will not become one by waiting). A megarl engine
-        that refuses this run's credential (401) raises: it belongs to another run."""
+        address but not as a megarl engine of this run (it will not become one by waiting): the
+        credential goes only to an engine that proved it holds it (``_hello``), so no 401 can come."""
         conn = http.client.HTTPConnection(self.address, timeout=timeout)
         try:
             self._hello(conn)
@@ -200,11 +200,6 @@ class EngineClient:
             return None, str(e) or type(e).__name__, False
         finally:
             conn.close()
-        if status == 401:
-            raise RolloutError(
-                f"engine {self.name} ({self.address}) refused this run's credential (HTTP 401): it was "
-                f"started for another run, or with another {TOKEN_ENV} / MEGARL_ENGINE_TOKEN_FILE"
-            )
         if status != 200:
             return None, f"GET /health answered HTTP {status}", True
         try:

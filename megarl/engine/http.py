@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -126,8 +127,6 @@ class EngineHTTPServer(ThreadingHTTPServer):
             self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        import sys
-
         err = sys.exc_info()[1]
         log.warning("connection from %s ended: %s: %s", client_address[0], type(err).__name__, err)
 
@@ -150,8 +149,14 @@ def make_handler(
         routes.SLEEP: engine.sleep,
         routes.WAKE_UP: engine.wake_up,
     }
+
+    def health() -> dict[str, Any]:
+        if engine.failed:  # 503: the fleet restarts it
+            raise EngineUnhealthy(f"engine failed ({engine.failed}); it must be restarted")
+        return {"ok": True, "version": engine.version}
+
     get: dict[str, Callable[[], dict[str, Any]]] = {
-        routes.HEALTH: lambda: {"ok": True, "version": engine.version},
+        routes.HEALTH: health,
         routes.INFO: lambda: {
             "ok": True,
             "version": engine.version,
@@ -219,10 +224,8 @@ def make_handler(
                 self._hello()
                 return
             path = self._route("GET")
-            if path is not None and path == routes.HEALTH and engine.failed:  # the fleet restarts it
-                self._send(503, {"ok": False, "version": engine.version, "error": engine.failed})
-            elif path is not None:
-                self._send(200, get[path]())
+            if path is not None:
+                self._call(get[path])
 
         def do_POST(self) -> None:  # noqa: N802
             path = self._route("POST")

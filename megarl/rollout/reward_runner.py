@@ -202,8 +202,6 @@ def check_reward_config(cfg: RunConfig) -> None:
         )
     if rc.weights and len(rc.weights) != len(rc.fn):
         raise ConfigError(f"reward.weights={rc.weights!r} has {len(rc.weights)} entries, reward.fn has {len(rc.fn)}")
-    if not all(math.isfinite(w) for w in rc.weights):
-        raise ConfigError(f"reward.weights={rc.weights!r} must be finite numbers")
     if not rc.timeout_s > 0:
         raise ConfigError(f"reward.timeout_s={rc.timeout_s!r} must be > 0 seconds")
     for setting, spec in configured_specs(cfg):

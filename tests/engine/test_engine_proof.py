@@ -197,3 +197,66 @@ def test_strangers_holding_connections_time_out_and_cannot_exhaust_the_engine() 
             s.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, int]:
+    port = free_port()
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return httpd, port
+
+
+def test_a_proof_on_a_connection_the_server_then_closes_is_not_trusted() -> None:
+    """The proof vouches for its connection only: http.client would reopen a closed one
+    silently, and the credential would go over a connection nobody proved."""
+    seen: list[dict[str, str]] = []
+
+    class CloseAfterHello(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(dict(self.headers))
+            port = self.server.server_address[1]
+            nonce = self.path.split("nonce=")[-1]
+            body = json.dumps({"port": port, "proof": engine_proof(TOKEN, nonce, port)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd, port = _serve(CloseAfterHello)
+    try:
+        e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
+        with pytest.raises(RolloutError, match="did not prove"):
+            e.info()
+        assert e.check_health(timeout=5)[0] is None
+        assert seen and all("Authorization" not in h for h in seen)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_failed_engine_answers_503_on_health() -> None:
+    from megarl.engine.http import Lifeline, Limits, make_handler
+    from tests.engine.test_keepalive import FakeEngine
+
+    engine = FakeEngine()
+    handler = make_handler(engine, threading.Event(), TOKEN, Limits(1 << 20, 1 << 20), Lifeline(0, 0))  # type: ignore[arg-type]
+    httpd, port = _serve(handler)
+    try:
+        e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
+        assert e.health(timeout=5) == {"ok": True, "version": 7}
+        engine.failed = "IndexError: index out of range in self"
+        health, why, answered = e.check_health(timeout=5)
+        assert health is None and answered and why == "GET /health answered HTTP 503"
+        with pytest.raises(RolloutError, match=r"engine failed \(IndexError: index out of range in self\)"):
+            e._request(routes.HEALTH, None, "", 5)
+        assert e.info()["version"] == 7  # the trainer can still read what it needs to restart it
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
