@@ -47,7 +47,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
 from benchmarks.ttt import runs  # noqa: E402
-from benchmarks.ttt.analysis import HALF, analyse, compare_seeds, estimate_wall_s, run_result  # noqa: E402
+from benchmarks.ttt.analysis import (  # noqa: E402
+    HALF,
+    analyse,
+    compare_seeds,
+    estimate_wall_s,
+    resolution_line,
+    run_result,
+)
 from benchmarks.ttt.tasks import write_task_file  # noqa: E402
 
 CONFIG = str(ROOT / "benchmarks/ttt/config.yaml")
@@ -163,6 +170,7 @@ def run_plan(
 def report_seeds(results: list[dict[str, Any]], targets: list[float], fixed: runs.Variant, t0: float) -> int:
     report = compare_seeds(results, targets, fixed.name)
     print(table(report["rows"], COLUMNS))
+    print(resolution_line(report["ratios"]["bar_resolution"]))
     line = {"benchmark": "time_to_target", "mode": "seeds", "targets": targets, "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(line | report["ratios"]))
     return 0
@@ -332,6 +340,7 @@ def main() -> int:
     report = analyse(results, targets, best.name)
     print(table(report["rows"], COLUMNS))
     print(report["calibration_line"])
+    print(resolution_line(report["ratios"]["bar_resolution"]))
     (out / "sweep.json").write_text(json.dumps(report["sweep"], indent=1))
     print(
         json.dumps(

@@ -146,6 +146,7 @@ def analyse(results: list[dict[str, Any]], targets: list[float], best: str) -> d
     ratios["b_noise_online/b_crit_fit"] = _round(b_online / cb.b_crit) if cb and b_online else None
     ratios["chosen_batch/best_batch"] = [_round(b / best_r["batch"]) for b in chosen]
     calib += f"; online B_noise (median of coordinator runs) = {_fmt(b_online)}; ratio online/fit = {_fmt(ratios['b_noise_online/b_crit_fit'])}"
+    ratios["bar_resolution"] = resolution(results, best, ["coord_small", "coord_large"], h)
     overheads = _finite([(r["coord"] or {}).get("overhead_frac") for r in results if r["kind"] == "coord"])
     if overheads:
         ratios["coord_overhead_frac_max"] = _round(max(overheads))
@@ -263,4 +264,34 @@ def compare_seeds(results: list[dict[str, Any]], targets: list[float], best: str
     chosen = [r["coord"]["final_batch"] for r in results if r["kind"] == "coord" and r["coord"]]
     b = next(r["batch"] for r in results if r["variant"] == best)
     ratios["chosen_batch/fixed_batch"] = [_round(x / b) for x in chosen]
+    ratios["bar_resolution"] = resolution(results, best, coords, h)
     return {"rows": [_row(r) for r in results], "ratios": ratios}
+
+
+def resolution_line(res: dict[str, Any] | None) -> str:
+    """One line for the printed report."""
+    if res is None:
+        return "per-seed bar resolution: needs 3+ seeds of the fixed setting"
+    pairing = ", ".join(f"{k} {v:+.2f}" for k, v in res["pairing"].items()) or "-"
+    return (
+        f"per-seed bar resolution: the fixed setting's log-time spreads σ = {res['sigma_log_fixed']:.2f} over "
+        f"{res['seeds']} seeds; a method exactly as good, drawn independently, passes ratio ≥ {res['floor']} on "
+        f"every seed with p = {res['p_equal_method_every_seed']:.3f}, and needs to be "
+        f"{res['speedup_for_even_odds']:.2f}× faster for even odds; seed pairing (log-time correlation): {pairing}"
+    )
+
+
+def resolution(results: list[dict[str, Any]], best: str, coords: list[str], h: int) -> dict[str, Any] | None:
+    """``fit.bar_resolution`` at target ``h``: what the fixed setting's own seed spread lets the
+    per-seed bar resolve (JSON-able, rounded)."""
+    res = fit.bar_resolution(_times(results, best, h), {c: _times(results, c, h) for c in coords})
+    if res is None:
+        return None
+    return {
+        "seeds": res.seeds,
+        "floor": res.floor,
+        "sigma_log_fixed": _round(res.sigma_log),
+        "p_equal_method_every_seed": _round(res.p_every_seed),
+        "speedup_for_even_odds": _round(res.speedup_for_even_odds),
+        "pairing": {k: _round(v) for k, v in res.pairing.items()},
+    }

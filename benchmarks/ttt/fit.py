@@ -96,3 +96,57 @@ def median_ratio(sweep_times: list[float], coord: dict[int, float]) -> float | N
     if not sweep_times or not coord_times:
         return None
     return statistics.median(sweep_times) / geomean(coord_times)
+
+
+@dataclass(frozen=True)
+class BarResolution:
+    """What the per-seed bars can resolve, from the fixed setting's own seed-to-seed spread.
+
+    A method whose time to target has the fixed setting's distribution but is drawn
+    independently of it (seeds do not pair runs that train at different batches: their
+    samples differ from the first step) gives per-seed ratios t_fixed / t_method spread like
+    two independent draws. ``p_every_seed`` is the chance that such an *equally good* method
+    shows ratio ≥ ``floor`` on all ``seeds`` seeds: over all ordered pairs of the fixed run's
+    own seeds (no distribution assumed), the fraction with t_i / t_j ≥ floor, to the power
+    ``seeds``. ``speedup_for_even_odds`` is how much faster than the fixed setting (a factor on
+    its geometric-mean time) a method must be to pass that bar on half of such trials, with
+    log-times normal at the fixed setting's spread σ: (ln k − ln floor) / (σ√2) = Φ⁻¹(0.5^(1/seeds)).
+    ``pairing`` is the correlation over seeds of the fixed and each method's log-times (≈ 0:
+    the seed does not pair them; > 0 would narrow the ratio's spread by √(1 − ρ))."""
+
+    seeds: int
+    floor: float
+    sigma_log: float
+    p_every_seed: float
+    speedup_for_even_odds: float
+    pairing: dict[str, float]
+
+
+def bar_resolution(
+    fixed: dict[int, float], others: dict[str, dict[int, float]], floor: float = 0.9
+) -> BarResolution | None:
+    """See :class:`BarResolution`; None with fewer than 3 seeds of the fixed setting."""
+    times = [t for t in fixed.values() if t > 0]
+    if len(times) < 3:
+        return None
+    logs = [math.log(t) for t in times]
+    sigma = statistics.stdev(logs)
+    pairs = [a / b >= floor for i, a in enumerate(times) for j, b in enumerate(times) if i != j]
+    p_one = sum(pairs) / len(pairs)
+    n = len(times)
+    z = statistics.NormalDist().inv_cdf(0.5 ** (1.0 / n))
+    pairing = {}
+    for name, t in others.items():
+        common = sorted(s for s in set(fixed) & set(t) if fixed[s] > 0 and t[s] > 0)
+        if len(common) >= 3:
+            a, b = [math.log(fixed[s]) for s in common], [math.log(t[s]) for s in common]
+            if statistics.pstdev(a) > 0 and statistics.pstdev(b) > 0:
+                pairing[name] = statistics.correlation(a, b)
+    return BarResolution(
+        seeds=n,
+        floor=floor,
+        sigma_log=sigma,
+        p_every_seed=p_one**n,
+        speedup_for_even_odds=math.exp(math.log(floor) + z * sigma * math.sqrt(2.0)),
+        pairing=pairing,
+    )

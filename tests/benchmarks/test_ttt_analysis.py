@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.ttt import runs
-from benchmarks.ttt.analysis import _row, analyse, compare_seeds, estimate_wall_s, run_result
+from benchmarks.ttt.analysis import _row, analyse, compare_seeds, estimate_wall_s, resolution_line, run_result
 
 
 def _metrics(run, batch_of_step, b_noise=None, step_s=0.5):
@@ -166,6 +166,22 @@ def test_compare_seeds_pairs_each_seed_and_bounds_censored_runs():
     assert r["coord_small/coord_large_per_seed"] == {1: round(50 / 75, 3)}
     assert r["censored_runs"] == 1
     assert r["chosen_batch/fixed_batch"] == [0.5, 0.5, 0.5, 0.5]
+    assert r["bar_resolution"] is None  # two seeds of the fixed setting say nothing about its spread
+
+
+def test_compare_seeds_reports_what_the_per_seed_bar_can_resolve():
+    c = {"final_batch": 256}
+    results = []
+    for seed, (fixed, small) in enumerate([(10.0, 12.0), (20.0, 25.0), (40.0, 44.0)], 1):
+        results += [
+            _result("sweep_p32_m1", "sweep", seed, 512, fixed, 30),
+            _result("coord_small", "coord", seed, 128, small, 40, coord=c),
+        ]
+    res = compare_seeds(results, [0.4], "sweep_p32_m1")["ratios"]["bar_resolution"]
+    assert res["seeds"] == 3 and res["p_equal_method_every_seed"] == 0.125  # 3 of 6 ordered pairs >= 0.9
+    assert res["sigma_log_fixed"] == round(math.log(2.0), 3)
+    assert res["pairing"]["coord_small"] > 0.99  # these coordinator times follow the fixed ones
+    assert "σ = 0.69 over 3 seeds" in resolution_line(res) and "p = 0.125" in resolution_line(res)
 
 
 def test_compare_seeds_reports_each_arm_against_the_fixed_run_and_its_control():

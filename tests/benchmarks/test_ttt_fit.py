@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from benchmarks.ttt import fit
 from benchmarks.ttt.fit import best_steps_per_batch, fit_critical_batch, median_ratio, paired_ratio
 
 
@@ -64,3 +65,30 @@ def test_paired_ratio_is_a_geometric_mean_over_common_seeds():
 def test_median_ratio_uses_the_middle_setting_and_the_coordinator_geomean():
     assert median_ratio([10.0, 40.0, 30.0], {1: 10.0, 2: 40.0}) == pytest.approx(30.0 / 20.0)
     assert median_ratio([], {1: 1.0}) is None
+
+
+def test_bar_resolution_from_the_fixed_settings_own_seed_spread():
+    # times 10 / 20 / 40 s: ordered-pair ratios 1/2, 1/4, 2, 1/2, 4, 2 -> 3 of 6 are >= 0.9,
+    # so an equally good independent method passes on all 3 seeds with p = 0.5³
+    fixed = {1: 10.0, 2: 20.0, 3: 40.0}
+    same_order = {1: 5.0, 2: 11.0, 3: 30.0}
+    reversed_order = {1: 40.0, 2: 20.0, 3: 10.0}
+    res = fit.bar_resolution(fixed, {"a": same_order, "b": reversed_order, "short": {1: 1.0, 2: 2.0}})
+    assert res is not None
+    assert res.seeds == 3 and res.floor == 0.9
+    assert res.p_every_seed == pytest.approx(0.125)
+    assert res.sigma_log == pytest.approx(math.log(2.0))  # log-times 0, ln2, 2ln2 (+ ln10)
+    # (ln k − ln 0.9) / (σ√2) = Φ⁻¹(0.5^(1/3)) = 0.8202 (tables) -> k = 0.9·exp(0.8202·ln2·√2)
+    assert res.speedup_for_even_odds == pytest.approx(0.9 * math.exp(0.8202 * math.log(2.0) * math.sqrt(2.0)), rel=1e-3)
+    assert res.pairing["a"] > 0.95 and res.pairing["b"] == pytest.approx(-1.0)
+    assert "short" not in res.pairing  # two common seeds: no correlation reported
+
+
+def test_bar_resolution_needs_three_seeds_and_a_tighter_spread_raises_the_odds():
+    assert fit.bar_resolution({1: 10.0, 2: 12.0}, {}) is None
+    wide = fit.bar_resolution({1: 10.0, 2: 20.0, 3: 40.0, 4: 15.0}, {})
+    tight = fit.bar_resolution({1: 10.0, 2: 10.5, 3: 11.0, 4: 10.2}, {})
+    assert wide is not None and tight is not None
+    assert tight.p_every_seed > wide.p_every_seed and tight.speedup_for_even_odds < wide.speedup_for_even_odds
+    # with 4 seeds within 10 % of each other every ordered pair is >= 0.9: an equal method always passes
+    assert tight.p_every_seed == 1.0
