@@ -153,12 +153,15 @@ def run_plan(
     common: list[str],
     order: list[tuple[runs.Variant, int]],
     execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
+    older: tuple[list[str], Callable[[dict[str, Any]], bool]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each planned run's result, from the cache or ``execute``d and cached."""
+    """Each planned run's result, from the cache or ``execute``d and cached. ``older`` =
+    (common settings of an earlier stop rule, which of their results still hold)."""
     results = []
     for v, seed in order:
-        key, settings = runs.run_key(v, seed), common + v.overrides() + [f"train.seed={seed}"]
-        res = runs.cache_load(out, key, settings)
+        key, own = runs.run_key(v, seed), v.overrides() + [f"train.seed={seed}"]
+        settings = common + own
+        res = runs.cache_load(out, key, settings, (older[0] + own, older[1]) if older else None)
         if res is None:
             runs.cache_store(out, key, settings, execute(v, seed, settings))
             res = runs.cache_load(out, key, settings)  # as a resumed run will see it
@@ -221,9 +224,22 @@ def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
         f"train.max_samples={mode.max_samples}",
         "train.eval_every=0",
         f"train.eval_every_samples={mode.eval_samples}",
-        f"train.target_val_reward={targets[-1] + 0.04:.4f}",  # stop a little past the last target
-        f"train.evals_past_target={2 * HALF}",  # and complete the smoothing window there
+        # stop once the smoothed curve has crossed the last target with its window complete (the
+        # window's mean is the running-line smoother at its centre): one lucky validation does not
+        # end a run before its crossing, and no run trains past it
+        f"train.target_val_reward={targets[-1]:.4f}",
+        f"train.target_window={2 * HALF + 1}",
     ]
+
+
+def older_sets(out: Path, mode: Mode, targets: list[float]) -> tuple[list[str], Callable[[dict[str, Any]], bool]]:
+    """The stop rule before ``train.target_window`` (a raw validation 0.04 past the last target,
+    then 2·HALF more) and which of its results still hold: a run that reached the last target
+    (its curve up to the crossing is the same run) or trained its whole budget. A run that one
+    high validation stopped before its smoothed curve crossed is run again."""
+    rule = [f"train.target_val_reward={targets[-1] + 0.04:.4f}", f"train.evals_past_target={2 * HALF}"]
+    new = common_sets(out, mode, targets)
+    return new[:-2] + rule, lambda res: bool(res["reached"][-1]) or res["samples"][-1] >= mode.max_samples
 
 
 def run_all(
@@ -232,6 +248,7 @@ def run_all(
     common: list[str],
     coord_extra: list[str],
     execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
+    older: tuple[list[str], Callable[[dict[str, Any]], bool]] | None = None,
 ) -> tuple[list[dict[str, Any]], runs.Variant]:
     """Every planned run's result, in plan order: from the cache, or ``execute``d and cached.
 
@@ -244,7 +261,7 @@ def run_all(
         if not todo:
             break
         done.update(runs.run_key(v, s) for v, s in todo)
-        results += run_plan(out, common, todo, execute)
+        results += run_plan(out, common, todo, execute, older)
         if best is None:
             top = min(
                 (r for r in results if r["kind"] == "sweep"), key=lambda r: (not r["reached"][-1], r["time_s"][-1])
@@ -317,7 +334,7 @@ def main() -> int:
     base = make_base(out, mode)
     targets = [round(base["val"] + g, 4) for g in mode.gains]
     print(json.dumps({"base": base, "targets": targets}), flush=True)
-    common = common_sets(out, mode, targets)
+    common, older = common_sets(out, mode, targets), older_sets(out, mode, targets)
 
     def execute(v: runs.Variant, seed: int, settings: list[str]) -> dict[str, Any]:
         key = runs.run_key(v, seed)
@@ -334,9 +351,9 @@ def main() -> int:
 
     if fixed is not None:
         return report_seeds(
-            run_plan(out, common, plan_seeds(mode, fixed, args.coord_set, arms), execute), targets, fixed, t0
+            run_plan(out, common, plan_seeds(mode, fixed, args.coord_set, arms), execute, older), targets, fixed, t0
         )
-    results, best = run_all(out, mode, common, args.coord_set, execute)
+    results, best = run_all(out, mode, common, args.coord_set, execute, older)
     report = analyse(results, targets, best.name)
     print(table(report["rows"], COLUMNS))
     print(report["calibration_line"])

@@ -15,8 +15,9 @@ The loop holds no algorithm math (``megarl.algo``) and no transport details
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,8 @@ class Progress:
     """The step whose validation first reached ``train.target_val_reward`` (0 = not yet)."""
     evals_since: int = 0
     """Validations after that one."""
+    recent: list[float] = field(default_factory=list)
+    """The last ``train.target_window`` validations (the target test averages them)."""
 
     def count(self, responses: int, step: int, t: TrainConfig) -> bool:
         """Add a step's responses; whether a validation is due after it (``train.eval_every_samples``
@@ -126,11 +129,16 @@ class Progress:
         """After a step and its validation (``val``, None if none ran): why the run stops now,
         or None. The target stop waits ``train.evals_past_target`` further validations."""
         if t.target_val_reward and val is not None:
+            self.recent = [*self.recent, float(val)][-t.target_window :]
             if self.reached_step:
                 self.evals_since += 1
-            elif val >= t.target_val_reward:
+            elif len(self.recent) == t.target_window and self.target_mean() >= t.target_val_reward:
                 self.reached_step = step
         return self.done(t)
+
+    def target_mean(self) -> float:
+        """Mean of the validations the target test averages (nan before the first)."""
+        return sum(self.recent) / len(self.recent) if self.recent else math.nan
 
     def done(self, t: TrainConfig) -> str | None:
         """Why the run is over by its counts (a run resumed from its last step's checkpoint
@@ -141,12 +149,15 @@ class Progress:
             return f"{self.samples} responses trained (train.max_samples={t.max_samples})"
         return None
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for f in fields(self):
-            setattr(self, f.name, int(state[f.name]))
+            if f.name == "recent":  # (absent from checkpoints written before target_window)
+                self.recent = [float(v) for v in state.get("recent", [])]
+            else:
+                setattr(self, f.name, int(state[f.name]))
 
 
 def _save(c: Components, step: int, progress: Progress, asynchronous: bool = False) -> Any:
@@ -232,10 +243,11 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 )
                 if rank0:
                     log.info(
-                        "reached validation reward %.3f >= %.3f at step %d",
-                        m["val/reward"],
+                        "reached validation reward %.3f >= %.3f at step %d%s",
+                        progress.target_mean(),
                         cfg.train.target_val_reward,
                         step,
+                        f" (mean of the last {cfg.train.target_window})" if cfg.train.target_window > 1 else "",
                     )
             if stop is not None:
                 if rank0:

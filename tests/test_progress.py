@@ -1,6 +1,8 @@
 """The loop's stop rules and validation cadence (``megarl.loop.Progress``), on made-up
 validation curves: the run loop calls exactly these after every step."""
 
+import json
+
 from megarl.config import TrainConfig
 from megarl.loop import Progress
 
@@ -81,3 +83,37 @@ def test_restore_fills_the_progress_part_and_accepts_checkpoints_without_it(monk
     assert fresh == Progress()
     with pytest.raises(ValueError, match=r"has no state for \['progress'\]"):
         state.restore(tmp_path, {}, {"planner": planner, "progress": fresh})
+
+
+def test_a_target_window_stops_on_the_mean_of_the_last_validations_not_one_lucky_one() -> None:
+    vals = {1: 0.3, 2: 0.3, 3: 0.6, 4: 0.35, 5: 0.4, 6: 0.45, 7: 0.6, 8: 0.7, 9: 0.7}
+    _, stopped, _ = _drive(TrainConfig(eval_every=1, target_val_reward=0.5), [8] * 10, vals)
+    assert stopped == 3  # one lucky validation ends the run without a window
+    t = TrainConfig(eval_every=1, target_val_reward=0.5, target_window=3)
+    # means of the last three: 0.40 (step 3), 0.417, 0.45, 0.40, 0.483, 0.583 (step 8)
+    _, stopped, p = _drive(t, [8] * 10, vals)
+    assert stopped == 8 and p.reached_step == 8
+    assert p.recent == [0.45, 0.6, 0.7] and abs(p.target_mean() - 1.75 / 3) < 1e-12
+    # with validations past it, the window keeps sliding and the reached step stays
+    t2 = TrainConfig(eval_every=1, target_val_reward=0.5, target_window=3, evals_past_target=1)
+    _, stopped, p = _drive(t2, [8] * 10, vals)
+    assert stopped == 9 and p.reached_step == 8 and p.recent == [0.6, 0.7, 0.7]
+
+
+def test_the_target_window_resumes_exactly_and_older_checkpoints_load() -> None:
+    t = TrainConfig(eval_every=1, target_val_reward=0.5, target_window=3)
+    p = Progress()
+    for step, v in enumerate([0.3, 0.6, 0.35], start=1):
+        p.count(8, step, t)
+        assert p.stop(step, v, t) is None
+    q = Progress()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))  # what a checkpoint's state.json holds
+    assert q == p and q.recent == [0.3, 0.6, 0.35]
+    # the resumed run and the uninterrupted one stop at the same step
+    for run in (p, q):
+        run.count(8, 4, t)
+        assert run.stop(4, 0.6, t) is not None  # (0.6 + 0.35 + 0.6) / 3 = 0.517 >= 0.5
+    assert p.reached_step == q.reached_step == 4
+    legacy = Progress()
+    legacy.load_state_dict({"samples": 16, "reached_step": 0, "evals_since": 0})  # before target_window
+    assert legacy == Progress(16, 0, 0, [])

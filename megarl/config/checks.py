@@ -39,6 +39,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
 def _stopping(cfg: RunConfig) -> None:
     """train: a stop past the target needs a target and validations to count."""
     t = cfg.train
+    if t.target_window > 1 and not t.target_val_reward:
+        fail("train.target_window", t.target_window, "needs train.target_val_reward > 0")
     if t.evals_past_target and not t.target_val_reward:
         fail("train.evals_past_target", t.evals_past_target, "needs train.target_val_reward > 0")
     if t.evals_past_target and not (t.eval_every or t.eval_every_samples):

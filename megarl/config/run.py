@@ -141,6 +141,11 @@ class TrainConfig:
     evals_past_target: int = 0
     """Validations run after the one that reached ``target_val_reward`` before stopping (a
     smoothed curve needs points on both sides of its crossing)."""
+    target_window: int = 1
+    """Validations averaged for the target test: the run has reached ``target_val_reward`` once
+    the mean of its last ``target_window`` validations does (1 = the latest alone). One lucky
+    validation then does not end a time-to-target run; a centred smoother over ±h validations
+    has crossed the target with its window complete when the mean of the last 2h+1 has."""
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,34 @@ def test_cache_returns_a_result_only_for_the_same_settings(tmp_path):
     assert not list((tmp_path / "results").glob("*.tmp"))  # written atomically
 
 
+def test_results_of_the_older_stop_rule_are_kept_only_where_it_cannot_have_cut_them_short(tmp_path):
+    """The stop rule before ``train.target_window`` ended a run on one raw validation past the
+    target: a run it stopped before its smoothed curve crossed is run again; one that crossed,
+    or trained its whole budget, measured the same thing and is kept."""
+    import benchmarks.time_to_target as ttt
+
+    mode = ttt.Mode(**{**ttt.MODES["quick"].__dict__, "max_samples": 1000})
+    targets = [0.25, 0.32]
+    new = ttt.common_sets(tmp_path, mode, targets)
+    old, accept = ttt.older_sets(tmp_path, mode, targets)
+    assert "train.target_val_reward=0.3200" in new and "train.target_window=5" in new
+    assert "train.target_val_reward=0.3600" in old and "train.evals_past_target=4" in old
+    assert [x for x in new if "target" not in x] == [x for x in old if "target" not in x]
+    own = ["rollout.num_prompts=8", "train.seed=1"]
+    cases = {
+        "crossed": {"reached": [True, True], "samples": [300, 700]},
+        "budget": {"reached": [True, False], "samples": [300, 1024]},
+        "spike": {"reached": [True, False], "samples": [300, 640]},  # stopped by one high validation
+    }
+    for key, res in cases.items():
+        runs.cache_store(tmp_path, key, old + own, res)
+    got = {key: runs.cache_load(tmp_path, key, new + own, (old + own, accept)) for key in cases}
+    assert got["crossed"]["samples"] == [300, 700] and got["budget"]["samples"] == [300, 1024]
+    assert got["spike"] is None
+    assert runs.cache_load(tmp_path, "crossed", new + own) is None  # only where the caller allows it
+    assert runs.cache_load(tmp_path, "crossed", new + ["train.seed=2"], (old + ["train.seed=2"], accept)) is None
+
+
 def test_benchmark_resumes_after_an_interruption_and_reruns_nothing(tmp_path):
     """``run_all`` with an ``execute`` that stands in for a training run (this test is about
     which runs start, not about training): killed at the third run, the rerun starts only the

@@ -86,6 +86,8 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(train={"steps": -1}), 1, "train.steps=-1 must be a positive integer"),
         (_cfg(train={"max_samples": -5}), 1, "train.max_samples=-5 must be a positive integer"),
         (_cfg(train={"evals_past_target": 2}), 1, "train.evals_past_target=2 needs train.target_val_reward > 0"),
+        (_cfg(train={"target_window": 5}), 1, "train.target_window=5 needs train.target_val_reward > 0"),
+        (_cfg(train={"target_window": 0, "target_val_reward": 0.5}), 1, "train.target_window=0 must be a positive integer"),
         (_cfg(train={"evals_past_target": 2, "target_val_reward": 0.5, "eval_every": 0}), 1,
          "train.evals_past_target=2 counts mid-run validations: set train.eval_every or train.eval_every_samples"),
         (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
