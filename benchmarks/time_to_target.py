@@ -17,13 +17,14 @@ variant runs. Metric: training time to each target (validation excluded; crossin
 interpolated on a smoothed curve where its window is complete, ``benchmarks/ttt/curves.py``),
 and steps and samples. Every run validates every ``eval_samples`` responses, trains at most
 ``max_samples`` (a budget in samples, so a small batch is not censored sooner than a large
-one), and stops ``2·HALF`` validations after a raw validation passes the last target + 0.04.
+one), and stops once the mean of its last ``2·HALF + 1`` validations reaches the last target
+(``train.target_window``: the smoothed curve has crossed it with its window complete).
 Runs go one at a time, seeds and variants interleaved; each finished run is cached in
 ``OUT/results`` so a rerun resumes. Prints a table, the critical batch fitted from the
 sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
 ``OUT/sweep.json`` for ``megarl report RUN --sweep OUT``.
 
-    python benchmarks/time_to_target.py --quick           # the machinery end to end (~4 min with the old 40-step cap; not re-timed with the 10,240-response cap)
+    python benchmarks/time_to_target.py --quick           # the machinery end to end (2.5 min, session 22)
     python benchmarks/time_to_target.py [--out DIR]       # full: 23 runs, ~0.5-0.8 h on 2 idle cores (estimated)
     python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 6 [--max-samples N] [--out DIR]
         # no sweep: that setting and the coordinator (both starts) on seeds 1..6, paired
