@@ -94,10 +94,11 @@ class CoordinatorConfig:
     gradient times Adam's preconditioner 1/(√v̂+ε) before the step; needs
     parallel.use_distributed_optimizer false). Measured not better and dependent on the batch
     through v̂ (docs/COORDINATOR.md §1, §5 session 21): "plain" is the default."""
-    noise_calibration: float = 2.0
+    noise_calibration: float = 1.0
     """Multiplier on B_simple. The proxy reads low (Merrill et al. 2025, under Adam): four
     time-to-target sweeps put the online median at 0.33-0.54 of the fitted critical batch, and 2
-    was faster than 1 on paired seeds (docs/COORDINATOR.md §5, sessions 20 and 22)."""
+    or 3 was faster than 1 on paired seeds there; but with 2 the demo reversed its batch on 2 of
+    4 runs (0 with 1), so the default stays 1 (docs/COORDINATOR.md §5, sessions 20 and 22)."""
     microbatch_parts: bool = True
     """Noise parts = every micro-batch on every DP rank (needs PP = 1; one grad-buffer copy per
     micro-batch of the measured update); False = one part per DP rank."""

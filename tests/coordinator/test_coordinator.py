@@ -106,7 +106,7 @@ def _config(**overrides: object) -> tuple[CoordinatorConfig, CoordinatorRun]:
         "lr_ref": {"actor": 1e-3, "critic": 5e-4},
         "b_ref": {"actor": 64.0},
         # synthetic gradients: the estimator is unbiased here, so the rules are tested without
-        # the default calibration (which corrects the proxy's measured low reading on real runs)
+        # calibration whatever the default (which may correct the proxy's low reading on real runs)
         "noise_calibration": 1.0,
     }
     kw.update(overrides)

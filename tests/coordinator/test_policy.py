@@ -81,8 +81,8 @@ class TrueTime:
 
 def _coord(**settings: object) -> Coordinator:
     run = CoordinatorRun(samples_per_prompt=8, initial_prompts=8, batch_divisor=8, dp_size=1, lr_ref={"actor": 1e-3})
-    # synthetic gradients: the estimator is unbiased here, so no calibration (the default one
-    # corrects the proxy's measured low reading on real runs, docs/COORDINATOR.md §5)
+    # synthetic gradients: the estimator is unbiased here, so no calibration whatever the default
+    # (a calibration may correct the proxy's low reading on real runs, docs/COORDINATOR.md §5)
     kw: dict[str, object] = {"enabled": True, "min_prompts": 4, "max_prompts": 256, "noise_calibration": 1.0}
     kw.update(settings)
     return Coordinator(CoordinatorConfig(**kw), run)  # type: ignore[arg-type]
