@@ -154,7 +154,7 @@ def run_plan(
     common: list[str],
     order: list[tuple[runs.Variant, int]],
     execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
-    older: tuple[list[str], Callable[[dict[str, Any]], bool]] | None = None,
+    older: runs.Older | None = None,
 ) -> list[dict[str, Any]]:
     """Each planned run's result, from the cache or ``execute``d and cached. ``older`` =
     (common settings of an earlier stop rule, which of their results still hold)."""
@@ -216,6 +216,23 @@ def data_sets(out: Path, mode: Mode) -> list[str]:
 
 def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
     """The overrides every RL run shares (part of each cached result's settings)."""
+    # stop once the smoothed curve has crossed the last target with its window complete (the
+    # window's mean is the running-line smoother at its centre): one lucky validation does not
+    # end a run before its crossing, and no run trains past it
+    return _run_sets(out, mode) + [f"train.target_val_reward={targets[-1]:.4f}", f"train.target_window={2 * HALF + 1}"]
+
+
+def older_sets(out: Path, mode: Mode, targets: list[float]) -> runs.Older:
+    """The stop rule before ``train.target_window`` (a raw validation 0.04 past the last target,
+    then 2·HALF more) and which of its results still hold: a run that reached the last target
+    (its curve up to the crossing is the same run) or trained its whole budget. A run that one
+    high validation stopped before its smoothed curve crossed is run again."""
+    rule = [f"train.target_val_reward={targets[-1] + 0.04:.4f}", f"train.evals_past_target={2 * HALF}"]
+    return _run_sets(out, mode) + rule, lambda res: bool(res["reached"][-1]) or res["samples"][-1] >= mode.max_samples
+
+
+def _run_sets(out: Path, mode: Mode) -> list[str]:
+    """The shared overrides other than the stop rule."""
     return [
         *data_sets(out, mode),
         f"model.init_from={out / 'base/hf_final'}",
@@ -225,22 +242,7 @@ def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:
         f"train.max_samples={mode.max_samples}",
         "train.eval_every=0",
         f"train.eval_every_samples={mode.eval_samples}",
-        # stop once the smoothed curve has crossed the last target with its window complete (the
-        # window's mean is the running-line smoother at its centre): one lucky validation does not
-        # end a run before its crossing, and no run trains past it
-        f"train.target_val_reward={targets[-1]:.4f}",
-        f"train.target_window={2 * HALF + 1}",
     ]
-
-
-def older_sets(out: Path, mode: Mode, targets: list[float]) -> tuple[list[str], Callable[[dict[str, Any]], bool]]:
-    """The stop rule before ``train.target_window`` (a raw validation 0.04 past the last target,
-    then 2·HALF more) and which of its results still hold: a run that reached the last target
-    (its curve up to the crossing is the same run) or trained its whole budget. A run that one
-    high validation stopped before its smoothed curve crossed is run again."""
-    rule = [f"train.target_val_reward={targets[-1] + 0.04:.4f}", f"train.evals_past_target={2 * HALF}"]
-    new = common_sets(out, mode, targets)
-    return new[:-2] + rule, lambda res: bool(res["reached"][-1]) or res["samples"][-1] >= mode.max_samples
 
 
 def run_all(
@@ -249,7 +251,7 @@ def run_all(
     common: list[str],
     coord_extra: list[str],
     execute: Callable[[runs.Variant, int, list[str]], dict[str, Any]],
-    older: tuple[list[str], Callable[[dict[str, Any]], bool]] | None = None,
+    older: runs.Older | None = None,
 ) -> tuple[list[dict[str, Any]], runs.Variant]:
     """Every planned run's result, in plan order: from the cache, or ``execute``d and cached.
 

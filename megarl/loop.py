@@ -15,7 +15,7 @@ The loop holds no algorithm math (``megarl.algo``) and no transport details
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -137,8 +137,8 @@ class Progress:
         return self.done(t)
 
     def target_mean(self) -> float:
-        """Mean of the validations the target test averages (nan before the first)."""
-        return sum(self.recent) / len(self.recent) if self.recent else math.nan
+        """Mean of the validations the target test averages (after the first)."""
+        return statistics.fmean(self.recent)
 
     def done(self, t: TrainConfig) -> str | None:
         """Why the run is over by its counts (a run resumed from its last step's checkpoint

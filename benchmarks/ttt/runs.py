@@ -95,12 +95,11 @@ def run_key(v: Variant, seed: int) -> str:
     return f"{v.name}_s{seed}"
 
 
-def cache_load(
-    out: Path,
-    key: str,
-    settings: list[str],
-    older: tuple[list[str], Callable[[dict[str, Any]], bool]] | None = None,
-) -> dict[str, Any] | None:
+Older = tuple[list[str], Callable[[dict[str, Any]], bool]]
+"""(settings of an earlier rule, accept): which results made with them still hold."""
+
+
+def cache_load(out: Path, key: str, settings: list[str], older: Older | None = None) -> dict[str, Any] | None:
     """The cached result of run ``key`` if it was made with exactly ``settings``, else None.
 
     ``older`` = (settings, accept): a result made with those earlier settings is also taken
