@@ -295,6 +295,7 @@ def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         # whose trainer dies meanwhile exits (--parent-pid); the start timeout counts from ready()
         wait_for_model_s=math.inf,
         cpu_gemm=r.cpu_gemm,
+        cpu_sampler=r.cpu_sampler,
     )
 
 

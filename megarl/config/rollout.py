@@ -121,6 +121,13 @@ class RolloutConfig:
     a copy in place); ``auto``: plain up to hidden size 256, where packing does not decode faster
     (:func:`megarl.engine.vllm_engine.cpu_gemm_mode`). Engines started elsewhere take
     ``--cpu-gemm`` (SLURM: ``MEGARL_ENGINE_ARGS``). No effect on GPU engines."""
+    cpu_sampler: Literal["batched", "vllm"] = "batched"
+    """How a CPU engine megarl starts seeds the noise of a seeded request's token: ``batched``
+    hashes (request seed, draw index) for all rows of a decode step at once; ``vllm`` draws
+    from each request's generator, one Python call per row (~3.5 us each, ~10 ms of a demo
+    generation). Both give each request tokens that depend on its seed only, not on its batch;
+    they are different streams (:mod:`megarl.engine.cpu_sampler`). Engines started elsewhere
+    take ``--cpu-sampler``. No effect on GPU engines."""
     engine_addresses: list[str] = field(default_factory=list)
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25

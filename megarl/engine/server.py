@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
 from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
@@ -85,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="CPU engines: vLLM's packed oneDNN GEMMs, or plain F.linear (updates are a copy in place); "
         "auto: plain up to hidden size 256",
+    )
+    ap.add_argument(
+        "--cpu-sampler",
+        choices=CPU_SAMPLERS,
+        default="batched",
+        help="CPU engines: seeded rows' noise seeds hashed from (seed, draw) for all rows at once, "
+        "or vLLM's per-row generator draws (stock tokens)",
     )
     ap.add_argument(
         "--staging-dir",
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sleep_mode,
         args.staging_dir,
         args.cpu_gemm,
+        args.cpu_sampler,
     )
     if stop.is_set():
         return 3

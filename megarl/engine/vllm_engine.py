@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, use_cpu_sampler
 from megarl.engine.credentials import inside
 from megarl.engine.staging import MANIFEST, Staged, check_meta, check_tensor
 from megarl.engine.wire import encode_generation
@@ -150,6 +151,7 @@ class VllmEngine:
         sleep_mode: bool = False,
         staging_dir: str = "",
         cpu_gemm: str = "auto",
+        cpu_sampler: str = "batched",
     ) -> None:
         from vllm import LLM
 
@@ -171,6 +173,10 @@ class VllmEngine:
         if self.cpu_gemm == "plain":  # before vLLM builds the model, here and in its worker processes
             os.environ[CPU_GEMM_ENV] = "plain"
             use_plain_cpu_gemm()
+        self.cpu_sampler = "n/a"
+        if on_cpu:  # likewise before vLLM builds its sampler
+            os.environ[CPU_SAMPLER_ENV] = cpu_sampler
+            self.cpu_sampler = "batched" if use_cpu_sampler(cpu_sampler) else "vllm"
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -205,11 +211,12 @@ class VllmEngine:
             self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
         threads = torch.get_num_threads()
         log.info(
-            "KV cache: %d tokens (block size %d); torch threads %d; CPU GEMM %s",
+            "KV cache: %d tokens (block size %d); torch threads %d; CPU GEMM %s; CPU sampler %s",
             self.kv_tokens,
             self.block_size,
             threads,
             self.cpu_gemm if on_cpu else "n/a",
+            self.cpu_sampler,
         )
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megarl.engine import wire
+from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, use_cpu_sampler
 
 EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
@@ -69,6 +70,8 @@ def use_plain_cpu_gemm() -> None:
 
 if os.environ.get(CPU_GEMM_ENV) == "plain":  # a worker process of a TP > 1 CPU engine
     use_plain_cpu_gemm()
+if os.environ.get(CPU_SAMPLER_ENV) in ("batched", "vllm"):  # likewise, for its sampler
+    use_cpu_sampler(os.environ[CPU_SAMPLER_ENV])
 
 
 def loads_in_place(model: torch.nn.Module) -> bool:

@@ -99,6 +99,7 @@ class Fleet(WeightUpdates):
         wait_for_model_s: float = 0.0,
         heartbeat_s: float = 5.0,
         cpu_gemm: str = "auto",
+        cpu_sampler: str = "batched",
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
@@ -107,7 +108,8 @@ class Fleet(WeightUpdates):
         every ``heartbeat_s`` (a lease should span >= 3 of them); ``threads``: each
         engine's OMP_NUM_THREADS (0: inherited); ``wait_for_model_s``: how long the engines wait
         for ``model_dir``'s manifest (0: it must exist now) — the caller may write the folder
-        after the spawn, while the engines import vLLM; ``cpu_gemm``: the engines' ``--cpu-gemm``."""
+        after the spawn, while the engines import vLLM; ``cpu_gemm``, ``cpu_sampler``: the engines'
+        ``--cpu-gemm`` and ``--cpu-sampler``."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         token = token or new_token()
@@ -136,6 +138,8 @@ class Fleet(WeightUpdates):
                 str(lease_s),
                 "--cpu-gemm",
                 cpu_gemm,
+                "--cpu-sampler",
+                cpu_sampler,
             ] + (["--sleep-mode"] if sleep_mode else [])
             cmd += ["--wait-for-model", str(wait_for_model_s)] if wait_for_model_s > 0 else []
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
