@@ -34,6 +34,7 @@ import torch
 
 from megarl.engine import wire
 from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, use_cpu_sampler
+from megarl.engine.staging import all_finite
 
 EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
@@ -115,7 +116,7 @@ def _refresh_tied_lm_head(model: Any) -> None:
 
 
 def _non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
-    return [n for n, t in named if not bool(torch.isfinite(t).all())]
+    return [n for n, t in named if not all_finite(t)]
 
 
 class MegarlWorkerExtension:

@@ -42,7 +42,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from megarl.engine.client import EngineClient, free_port
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, make_staging_dir, new_token
 from megarl.errors import EngineDead, RolloutError
 from megarl.rollout import faults
-from megarl.rollout.fleet_updates import WeightUpdates
+from megarl.rollout.fleet_updates import WeightUpdates, concurrently
 
 log = logging.getLogger("megarl.fleet")
 
@@ -398,8 +397,7 @@ class Fleet(WeightUpdates):
                 except EngineDead as err:
                     return engine, idx, err
 
-            with ThreadPoolExecutor(max_workers=len(shares)) as pool:
-                outs = list(pool.map(lambda kv: run(*kv), [(e, i) for e, i in shares if i]))
+            outs = concurrently(lambda kv: run(*kv), [(e, i) for e, i in shares if i])
             for engine, idx, out in outs:
                 if isinstance(out, Exception):
                     log.warning("%s died mid-generation (%s); re-issuing %d prompts", engine.name, out, len(idx))
@@ -473,8 +471,7 @@ class Fleet(WeightUpdates):
         self._post_each(routes.WAKE_UP, {"tags": tags})
 
     def _post_each(self, path: str, body: dict[str, Any]) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            list(pool.map(lambda e: e.post(path, body, self.timeout), self.engines))
+        concurrently(lambda e: e.post(path, body, self.timeout), self.engines)
 
     def versions(self) -> list[int]:
         return [int((e.health() or {}).get("version", -2)) for e in self.engines]

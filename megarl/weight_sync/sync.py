@@ -160,12 +160,15 @@ class WeightSync:
 
     def _agree(self, error: str, version: int, committed: bool | None) -> None:
         """Broadcast rank 0's verdict; release local buffers; raise the same error everywhere."""
-        flag: list[Any] = [error]
-        dist.broadcast_object_list(flag, src=0)
-        if committed is not None or flag[0]:
-            self.transport.release(version, committed=not flag[0])
-        if flag[0]:
-            raise WeightSyncError(flag[0])
+        failed = torch.tensor([bool(error)])
+        dist.broadcast(failed, src=0)  # one collective on the steady path; the message only on failure
+        message: list[Any] = [error]
+        if failed.item():
+            dist.broadcast_object_list(message, src=0)
+        if committed is not None or failed.item():
+            self.transport.release(version, committed=not failed.item())
+        if failed.item():
+            raise WeightSyncError(message[0] or "weight update failed on rank 0")
 
     def cleanup(self) -> None:
         """Remove this sync's shm files (the fleet removes the staging folder it made)."""
