@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from megarl.engine import wire
-from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, use_cpu_sampler
+from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, CPU_SAMPLERS, use_cpu_sampler
 from megarl.engine.staging import all_finite
 
 EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
@@ -71,7 +71,7 @@ def use_plain_cpu_gemm() -> None:
 
 if os.environ.get(CPU_GEMM_ENV) == "plain":  # a worker process of a TP > 1 CPU engine
     use_plain_cpu_gemm()
-if os.environ.get(CPU_SAMPLER_ENV) in ("batched", "vllm"):  # likewise, for its sampler
+if os.environ.get(CPU_SAMPLER_ENV) in CPU_SAMPLERS:  # likewise, for its sampler
     use_cpu_sampler(os.environ[CPU_SAMPLER_ENV])
 
 

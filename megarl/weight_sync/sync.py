@@ -160,14 +160,15 @@ class WeightSync:
 
     def _agree(self, error: str, version: int, committed: bool | None) -> None:
         """Broadcast rank 0's verdict; release local buffers; raise the same error everywhere."""
-        failed = torch.tensor([bool(error)])
-        dist.broadcast(failed, src=0)  # one collective on the steady path; the message only on failure
+        flag = torch.tensor([bool(error)])
+        dist.broadcast(flag, src=0)  # one collective on the steady path; the message only on failure
+        failed = bool(flag.item())
         message: list[Any] = [error]
-        if failed.item():
+        if failed:
             dist.broadcast_object_list(message, src=0)
-        if committed is not None or failed.item():
-            self.transport.release(version, committed=not failed.item())
-        if failed.item():
+        if committed is not None or failed:
+            self.transport.release(version, committed=not failed)
+        if failed:
             raise WeightSyncError(message[0] or "weight update failed on rank 0")
 
     def cleanup(self) -> None:

@@ -4,6 +4,7 @@ the softmax distribution, give a request the same tokens whatever batch it share
 step its own noise, and reach the worker processes of a TP > 1 engine."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -122,8 +123,6 @@ def _engine_dir(tmp_path: Path) -> Path:
     engine_dir = tmp_path / "hf_engine"
     adapter.hf_config(2, 1, 0).save_pretrained(str(engine_dir))
     (engine_dir / MANIFEST).write_text(json.dumps(adapter.hf_shapes()))
-    import shutil
-
     shutil.copy(hf / "model.safetensors", engine_dir / "model.safetensors")
     return engine_dir
 
