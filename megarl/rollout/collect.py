@@ -151,12 +151,16 @@ def sample_groups(
         seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
         logprobs=logprobs,
     )
-    groups: list[Group] = []
-    for (rec, pids), out in zip(prompts, outs):
+    per_prompt = []
+    for (rec, _), out in zip(prompts, outs):
         if len(out) != samples:
             raise RolloutError(f"engine returned {len(out)} samples for prompt {rec.where}, want {samples}")
-        smp = [(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out]
-        groups.append(Group(rec, pids, smp, [tok.decode(ids) for ids, _, _ in smp], [], version))
+        per_prompt.append([(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out])
+    texts = tok.decode_many([ids for smp in per_prompt for ids, _, _ in smp])
+    groups = [
+        Group(rec, pids, smp, texts[i * samples : (i + 1) * samples], [], version)
+        for i, ((rec, pids), smp) in enumerate(zip(prompts, per_prompt))
+    ]
     # one call for the whole round: the reward workers share it out
     scores, report = rewards.score([reward_sample(g.record, t, j) for g in groups for j, t in enumerate(g.texts)])
     for gi, g in enumerate(groups):

@@ -237,7 +237,7 @@ class RolloutCollector:
                 logprobs=False,
             )
             self.fleet.pop_timings()  # validation is not part of a step's generation time
-            texts = [self.tok.decode(o[0]["token_ids"]) for o in outs]
+            texts = self.tok.decode_many([o[0]["token_ids"] for o in outs])
             # guarded like training rewards: a failing reward scores reward.failed_reward, logged
             rewards, report = self.rewards.score([reward_sample(r, t, 0) for (r, _), t in zip(rows, texts)])
             if line := report.summary(self.cfg.reward.failed_reward):

@@ -186,6 +186,9 @@ class HFTokenizer:
         """Response text with special tokens (EOS, chat markers) stripped."""
         return str(self.hf.decode(ids, skip_special_tokens=True))
 
+    def decode_many(self, batch: list[list[int]]) -> list[str]:
+        return [str(t) for t in self.hf.batch_decode(batch, skip_special_tokens=True)]
+
     def files(self) -> list[Path]:
         """The source folder's tokenizer files and generation config (copied unchanged on export)."""
         names = (*HF_TOKENIZER_FILES, GENERATION_CONFIG)

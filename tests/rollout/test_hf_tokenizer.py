@@ -319,3 +319,22 @@ def test_auto_without_tokenizer_files_warns_and_an_untrainable_builtin_names_the
     with pytest.raises(ConfigError, match="model.tokenizer='auto': the built-in tokenizer .48 pieces, for the "
                        "arithmetic demo. cannot be trained on these prompts .*give a tokenizer folder"):
         open_tokenizer(cfg, words * 5, train=True)
+
+
+def test_decode_many_equals_one_decode_each(folder: Path, tmp_path: Path) -> None:
+    """A round's responses are decoded in one call: the texts are those of one call per
+    response, for the built-in SentencePiece model and HF tokenizers alike (special tokens,
+    empty responses and ids past the text included)."""
+    import random
+
+    from megarl.rollout.tokenizer import train_tokenizer
+
+    corpus = [f"{a}+{b}={a + b} and {a}-{b}={a - b}" for a in range(30) for b in range(30)]
+    for tok in (HFTokenizer(folder, "auto"), train_tokenizer(corpus, tmp_path / "sp")):
+        rng = random.Random(0)
+        batch = [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 9))] for _ in range(200)]
+        batch += [[], [tok.eos_id], [*tok.encode_prompt(PromptRecord("1+2=", "3", "x")), tok.eos_id]]
+        texts = tok.decode_many(batch)
+        assert texts == [tok.decode(ids) for ids in batch]
+        assert len(set(texts)) > 100 and "" in texts
+    assert train_tokenizer(corpus, tmp_path / "sp").decode_many([]) == []
