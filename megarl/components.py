@@ -296,8 +296,6 @@ def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         wait_for_model_s=math.inf,
         cpu_gemm=r.cpu_gemm,
         cpu_sampler=r.cpu_sampler,
-        prefix_caching=r.prefix_caching,
-        max_prompt_len=r.max_prompt_len,
     )
 
 

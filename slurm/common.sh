@@ -52,12 +52,12 @@ except ConfigError as e:
     sys.exit(f"megarl-slurm: error: config: {e}")
 p, r = c.parallel, c.rollout
 print(p.tensor_parallel, p.pipeline_parallel, p.data_parallel, r.engine_tp, r.kv_cache_gb, c.train.seed,
-      r.engine_threads, r.max_staleness, r.prefix_caching, r.max_prompt_len)
+      r.engine_threads, r.max_staleness)
 print(Path(c.train.run_dir).resolve())
 EOF
 )" || megarl_die "could not read the megarl config (MEGARL_CONFIG='${MEGARL_CONFIG:-}', MEGARL_SET='${MEGARL_SET:-}')"
     read -r MEGARL_TP MEGARL_PP MEGARL_DP MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED \
-        MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS MEGARL_PREFIX_CACHING MEGARL_MAX_PROMPT_LEN <<<"$(sed -n 1p <<<"$cfg")"
+        MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS <<<"$(sed -n 1p <<<"$cfg")"
     MEGARL_RUN_DIR="$(sed -n 2p <<<"$cfg")"
     MEGARL_WORLD=$((MEGARL_TP * MEGARL_PP * MEGARL_DP))
 
@@ -155,8 +155,7 @@ megarl_start_engines() {
     export MEGARL_ENGINE_PORT="${MEGARL_ENGINE_PORT:-$((MASTER_PORT + 1))}"
     export MEGARL_ENGINE_WAIT_S="${MEGARL_ENGINE_WAIT_S:-1800}"
     export MEGARL_ENGINE_LEASE_S="${MEGARL_ENGINE_LEASE_S:-600}"
-    export MEGARL_RUN_DIR MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS \
-        MEGARL_PREFIX_CACHING MEGARL_MAX_PROMPT_LEN
+    export MEGARL_RUN_DIR MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS
     # The trainer rewrites hf_engine/ at start; a stale manifest from an earlier run (or the
     # run before a requeue) must not let engines start before it does.
     rm -f "$MEGARL_RUN_DIR/hf_engine/weights_manifest.json"

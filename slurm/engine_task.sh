@@ -47,5 +47,4 @@ echo "megarl-slurm: engine $SLURM_PROCID starting on $node:$port${CUDA_VISIBLE_D
 # shellcheck disable=SC2086  # MEGARL_ENGINE_ARGS is a documented space-separated list
 exec "$MEGARL_PY" -m megarl.engine.server --model "$model" --host 0.0.0.0 --port "$port" \
     --tp "$MEGARL_ENGINE_TP" --kv-cache-gb "$MEGARL_KV_CACHE_GB" --seed "$((MEGARL_SEED + SLURM_PROCID))" \
-    --lease-s "$MEGARL_ENGINE_LEASE_S" --wait-for-model "$MEGARL_ENGINE_WAIT_S" \
-    --prefix-caching "${MEGARL_PREFIX_CACHING:-auto}" --max-prompt-len "${MEGARL_MAX_PROMPT_LEN:-0}" ${MEGARL_ENGINE_ARGS:-}
+    --lease-s "$MEGARL_ENGINE_LEASE_S" --wait-for-model "$MEGARL_ENGINE_WAIT_S" ${MEGARL_ENGINE_ARGS:-}

@@ -128,13 +128,6 @@ class RolloutConfig:
     generation). Both give each request tokens that depend on its seed only, not on its batch;
     they are different streams (:mod:`megarl.engine.cpu_sampler`). Engines started elsewhere
     take ``--cpu-sampler``. No effect on GPU engines."""
-    prefix_caching: Literal["auto", "on", "off"] = "auto"
-    """vLLM's prefix caching in the engines megarl starts. It shares whole KV blocks (128 tokens
-    on CPU, 16 on CUDA) of a prompt among requests — the ``samples_per_prompt`` responses to one
-    prompt — so it only ever hits prompts longer than one block. ``auto``: off when
-    ``max_prompt_len`` is at most one block (then the cache is bookkeeping only: ~7 % of a demo
-    generation), else on. Engines started elsewhere take ``--prefix-caching`` and
-    ``--max-prompt-len``."""
     engine_addresses: list[str] = field(default_factory=list)
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25

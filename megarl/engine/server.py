@@ -47,7 +47,7 @@ from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
 from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
-from megarl.engine.vllm_engine import CPU_GEMMS, PREFIX_CACHING, VllmEngine
+from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
 from megarl.errors import CredentialError
 
 __all__ = ["MANIFEST", "main"]
@@ -94,14 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU engines: seeded rows' noise seeds hashed from (seed, draw) for all rows at once, "
         "or vLLM's per-row generator draws (stock tokens)",
     )
-    ap.add_argument(
-        "--prefix-caching",
-        choices=PREFIX_CACHING,
-        default="auto",
-        help="vLLM's prefix caching; auto: off when no prompt can be longer than one KV block "
-        "(--max-prompt-len), so no request could ever hit the cache",
-    )
-    ap.add_argument("--max-prompt-len", type=int, default=0, help="the run's longest prompt, tokens (0: not known)")
     ap.add_argument(
         "--staging-dir",
         default=os.environ.get(STAGING_ENV, ""),
@@ -169,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         args.staging_dir,
         args.cpu_gemm,
         args.cpu_sampler,
-        args.prefix_caching,
-        args.max_prompt_len,
     )
     if stop.is_set():
         return 3

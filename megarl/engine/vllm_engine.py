@@ -50,28 +50,6 @@ rows) and every update would pay vLLM's layer-wise reload; from 512 wide packing
 faster (docs/LOG.md, 2026-12-05)."""
 
 
-PREFIX_CACHING = ("auto", "on", "off")
-"""The values of ``rollout.prefix_caching`` / ``--prefix-caching`` (see :func:`prefix_caching_on`)."""
-
-KV_BLOCK = {"cpu": 128, "cuda": 16}
-"""vLLM's default KV-cache block size by platform (its CPU attention backend's, and CUDA's).
-:func:`prefix_caching_on` reads it before vLLM is built; the engine checks it afterwards."""
-
-
-def prefix_caching_on(requested: str, max_prompt_len: int, block_size: int) -> bool:
-    """Whether an engine turns on vLLM's prefix caching. vLLM shares whole KV blocks only, and
-    a request's hit leaves at least one prompt token to compute, so no request ever hits the
-    cache unless its prompt is longer than one block. ``auto``: on, unless the run's longest
-    prompt (``max_prompt_len``; 0 = not known) is at most ``block_size`` tokens — then the
-    cache's per-request, per-step bookkeeping is all it would bring (~7 % of a demo
-    generation, docs/LOG.md session 24)."""
-    if requested not in PREFIX_CACHING:
-        raise EngineError(f"prefix_caching {requested!r} unknown ({', '.join(PREFIX_CACHING)})")
-    if requested != "auto":
-        return requested == "on"
-    return max_prompt_len <= 0 or max_prompt_len > block_size
-
-
 def cpu_gemm_mode(requested: str, hidden_size: int, on_cpu: bool) -> str:
     """The GEMM a CPU engine's linear layers use: ``packed`` (vLLM's oneDNN/SGL kernels, its
     default) or ``plain`` (``F.linear`` on the parameters, updated by a copy in place);
@@ -174,8 +152,6 @@ class VllmEngine:
         staging_dir: str = "",
         cpu_gemm: str = "auto",
         cpu_sampler: str = "batched",
-        prefix_caching: str = "auto",
-        max_prompt_len: int = 0,
     ) -> None:
         from vllm import LLM
 
@@ -201,8 +177,6 @@ class VllmEngine:
         if on_cpu:  # likewise before vLLM builds its sampler
             os.environ[CPU_SAMPLER_ENV] = cpu_sampler
             self.cpu_sampler = "batched" if use_cpu_sampler(cpu_sampler) else "vllm"
-        assumed_block = KV_BLOCK["cpu" if on_cpu else "cuda"]
-        self.prefix_caching = prefix_caching_on(prefix_caching, max_prompt_len, assumed_block)
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -215,7 +189,7 @@ class VllmEngine:
             max_model_len=max_len or None,
             kv_cache_memory_bytes=int(kv_cache_gb * (1 << 30)),
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=self.prefix_caching,
+            enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=sleep_mode,
             max_num_batched_tokens=max(CPU_PREFILL_TOKENS, max_len) if on_cpu else None,
@@ -236,24 +210,14 @@ class VllmEngine:
         if self.time_model:
             self.llm.collective_rpc("megarl_model_seconds")  # installs the hooks
         threads = torch.get_num_threads()
-        cfg_caching = bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)  # as vLLM took it
         log.info(
-            "KV cache: %d tokens (block size %d); torch threads %d; CPU GEMM %s; CPU sampler %s; prefix caching %s",
+            "KV cache: %d tokens (block size %d); torch threads %d; CPU GEMM %s; CPU sampler %s",
             self.kv_tokens,
             self.block_size,
             threads,
             self.cpu_gemm if on_cpu else "n/a",
             self.cpu_sampler,
-            "on" if cfg_caching else f"off (prompts of at most {max_prompt_len} tokens)",
         )
-        if not self.prefix_caching and prefix_caching == "auto" and max_prompt_len > self.block_size:
-            log.warning(  # vLLM chose a smaller block than KV_BLOCK assumes: the cache could have hit
-                "prefix caching is off for %d-token prompts, but this engine's KV blocks hold %d tokens, not %d: "
-                "start it with --prefix-caching on",
-                max_prompt_len,
-                self.block_size,
-                assumed_block,
-            )
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
         """(block size, KV-cache tokens) of this engine, as vLLM sized it."""

@@ -99,8 +99,6 @@ class Fleet(WeightUpdates):
         heartbeat_s: float = 5.0,
         cpu_gemm: str = "auto",
         cpu_sampler: str = "batched",
-        prefix_caching: str = "auto",
-        max_prompt_len: int = 0,
     ) -> Fleet:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
@@ -109,8 +107,8 @@ class Fleet(WeightUpdates):
         every ``heartbeat_s`` (a lease should span >= 3 of them); ``threads``: each
         engine's OMP_NUM_THREADS (0: inherited); ``wait_for_model_s``: how long the engines wait
         for ``model_dir``'s manifest (0: it must exist now) — the caller may write the folder
-        after the spawn, while the engines import vLLM; ``cpu_gemm``, ``cpu_sampler``,
-        ``prefix_caching``, ``max_prompt_len``: the engines' flags of those names."""
+        after the spawn, while the engines import vLLM; ``cpu_gemm``, ``cpu_sampler``: the engines'
+        ``--cpu-gemm`` and ``--cpu-sampler``."""
         engines = []
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         token = token or new_token()
@@ -141,10 +139,6 @@ class Fleet(WeightUpdates):
                 cpu_gemm,
                 "--cpu-sampler",
                 cpu_sampler,
-                "--prefix-caching",
-                prefix_caching,
-                "--max-prompt-len",
-                str(max_prompt_len),
             ] + (["--sleep-mode"] if sleep_mode else [])
             cmd += ["--wait-for-model", str(wait_for_model_s)] if wait_for_model_s > 0 else []
             # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
