@@ -349,7 +349,11 @@ class VllmEngine:
         return {"ok": True}
 
     def load(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Stage safetensors files (shm transport): read once, validate, keep in memory."""
+        """Stage safetensors files (shm transport): read once, validate, keep in memory.
+
+        ``"begin": true`` opens the update first and ``"commit": true`` applies it after (the
+        reply is then commit's): one request instead of three, for a fleet of one engine. A
+        rejected file leaves the update staged but uncommitted, as a plain load does."""
         from safetensors import safe_open
 
         if self.staging_dir is None:
@@ -358,6 +362,9 @@ class VllmEngine:
             files = [str(inside(f, self.staging_dir)) for f in req["files"]]
         except ValueError as e:
             raise EngineError(f"/weights/load refused: {e}") from e
+        version = int(req["version"])
+        if req.get("begin"):
+            self.begin({"version": version})
         named: list[tuple[str, torch.Tensor]] = []
         for f in files:
             with safe_open(f, framework="pt") as fh:
@@ -365,7 +372,10 @@ class VllmEngine:
                     t = fh.get_tensor(name)
                     check_tensor(self.manifest, name, t, f" in {f}")
                     named.append((name, t))
-        return self._stage(int(req["version"]), named, files=files)
+        staged = self._stage(version, named, files=files)
+        if req.get("commit"):
+            return {**staged, **self.commit({"version": version})}
+        return staged
 
     def load_bytes(self, version: int, data: bytes) -> dict[str, Any]:
         """Stage one bucket sent as safetensors bytes in the request body (http transport)."""

@@ -11,11 +11,13 @@ Each entry fires once, on engine ``engine<i>`` (default 0), when weight version 
 that phase (step ``s`` samples with version ``s``; its sync pushes version ``s + 1``):
 
   logprobs     the trainer computes log-probs of the batch sampled with V (engine idle)
-  sync_begin   every engine has opened update V, nothing loaded yet
+  sync_begin   every engine has opened update V, nothing loaded yet (shm: the load
+               request opens the update, so this is just before it)
   sync_load    the load request of update V is in flight to the engine: it is frozen
                (SIGSTOP) so the request is sent but unanswered, then SIGKILLed after 1 s
                (the trainer sees "Connection reset", as from a death mid-load)
-  sync_commit  just before the engine's commit of V (engines before it have committed)
+  sync_commit  just before the engine's commit of V (engines before it have committed;
+               shm with one engine: the load request commits, so just before it)
   integrity    just before the integrity check's /logprobs request at version V
 
 The death is real (SIGKILL of the engine's process); what follows is the ordinary code path.

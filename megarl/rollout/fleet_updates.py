@@ -60,12 +60,12 @@ class WeightUpdates:
 
     def update_engines(self, engines: list[EngineClient], version: int, files: list[str]) -> None:
         try:
-            self.begin_update(version, engines)
-            self.load_files(version, files, engines)
+            done = self.load_files(version, files, engines, begin=True, commit=len(engines) == 1)
         except WeightSyncError:
             self.abort_update(engines)
             raise
-        self.commit_update(version, engines)
+        if not done:
+            self.commit_update(version, engines)
 
     def set_replay(self, replay: Callable[[list[EngineClient]], None] | None) -> None:
         """How to bring a restarted engine to the current weights (registered by the transport)."""
@@ -99,9 +99,45 @@ class WeightUpdates:
         self.post_all(routes.BEGIN, {"version": version}, version, engines)
         faults.inject("sync_begin", version, engines or self.engines)
 
-    def load_files(self, version: int, files: list[str], engines: list[EngineClient] | None = None) -> None:
-        faults.inject("sync_load", version, engines or self.engines)
-        self.post_all(routes.LOAD, {"version": version, "files": files}, version, engines)
+    def load_files(
+        self,
+        version: int,
+        files: list[str],
+        engines: list[EngineClient] | None = None,
+        begin: bool = False,
+        commit: bool = False,
+    ) -> bool:
+        """Every engine stages ``files`` (shm). ``begin``: the same request opens the update
+        (files need nothing opened before they are written); ``commit``: it also applies it —
+        for one engine only, as nothing then waits for another engine's verdict. Each saves a
+        round trip (~1 ms of a demo step). True when the update needs no separate commit: the
+        engine committed, or died and is left to :meth:`recover`, as in :meth:`commit_update`."""
+        targets = engines or self.engines
+        if commit and len(targets) != 1:
+            raise ValueError(f"a load that commits needs a fleet of one engine, not {len(targets)}")
+        if begin:
+            faults.inject("sync_begin", version, targets)
+        faults.inject("sync_load", version, targets)
+        if commit:
+            faults.inject("sync_commit", version, targets)
+        body = (
+            {"version": version, "files": files}
+            | ({"begin": True} if begin else {})
+            | ({"commit": True} if commit else {})
+        )
+        answers = self.post_all(routes.LOAD, body, version, engines)
+        if not commit:
+            return False
+        answer = answers[0]
+        if answer is not None:
+            if answer.get("version") != version:  # an engine that ignored "commit" would serve the old weights
+                self.abort_update(targets)
+                raise WeightSyncError(
+                    f"{targets[0].name} did not commit version {version} with its load (answered {answer}): "
+                    "an engine from another megarl version?"
+                )
+            self.version = version
+        return True
 
     def load_bytes(self, version: int, data: bytes, engines: list[EngineClient] | None = None) -> None:
         """One bucket as safetensors bytes (http transport)."""

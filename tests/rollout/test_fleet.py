@@ -369,3 +369,52 @@ def test_engine_spawned_before_its_folder_waits_for_it_and_exits_promptly(tmp_pa
             never.ready()
     finally:
         never.shutdown()
+
+
+def test_one_engine_takes_an_update_in_one_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet of one engine updates from files with a single /weights/load that opens, stages
+    and commits: new weights serve; a rejected file leaves the old ones serving and nothing
+    staged; an engine killed just before that request comes back at the new version."""
+    hf = tiny_hf_model(tmp_path / "hf", vocab=64)
+    weights = load_file(str(hf / "model.safetensors"))
+    (hf / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in weights.items()}))
+    f = Fleet.start_local(hf, num_engines=1, engine_tp=1, kv_cache_gb=0.25, log_dir=tmp_path / "logs", seed=0,
+                          request_timeout_s=120, start_timeout_s=300)  # fmt: skip
+    try:
+        original = _staged(f, hf / "model.safetensors")
+        f.update_weights(1, [original])
+        before = f.logprobs([SEQ], temperature=1.0)
+        g = torch.Generator().manual_seed(3)
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+        save_file(new, str(f.staging_dir / "new.safetensors"))
+        engine, paths = f.engines[0], []
+        exchange = engine._exchange
+
+        def counted(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+            paths.append(path)
+            return exchange(path, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "_exchange", counted)
+        f.update_weights(2, [str(f.staging_dir / "new.safetensors")])
+        assert paths == ["/weights/load"]
+        assert f.versions() == [2] and f.version == 2
+        after = f.logprobs([SEQ], temperature=1.0)
+        assert _max_diff(after, before) > 0.01
+
+        nan = {k: v.clone() for k, v in new.items()}
+        nan["model.layers.0.mlp.down_proj.weight"][1, 2] = float("inf")
+        save_file(nan, str(f.staging_dir / "nan.safetensors"))
+        with pytest.raises(WeightSyncError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*NaN/Inf"):
+            f.update_weights(3, [str(f.staging_dir / "nan.safetensors")])
+        assert f.versions() == [2] and f.logprobs([SEQ], temperature=1.0) == after
+        with pytest.raises(WeightSyncError, match="commit for version 3, staged None"):
+            f.commit_update(3)  # the rejected update was dropped, not left staged
+
+        restarts, pid = f.restarts, engine.proc.pid
+        monkeypatch.setenv("MEGARL_FAULT", "kill_engine_at=sync_commit:version=4:engine=0")
+        f.update_weights(4, [original])
+        assert f.restarts == restarts + 1 and f.engines[0].proc.pid != pid
+        assert f.versions() == [4]
+        assert f.logprobs([SEQ], temperature=1.0) == before  # the restarted engine replayed version 4
+    finally:
+        f.shutdown()

@@ -27,6 +27,13 @@ class ShmTransport(FleetPhases):
         self.fleet, self.dims, self.root = fleet, dims, root
         self._files: list[str] = []
         self._prev_dir: Path | None = None
+        self._committed = False
+        """The load request committed too (a fleet of one engine)."""
+
+    def begin(self, version: int) -> None:
+        """Nothing to open before the files are written: the load request opens the update."""
+        if self.fleet is not None:
+            self.fleet.recover()
 
     def send(self, version: int, buckets: list[Bucket]) -> list[str]:
         from safetensors.torch import save_file
@@ -43,8 +50,17 @@ class ShmTransport(FleetPhases):
 
     def load(self, version: int, receipts: list[Any]) -> None:
         self._files = [f for files in receipts for f in files]
+        self._committed = False
         if self.fleet is not None:
-            self.fleet.load_files(version, self._files)
+            one = len(self.fleet.engines) == 1
+            self._committed = self.fleet.load_files(version, self._files, begin=True, commit=one)
+
+    def commit(self, version: int) -> None:
+        if self.fleet is not None:
+            if not self._committed:
+                self.fleet.commit_update(version)
+            self.fleet.set_replay(self.replay(version))
+            self.fleet.recover()
 
     def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
         fleet, files = self.fleet, list(self._files)
