@@ -1,6 +1,7 @@
-"""``all_gather_flat`` (the weight sync's TP gather, several tensors per collective) returns
-what one ``all_gather`` per tensor returns, for any chunk size, mixed dtypes and shapes —
-run on two real gloo ranks."""
+"""``gather_flat`` (the weight sync's TP gather, several tensors per collective) returns on
+its destination rank what one ``all_gather`` per tensor returns, and nothing on the others,
+for any chunk size, mixed dtypes and shapes, either rank as the destination — run on two
+real gloo ranks."""
 
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megarl.checkpoint.hf_io import all_gather_flat
+from megarl.checkpoint.hf_io import gather_flat
 
 WORLD = 2
 
@@ -35,15 +36,19 @@ def _worker(rank: int, init: str, out_dir: str) -> None:
         dist.all_gather(parts, t.contiguous())
         expect.append(parts)
     results = {}
-    for chunk in (1, 40, 64 << 20):  # one tensor per collective, a few, all of one dtype at once
-        got = all_gather_flat(mine, None, chunk_bytes=chunk)
-        assert len(got) == len(mine)
-        results[chunk] = all(
-            len(g) == WORLD
-            and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(g, e))
-            for g, e in zip(got, expect)
-        )
-    assert all_gather_flat([], None) == []
+    for dst in (0, 1):
+        for chunk in (1, 40, 64 << 20):  # one tensor per collective, a few, all of one dtype at once
+            got = gather_flat(mine, None, dst=dst, chunk_bytes=chunk)
+            if rank != dst:
+                results[dst, chunk] = got == []
+                continue
+            assert len(got) == len(mine)
+            results[dst, chunk] = all(
+                len(g) == WORLD
+                and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(g, e))
+                for g, e in zip(got, expect)
+            )
+    assert gather_flat([], None) == []
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -53,7 +58,7 @@ def test_flat_gather_equals_one_gather_per_tensor(tmp_path: Path) -> None:
     mp.start_processes(_worker, args=(init, str(tmp_path)), nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert results == {1: True, 40: True, 64 << 20: True}, (rank, results)
+        assert results == {(d, c): True for d in (0, 1) for c in (1, 40, 64 << 20)}, (rank, results)
     # the other rank's tensors really arrived (not this rank's twice)
     assert not torch.equal(_tensors(0)[0], _tensors(1)[0])
 
