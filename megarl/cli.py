@@ -200,7 +200,11 @@ def _dispatch(args_list: list[str]) -> int:
 
 if __name__ == "__main__":
     from megarl.compat.exit import exit_now
+    from megarl.compat.startup import startup
 
+    if "RANK" in os.environ:  # a trainer rank under torchrun: torch's and Megatron's modules, frozen
+        with startup():
+            import megarl.loop  # noqa: F401
     code = main()
     if code == 0:  # a finished rank's or launcher's teardown is seconds of nothing (compat/exit.py)
         exit_now(code)

@@ -43,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from megarl.compat.startup import startup
 from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
 from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
@@ -139,18 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     lifeline = Lifeline(args.parent_pid, args.lease_s)
     stop, lost = threading.Event(), list[str]()
     lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
-    if args.wait_for_model > 0:
+    with startup():  # vLLM's heap, frozen: collections while the engine is built skip it
         import vllm  # noqa: F401  (seconds of imports, done while the trainer writes the folder)
-
-        if not _wait_for(Path(args.model) / MANIFEST, stop, args.wait_for_model):
-            if not stop.is_set():
-                log.error(
-                    "no %s after %.0f s: the trainer writes it as it starts (did it start? does this "
-                    "node see the trainer's run folder, a shared filesystem?)",
-                    Path(args.model) / MANIFEST,
-                    args.wait_for_model,
-                )
-            return 3 if stop.is_set() else 2
+    if args.wait_for_model > 0 and not _wait_for(Path(args.model) / MANIFEST, stop, args.wait_for_model):
+        if not stop.is_set():
+            log.error(
+                "no %s after %.0f s: the trainer writes it as it starts (did it start? does this "
+                "node see the trainer's run folder, a shared filesystem?)",
+                Path(args.model) / MANIFEST,
+                args.wait_for_model,
+            )
+        return 3 if stop.is_set() else 2
     engine = VllmEngine(
         args.model,
         args.tp,
