@@ -11,7 +11,7 @@ GENERATE = "/generate"  # POST {"prompts", "n", "max_tokens", ...} -> binary fra
 LOGPROBS = "/logprobs"  # POST {"sequences", "temperature"} -> {"version", "logprobs"} (integrity check)
 HEARTBEAT = "/heartbeat"  # POST {}: keeps the engine's lease (the fleet sends it every few seconds)
 BEGIN = "/weights/begin"  # POST {"version"}: open an update
-LOAD = "/weights/load"  # POST {"version", "files"}: stage safetensors files from the staging folder (shm)
+LOAD = "/weights/load"  # POST {"version", "files", "begin"?, "commit"?}: stage files from the staging folder (shm)
 LOAD_BYTES = "/weights/load_bytes"  # POST ?version=V, body: safetensors bytes (http transport)
 CHECK = "/weights/check"  # POST {"tensors": [records]}: names/shapes/dtypes before NCCL / IPC data
 NCCL_INIT = "/weights/nccl_init"  # POST: join the trainer's NCCL group

@@ -14,7 +14,8 @@ Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; 
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /heartbeat  {}                           (keeps the lease; the fleet sends it)
   POST /weights/begin  {"version"}
-  POST /weights/load   {"version", "files": [safetensors paths inside --staging-dir]}  shm
+  POST /weights/load   {"version", "files": [safetensors paths inside --staging-dir],
+                        "begin"?, "commit"?}  shm (begin / commit: that too, in the same request)
   POST /weights/load_bytes?version=V   body: safetensors bytes        http transport
                    (Content-Type: application/octet-stream)
   POST /weights/check  {"tensors": [{"name", "shape", "dtype"}]}     before NCCL / IPC data

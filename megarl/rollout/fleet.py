@@ -19,10 +19,10 @@ engine and its address.
 Weight updates go to every engine as begin → load (all engines) → commit (all engines);
 a load rejected by any engine aborts the update everywhere, so the whole fleet keeps
 serving the previous version. From safetensors files (shm) the load request also opens the
-update, and with one engine it commits too: one round trip instead of three. The primitives (``begin_update``, ``load_files``,
-``load_bytes``, ``post_all``, ``commit_update``, ``abort_update``) are driven by a weight-sync
-transport (``megarl.weight_sync.transports``); ``update_weights`` is the whole sequence from
-safetensors files. A restarted engine is brought to the current weights by the replay the
+update, and with one engine it commits too: one round trip instead of three. The primitives
+(``begin_update``, ``load_files``, ``load_bytes``, ``post_all``, ``commit_update``,
+``abort_update``) are driven by a weight-sync transport (``megarl.weight_sync.transports``);
+``update_weights`` is the whole sequence from safetensors files. A restarted engine is brought to the current weights by the replay the
 last transport registered (``set_replay``).
 
 Every request carries the run's credential (``megarl.engine.credentials``); engines started

@@ -226,11 +226,14 @@ def _reason(e: BaseException) -> str:
 
 
 def _number(value: Any) -> float:
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy / torch scalar
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward returned {type(value).__name__} {value!r}, not a number")
-    out = float(value)
+    if type(value) is float:  # the usual answer, without the ABC check below (~40 % of scoring a sample)
+        out = value
+    else:
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy / torch scalar
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"reward returned {type(value).__name__} {value!r}, not a number")
+        out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"reward returned {out}")
     return out
