@@ -170,6 +170,23 @@ def test_seeded_requests_over_one_step_budget(fleet) -> None:
     assert f.restarts == restarts  # no engine died (the fleet would have restarted it)
 
 
+def test_a_cpu_engine_runs_a_512_sequence_round_in_one_wave(fleet) -> None:
+    """``CPU_MAX_SEQS``: 32 seeded prompts × 16 samples on one engine is one call of vLLM's
+    (vLLM's CPU default of 256 sequences a step would make it two waves, logged)."""
+    f, _, _, _ = fleet
+    logs = [e.log_path for e in f.engines if e.log_path is not None]
+    sizes = [log.stat().st_size for log in logs]
+    prompts = [[1, 5 + i % 40, 9, 13] for i in range(64)]  # 32 an engine
+    out, _ = f.generate(prompts, n=16, max_tokens=2, temperature=1.0, top_p=1.0, stop_token_ids=[],
+                        seeds=list(range(64)), ignore_eos=True, logprobs=False)  # fmt: skip
+    assert sum(len(g) for g in out) == 64 * 16
+    assert len(logs) == 2
+    for log, size in zip(logs, sizes):
+        with log.open() as fh:
+            fh.seek(size)
+            assert "waves" not in fh.read(), log
+
+
 def test_generation_without_logprobs_samples_the_same_tokens(fleet) -> None:
     """``logprobs=False`` (a step that does not read them, and validation): the same seeded
     samples, no log-probs; with them, one log-prob per sampled token, each that token's under the
