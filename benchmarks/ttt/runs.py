@@ -99,8 +99,21 @@ Older = tuple[list[str], Callable[[dict[str, Any]], bool]]
 """(settings of an earlier rule, accept): which results made with them still hold."""
 
 
+OUT = "{out}"
+"""How a result's settings name the benchmark folder itself (its task file, its base model)."""
+
+
+def portable(out: Path, settings: list[str]) -> list[str]:
+    """``settings`` with the folder ``out`` written as :data:`OUT`. A cache copied or moved to
+    another ``--out`` then still matches: with absolute paths every result missed and every
+    run was done again, silently (session 23's copy of session 22's runs, docs/LOG.md session 24)."""
+    root = str(out)
+    return [x.replace(root, OUT) for x in settings]
+
+
 def cache_load(out: Path, key: str, settings: list[str], older: Older | None = None) -> dict[str, Any] | None:
-    """The cached result of run ``key`` if it was made with exactly ``settings``, else None.
+    """The cached result of run ``key`` if it was made with exactly ``settings`` (the folder's
+    own paths aside: :func:`portable`), else None.
 
     ``older`` = (settings, accept): a result made with those earlier settings is also taken
     when ``accept(result)`` says the difference cannot have changed it (the benchmark's stop
@@ -110,9 +123,10 @@ def cache_load(out: Path, key: str, settings: list[str], older: Older | None = N
     if not path.is_file():
         return None
     res = json.loads(path.read_text())
-    if res.get("settings") == settings:
+    stored = portable(out, res.get("settings") or [])
+    if stored == portable(out, settings):
         return dict(res)
-    if older is not None and res.get("settings") == older[0] and older[1](res):
+    if older is not None and stored == portable(out, older[0]) and older[1](res):
         return dict(res)
     return None
 
@@ -122,7 +136,7 @@ def cache_store(out: Path, key: str, settings: list[str], result: dict[str, Any]
     path = out / "results" / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**result, "settings": settings}))
+    tmp.write_text(json.dumps({**result, "settings": portable(out, settings)}))
     tmp.replace(path)
 
 

@@ -15,6 +15,29 @@ def test_cache_returns_a_result_only_for_the_same_settings(tmp_path):
     assert not list((tmp_path / "results").glob("*.tmp"))  # written atomically
 
 
+def test_a_copied_benchmark_folder_keeps_its_cache(tmp_path):
+    """Results name the folder's own task file and base model relative to it: a copy under
+    another --out still finds them (with absolute paths every run was silently done again)."""
+    import shutil
+
+    import benchmarks.time_to_target as ttt
+
+    mode = ttt.MODES["quick"]
+    first, second = tmp_path / "s22" / "ttt", tmp_path / "s23" / "ttt"
+    settings = ttt.common_sets(first, mode, [0.25, 0.32]) + ["optim.lr=5e-05", "train.seed=1"]
+    assert any(str(first) in x for x in settings)  # the folder's own paths are in the settings
+    runs.cache_store(first, "sweep_p32_m0.5_s1", settings, {"time_s": [4.8, 16.9]})
+    shutil.copytree(first, second)
+    moved = ttt.common_sets(second, mode, [0.25, 0.32]) + ["optim.lr=5e-05", "train.seed=1"]
+    assert runs.cache_load(second, "sweep_p32_m0.5_s1", moved)["time_s"] == [4.8, 16.9]
+    assert runs.cache_load(second, "sweep_p32_m0.5_s1", moved[:-1] + ["train.seed=2"]) is None
+    other = ttt.common_sets(second, mode, [0.25, 0.30]) + ["optim.lr=5e-05", "train.seed=1"]
+    assert runs.cache_load(second, "sweep_p32_m0.5_s1", other) is None  # another target: run again
+    # a result stored with absolute paths before this rule is still found in its own folder
+    (first / "results" / "old.json").write_text(json.dumps({"time_s": [1.0], "settings": settings}))
+    assert runs.cache_load(first, "old", settings)["time_s"] == [1.0]
+
+
 def test_results_of_the_older_stop_rule_are_kept_only_where_it_cannot_have_cut_them_short(tmp_path):
     """The stop rule before ``train.target_window`` ended a run on one raw validation past the
     target: a run it stopped before its smoothed curve crossed is run again; one that crossed,
