@@ -360,8 +360,9 @@ class VllmEngine:
         """Stage safetensors files (shm transport): read once, validate, keep in memory.
 
         ``"begin": true`` opens the update first and ``"commit": true`` applies it after (the
-        reply is then commit's): one request instead of three, for a fleet of one engine. A
-        rejected file leaves the update staged but uncommitted, as a plain load does."""
+        reply is then commit's); the fleet always asks for the first, and for the second when
+        it has one engine (``Fleet.load_files``). A rejected file leaves the update staged but
+        uncommitted, as a plain load does."""
         from safetensors import safe_open
 
         if self.staging_dir is None:

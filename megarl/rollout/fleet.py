@@ -22,8 +22,8 @@ serving the previous version. From safetensors files (shm) the load request also
 update, and with one engine it commits too: one round trip instead of three. The primitives
 (``begin_update``, ``load_files``, ``load_bytes``, ``post_all``, ``commit_update``,
 ``abort_update``) are driven by a weight-sync transport (``megarl.weight_sync.transports``);
-``update_weights`` is the whole sequence from safetensors files. A restarted engine is brought to the current weights by the replay the
-last transport registered (``set_replay``).
+``update_weights`` is the whole sequence from safetensors files. A restarted engine is brought
+to the current weights by the replay the last transport registered (``set_replay``).
 
 Every request carries the run's credential (``megarl.engine.credentials``); engines started
 here get it through their environment, a private staging folder for shm weight files, the

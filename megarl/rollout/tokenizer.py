@@ -97,7 +97,7 @@ class Tokenizer:
 
     def decode_many(self, batch: list[list[int]]) -> list[str]:
         """One SentencePiece call for a whole round's responses (half the time of one call each)."""
-        if not batch:
+        if not batch:  # (SentencePiece reads [] as one empty sequence: it would answer '')
             return []
         return [str(t) for t in self.sp.decode([[i for i in ids if i > UNK] for ids in batch])]
 

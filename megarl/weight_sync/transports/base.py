@@ -84,9 +84,14 @@ class FleetPhases:
 
     def commit(self, version: int) -> None:
         if self.fleet is not None:
-            self.fleet.commit_update(version)
+            self.commit_engines(version)
             self.fleet.set_replay(self.replay(version))
             self.fleet.recover()
+
+    def commit_engines(self, version: int) -> None:
+        """The engines apply what they staged (shm with one engine: its load request did)."""
+        assert self.fleet is not None
+        self.fleet.commit_update(version)
 
     def abort(self, version: int) -> None:
         if self.fleet is not None:

@@ -55,12 +55,9 @@ class ShmTransport(FleetPhases):
             one = len(self.fleet.engines) == 1
             self._committed = self.fleet.load_files(version, self._files, begin=True, commit=one)
 
-    def commit(self, version: int) -> None:
-        if self.fleet is not None:
-            if not self._committed:
-                self.fleet.commit_update(version)
-            self.fleet.set_replay(self.replay(version))
-            self.fleet.recover()
+    def commit_engines(self, version: int) -> None:
+        if not self._committed:
+            super().commit_engines(version)
 
     def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
         fleet, files = self.fleet, list(self._files)
