@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimConfig, RunConfig
+from megarl.config.checks import probe_min_batch
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import adam_preconditioner
@@ -67,6 +68,7 @@ class Planner:
                 dp_size=dp,
                 lr_ref={m: self.lr_ref[m] for m in models},
                 b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
+                min_batch=probe_min_batch(cfg, dp, critic_dp),
             )
             self.coord = Coordinator(c, run)
 

@@ -132,7 +132,33 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
     _token_budget(cfg, m, dp)
+    _probe_parts(cfg, dp)
     _validate_critic_layout(cfg, world_size)
+
+
+def probe_min_batch(cfg: RunConfig, dp: int, critic_dp: int | None = None) -> int:
+    """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
+    parts are the measured mini-batch's micro-batches, and one part gives no estimate."""
+    if min(dp, critic_dp or dp) > 1:
+        return 1  # parts are DP ranks (or their micro-batches): at least two
+    return 2 * cfg.parallel.micro_batch_size * cfg.algo.mini_batches
+
+
+def _probe_parts(cfg: RunConfig, dp: int) -> None:
+    """coordinator.enabled at DP = 1: the starting batch gives the noise probe two micro-batches."""
+    if not cfg.coordinator.enabled:
+        return
+    p = cfg.parallel
+    critic_dp = cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
+    need = probe_min_batch(cfg, dp, critic_dp)
+    if cfg.batch_size < need:
+        fail(
+            "rollout.num_prompts×samples_per_prompt",
+            cfg.batch_size,
+            f"must be >= 2 × parallel.micro_batch_size={p.micro_batch_size} × algo.mini_batches="
+            f"{cfg.algo.mini_batches} = {need} with coordinator.enabled at DP = 1: the noise estimate's "
+            "parts are the measured mini-batch's micro-batches, and one part measures no noise",
+        )
 
 
 def _token_budget(cfg: RunConfig, m: ModelConfig, dp: int) -> None:

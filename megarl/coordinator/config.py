@@ -33,6 +33,10 @@ class CoordinatorRun:
     (`CoordinatorConfig.lr_reference_batch`); default the initial batch."""
     batch_models: list[str] | None = None
     """Models whose noise scale decides the batch; None means every observed model."""
+    min_batch: int = 1
+    """Smallest batch (responses) the grad probes can measure (at DP = 1: two micro-batches of
+    the measured mini-batch); the grid holds no smaller batch, whatever min_prompts says —
+    a batch the probe cannot measure would never be left again."""
 
     @property
     def initial_batch(self) -> int:
@@ -44,7 +48,7 @@ def grid(settings: CoordinatorConfig, run: CoordinatorRun) -> BatchGrid:
     """The candidate prompt counts the coordinator chooses from."""
     return BatchGrid(
         samples_per_prompt=run.samples_per_prompt,
-        min_prompts=settings.min_prompts,
+        min_prompts=max(settings.min_prompts, -(-run.min_batch // run.samples_per_prompt)),
         max_prompts=settings.max_prompts,
         factor=settings.grid_factor,
         divisor=run.batch_divisor,
@@ -54,6 +58,11 @@ def grid(settings: CoordinatorConfig, run: CoordinatorRun) -> BatchGrid:
 def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
     """Raise ValueError naming the field, its value and the rule."""
     s = settings
+    if run.initial_batch < run.min_batch:
+        raise ValueError(
+            f"initial batch {run.initial_batch} responses is below min_batch={run.min_batch}, the smallest "
+            "batch whose gradient noise the probes can measure"
+        )
     g = grid(s, run)
     g.validate()
     if not g.is_valid(run.initial_prompts):

@@ -305,3 +305,18 @@ def test_cpu_engine_head_dims_are_vllms_and_others_are_refused() -> None:
         validate(cfg, 1)
     cfg.rollout.engine_addresses = ["gpu-node:8000"]  # engines elsewhere: their own business
     validate(cfg, 1)
+
+
+def test_coordinator_start_the_probe_cannot_measure_is_refused() -> None:
+    """At DP = 1 the noise estimate's parts are micro-batches: a start with one is named."""
+    from megarl.prelaunch import check_run
+
+    cfg = _cfg(coordinator={"enabled": True, "min_prompts": 2},
+               rollout={"num_prompts": 4, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64})
+    with pytest.raises(ConfigError, match=r"rollout.num_prompts×samples_per_prompt=64 must be >= 2 × "
+                       r"parallel.micro_batch_size=64 × algo.mini_batches=1 = 128"):
+        check_run(cfg, 1)
+    check_run(_cfg(coordinator={"enabled": True, "min_prompts": 2},
+                   rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 1)
+    check_run(_cfg(coordinator={"enabled": True, "min_prompts": 2},  # DP = 2: the parts are ranks
+                   rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 2)

@@ -330,3 +330,19 @@ def test_protocol_and_config_errors() -> None:
                 rank_train_s=[1.0, 1.0, 1.0],
             ),
         )
+
+
+def test_never_plans_a_batch_its_probes_cannot_measure() -> None:
+    """B_noise = 5 puts the goodput optimum near 36 responses (4-5 prompts); with min_batch = 64
+    (at DP = 1, two micro-batches of 32) the grid stops at 8 prompts. Below it the probe would
+    see one part, the noise estimate would stop, and the batch would never move again (the
+    time-to-target benchmark's runs sat at 64 responses for hundreds of steps that way)."""
+    free = Coordinator(*_config(warmup_steps=2))
+    floored = Coordinator(*_config(warmup_steps=2, min_batch=64))
+    free_plans = _run(free, SyntheticTrainer(0, {"actor": 5.0}), 0, 30)
+    floored_plans = _run(floored, SyntheticTrainer(0, {"actor": 5.0}), 0, 30)
+    assert min(p.num_prompts for p in free_plans) == 4  # the optimum lies below the floor
+    assert min(p.num_prompts for p in floored_plans) == 8
+    assert min(floored.grid.prompts()) == 8
+    with pytest.raises(ValueError, match="initial batch 64 responses is below min_batch=128"):
+        Coordinator(*_config(min_batch=128))
