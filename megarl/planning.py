@@ -137,9 +137,7 @@ class Planner:
             )
         # with a budget, micro-batches are grouped by length: only whole DP ranks are random parts
         model.probe = GradProbe(
-            dims,
-            microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts),
-            direction=self.cfg.coordinator.lr_search,
+            dims, microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts)
         )
 
     def start_probe(self, model: Model, update_index: int) -> bool:
@@ -186,7 +184,7 @@ class Planner:
         if model.probe.weights is not None:  # preconditioned: |P·G|² from the probe, not the optimizer's |G|²
             assert model.probe.global_sq is not None, "the preconditioned probe saw no DP reduction"
             grad_norm = math.sqrt(model.probe.global_sq)
-        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source, model.probe.step_cosine)
+        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source)
         if stats is not None:
             self._grads.append(stats)
         return float(model.probe.seconds)
@@ -266,7 +264,6 @@ def grad_stats(
     grad_norm: float,
     unit: str,
     source: str,
-    step_cosine: float | None = None,
 ) -> ModelGradStats | None:
     """ModelGradStats over the parts' units with signal; None when fewer than 2 parts have any.
 
@@ -276,7 +273,7 @@ def grad_stats(
     over units with signal (× (D/n)², × (D/D_s)²). Parts without signal are left out (their
     norm is ~0 and says nothing about the noise); ``signal_fraction`` tells the coordinator
     which share of the rollout's responses the estimate counts. ``source``: "microbatch" or
-    "dp", what the parts are; ``step_cosine``: the probe's cos(g, Δθ) (lr_search), passed on.
+    "dp", what the parts are.
     """
     total = float(units.sum())
     part_units = [float((units[r] * signal[r]).sum()) for r in rows]
@@ -293,5 +290,4 @@ def grad_stats(
         batch_unit=unit,  # type: ignore[arg-type]
         source=source,  # type: ignore[arg-type]
         grad_average="samples",
-        step_cosine=step_cosine,
     )

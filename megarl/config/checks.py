@@ -293,15 +293,6 @@ def _coordinator(cfg: RunConfig) -> None:
             "must be false with coordinator.noise_kind='adam': the distributed optimizer keeps one DP "
             "rank's shard of Adam's second moments, and the probe weighs whole local gradients",
         )
-    if c.enabled and c.lr_search and cfg.parallel.use_distributed_optimizer:
-        fail(
-            "parallel.use_distributed_optimizer",
-            True,
-            "must be false with coordinator.lr_search: the distributed optimizer leaves each DP rank one "
-            "shard of the reduced gradient, and the step cosine dots the whole gradient with the step",
-        )
-    if c.lr_search and not c.adapt:
-        fail("coordinator.lr_search", True, "needs coordinator.adapt=true (a measure-only coordinator keeps the LR)")
     if c.lr_reference_batch < 0:
         fail(
             "coordinator.lr_reference_batch", c.lr_reference_batch, "must be >= 0 responses (0 = the configured batch)"

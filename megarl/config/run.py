@@ -85,18 +85,6 @@ class CoordinatorConfig:
     lr_reference_batch: int = 0
     """Responses per step at which optim.lr / critic.lr were validated; every planned LR scales
     from it (0 = the configured batch, rollout.num_prompts × samples_per_prompt)."""
-    lr_search: bool = False
-    """Find the LR multiplier online: the rule's LR (lr_rule from lr_reference_batch) is
-    multiplied by a factor driven by cos(g_{t+1}, Δθ_t), the sign of the hypergradient of the
-    loss after each step in log LR (docs/COORDINATOR.md §3; needs
-    parallel.use_distributed_optimizer false). The copy of θ it reads Δθ from is not
-    checkpointed: after a resume the first step reads nothing."""
-    lr_search_rate: float = 0.1
-    """Largest change of the log LR multiplier per step."""
-    lr_search_beta: float = 0.9
-    """EMA decay per step of the step cosine and its square."""
-    lr_search_range: float = 8.0
-    """The LR multiplier stays within [1/range, range]."""
     lr_min: float = 0.0
     """Lower clip of every planned LR."""
     lr_max: float = 1.0e-2

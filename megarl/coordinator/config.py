@@ -96,12 +96,6 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
         raise ValueError(f"noise_calibration={s.noise_calibration} must be > 0")
     if s.lr_rule not in LR_RULES:
         raise ValueError(f"lr_rule={s.lr_rule!r} must be one of {sorted(LR_RULES)}")
-    if not (s.lr_search_rate > 0 and math.isfinite(s.lr_search_rate)):
-        raise ValueError(f"lr_search_rate={s.lr_search_rate} must be finite and > 0")
-    if not 0.0 <= s.lr_search_beta < 1.0:
-        raise ValueError(f"lr_search_beta={s.lr_search_beta} must be in [0, 1)")
-    if not (s.lr_search_range >= 1 and math.isfinite(s.lr_search_range)):
-        raise ValueError(f"lr_search_range={s.lr_search_range} must be finite and >= 1")
     if not 0.0 <= s.lr_min <= s.lr_max:
         raise ValueError(f"need 0 <= lr_min={s.lr_min} <= lr_max={s.lr_max}")
     for name, b in run.b_ref.items():

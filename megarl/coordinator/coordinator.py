@@ -17,8 +17,7 @@ gradients and of the all-reduced gradient (`ModelGradStats`), and the phase timi
    B_noise decides (the most batch-sensitive model);
 4. a learning rate per model from its reference (b_ref = `lr_reference_batch`, lr_ref) and
    the planned batch (`lr_rules.py`), clipped to [lr_min, lr_max], and on a batch change the
-   factor for Adam's second moments (`policy.adam_v_scale`); with `lr_search` the rule's LR
-   is multiplied by a factor found online from each step's cos(g_{t+1}, Δθ_t) (`lr_search.py`);
+   factor for Adam's second moments (`policy.adam_v_scale`);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
    (responses/s), so that ranks finish together.
 
@@ -41,7 +40,6 @@ from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun, grid, validate
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
-from megarl.coordinator.lr_search import LrSearch
 from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
 from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
@@ -78,7 +76,6 @@ class Coordinator:
             ema_beta=config.ema_beta,
         )
         self._rank_tput = [Ema(config.ema_beta) for _ in range(run.dp_size)]
-        self._lr_search: dict[str, LrSearch] = {}  # per model, with coordinator.lr_search
         self._plan: StepPlan | None = None
 
     # ----------------------------------------------------------------- observe
@@ -97,9 +94,6 @@ class Coordinator:
             self._units[model] = unit
             self._estimator(model).update(*plain, dof=dof)
             self._signal.setdefault(model, Ema(self.config.ema_beta)).update(signal)
-        for g in grads if self.config.lr_search else ():
-            if g.step_cosine is not None:
-                self._search(g.model).update(g.step_cosine)
         self._time.observe(
             responses=timings.rollout_responses,
             tokens=timings.rollout_tokens,
@@ -115,17 +109,6 @@ class Coordinator:
             ema.update(x)
         self._last_step = step
         self._observed += 1
-
-    def _search(self, model: str) -> LrSearch:
-        if model not in self._lr_search:
-            c = self.config
-            self._lr_search[model] = LrSearch(rate=c.lr_search_rate, beta=c.lr_search_beta, range=c.lr_search_range)
-        return self._lr_search[model]
-
-    def lr_multiplier(self, model: str) -> float:
-        """The factor `lr_search` found for `model`'s LR (1 without it or before any reading)."""
-        s = self._lr_search.get(model)
-        return 1.0 if s is None else s.multiplier
 
     def _estimator(self, model: str) -> NoiseScaleEstimator:
         if model not in self._noise:
@@ -161,9 +144,6 @@ class Coordinator:
             for name, value in (("|G|^2", plain[0]), ("tr(Sigma)", plain[1])):
                 if not math.isfinite(value):
                     raise ValueError(f"model {g.model!r}: non-finite {name} estimate {value}")
-            c = g.step_cosine
-            if c is not None and not (math.isfinite(c) and -1.0 - 1e-6 <= c <= 1.0 + 1e-6):
-                raise ValueError(f"model {g.model!r}: step_cosine={c} must be finite and in [-1, 1]")
             signal = 1.0 if g.signal_fraction is None else g.signal_fraction
             if not 0.0 < signal <= 1.0:
                 raise ValueError(f"model {g.model!r}: signal_fraction={g.signal_fraction} must be in (0, 1]")
@@ -257,7 +237,7 @@ class Coordinator:
         inputs = LrInputs(
             b=float(b),
             b_ref=float(self.run.b_ref.get(model, self.run.initial_batch)),
-            lr_ref=lr_ref * self.lr_multiplier(model),
+            lr_ref=lr_ref,
             g2=g2 if tr_resp is not None else None,
             tr_sigma=tr_resp,
             b_noise=self._b_noise_responses(model, est.b_simple if est is not None else None),
@@ -367,10 +347,6 @@ class Coordinator:
             out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
             out[f"coord/noise_dof/{m}"] = est.dof
             out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
-        for m, search in sorted(self._lr_search.items()):
-            out[f"coord/lr_mult/{m}"] = search.multiplier
-            cos = search.mean_cosine
-            out[f"coord/step_cos/{m}"] = nan if cos is None else cos
         b = self._prompts * self.run.samples_per_prompt
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)
@@ -406,7 +382,6 @@ class Coordinator:
             "signal": {m: e.state_dict() for m, e in self._signal.items()},
             "time": self._time.state_dict(),
             "rank_tput": [e.state_dict() for e in self._rank_tput],
-            "lr_search": {m: e.state_dict() for m, e in self._lr_search.items()},
             "plan": None if self._plan is None else self._plan.to_dict(),
         }
 
@@ -443,7 +418,4 @@ class Coordinator:
         self._time.load_state_dict(state["time"])
         for e, s in zip(self._rank_tput, state["rank_tput"], strict=True):
             e.load_state_dict(s)
-        self._lr_search = {}
-        for m, s in state.get("lr_search", {}).items():  # absent in checkpoints before lr_search
-            self._search(m).load_state_dict(s)
         self._plan = None if state["plan"] is None else StepPlan.from_dict(state["plan"])

@@ -44,9 +44,6 @@ class ModelGradStats:
     grad_average: GradAverage = "samples"
     """How the global gradient weights the parts: "samples" (true sample mean) or "ranks"
     (mean of per-part means); see `noise.dp_estimates`."""
-    step_cosine: float | None = None
-    """cos(g, Δθ) of this step's gradient with the parameters' change over the previous step
-    (`coordinator.lr_search`); None when not measured (docs/COORDINATOR.md §3)."""
 
 
 @dataclass(kw_only=True)

@@ -19,16 +19,6 @@ read before the step: v̂ of the steps so far) — every norm above is |P·g|² 
 |g|², and |P·G|² is read from the reduced buffer after the DP reduction (:meth:`after_reduce`)
 over the same counted ranges (the optimizer's grad norm is unpreconditioned).
 
-Step direction (``coordinator.lr_search``, ``direction=True``): at each measured update, after the
-DP reduction and before the optimizer step, the cosine between the reduced gradient g_{t+1} and
-the parameters' change since the previous measured update, Δθ_t = θ_{t+1} − θ_t, over the same
-counted ranges (one float64 dot, |Δθ|² and |g|² summed over the model-parallel group); the
-parameters are then copied for the next reading (one copy of the counted parameters per model).
-g_{t+1} comes from fresh rollouts, so g_{t+1}·Δθ_t is an unbiased estimate of the derivative of
-the loss after the step with respect to the log of its LR (docs/COORDINATOR.md §3, "Finding the
-LR multiplier online"). Needs every DP rank to hold the whole reduced gradient (no distributed
-optimizer). The copy is not checkpointed: the first measured update after a resume reads nothing.
-
 Scaling: megarl losses are divided by the GLOBAL denominator D (tokens or responses, see
 ``megarl.algo.aggregation``), so a part with n of the D units holds (n/D)·ḡ_part; the
 probe rescales each part to its own mean gradient, |ḡ_part|² = |g_part|²·(D/n)².
@@ -39,7 +29,6 @@ micro-batch path keeps one copy of the grad buffer for the measured step, differ
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,12 +54,6 @@ class GradProbe:
     """Per grad buffer, Adam's preconditioner laid out like the buffer (noise_kind adam), else None."""
     global_sq: float | None = None
     """|P·G|² of the reduced gradient (with ``weights`` only; the plain |G|² is the optimizer's)."""
-    direction: bool = False
-    """Also read the cosine between the reduced gradient and the last update's Δθ (lr_search)."""
-    step_cosine: float | None = None
-    """cos(g, θ − θ_prev) of the last measured update, None without a previous snapshot."""
-    _snap: list[torch.Tensor] | None = None
-    _params: list[list[tuple[torch.Tensor, int, int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.microbatch and self.dims.pp > 1:
@@ -133,7 +116,7 @@ class GradProbe:
     def start(self, weights: list[torch.Tensor] | None = None) -> None:
         """Measure the next update; ``weights``: Adam's preconditioner per grad buffer (or None)."""
         self.active, self.local_sq, self.mb_sq, self._prev, self.seconds = True, 0.0, [], None, 0.0
-        self._pending, self.weights, self.global_sq, self.step_cosine = [], weights, None, None
+        self._pending, self.weights, self.global_sq = [], weights, None
 
     def microbatch_boundary(self, ddp: Any) -> None:
         """Called before each micro-batch's forward (k > 0) and before the DP reduce.
@@ -172,73 +155,17 @@ class GradProbe:
         self.seconds += time.perf_counter() - t0
 
     def after_reduce(self, ddp: Any) -> None:
-        """After the DP reduction: |P·G|² of the reduced gradient (preconditioned probes) and the
-        step cosine (``direction``), summed over the model-parallel group in one all-reduce; every
-        DP rank holds the whole reduced buffer (no distributed optimizer with either), so nothing
-        is summed over DP."""
-        if not (self.active and (self.weights is not None or self.direction)):
+        """|P·G|² of the reduced gradient (preconditioned probes only), summed over the
+        model-parallel group; every DP rank holds the whole reduced buffer (no distributed
+        optimizer with ``weights``), so nothing is summed over DP."""
+        if not (self.active and self.weights is not None):
             return
         t0 = time.perf_counter()
-        grads = self._buffers(ddp)
-        sums = [
-            self._local_sq(ddp, grads)
-            if self.weights is not None
-            else torch.zeros((), dtype=torch.float64, device=self.dims.device)
-        ]
-        if self.direction:
-            sums += self._direction_sums(ddp, grads)
-        total = torch.stack([x.to(torch.float64) for x in sums])
+        total = self._local_sq(ddp, self._buffers(ddp))
         if self.dims.tp * self.dims.pp > 1:
             dist.all_reduce(total, group=self.dims.mp_group)
-        values = [float(x) for x in total.cpu()]
-        if self.weights is not None:
-            self.global_sq = values[0]
-        if self.direction:
-            dot, d2, g2, had_snapshot = values[1:]
-            self.step_cosine = dot / math.sqrt(d2 * g2) if had_snapshot > 0 and d2 > 0 and g2 > 0 else None
+        self.global_sq = float(total)
         self.seconds += time.perf_counter() - t0
-
-    def _counted_params(self, ddp: Any) -> list[list[tuple[torch.Tensor, int, int]]]:
-        """Per grad buffer: (parameter, start, end) of each parameter counted on this rank."""
-        if self._params is None:
-            from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-
-            self._params = [
-                sorted(
-                    (
-                        (p, start, end)
-                        for p, (start, end, _) in buf.param_index_map.items()
-                        if param_is_not_tensor_parallel_duplicate(p, self.dims.tp_group)
-                    ),
-                    key=lambda e: e[1],
-                )
-                for buf in self._all_buffers(ddp)
-            ]
-        return self._params
-
-    def _direction_sums(self, ddp: Any, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """[g·Δθ, |Δθ|², |g|², 1 if there was a snapshot] over this rank's counted elements, then
-        the snapshot takes the current parameters (θ before this update's step)."""
-        params = self._counted_params(ddp)
-        device = grads[0].device if grads else self.dims.device
-        had = self._snap is not None
-        if self._snap is None:
-            self._snap = [torch.empty_like(g, dtype=torch.float32) for g in grads]
-        chunk = 1 << 22 if device.type == "cuda" else 1 << 16
-        dot, d2, g2 = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-        for g, snap, entries in zip(grads, self._snap, params, strict=True):
-            for p, start, end in entries:
-                flat = p.detach().view(-1)
-                for i in range(0, end - start, chunk):
-                    j = min(i + chunk, end - start)
-                    gi, cur = g[start + i : start + j].double(), flat[i:j]
-                    if had:
-                        delta = cur.double() - snap[start + i : start + j].double()
-                        dot += torch.dot(gi, delta)
-                        d2 += torch.dot(delta, delta)
-                    g2 += torch.dot(gi, gi)
-                    snap[start + i : start + j].copy_(cur)
-        return [dot, d2, g2, torch.tensor(1.0 if had else 0.0, dtype=torch.float64, device=device)]
 
     def gather_microbatches(self) -> list[float]:
         """Every DP rank's micro-batch norms, rank-major (ranks may hold different counts)."""

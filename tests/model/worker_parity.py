@@ -115,9 +115,7 @@ PROBE_OPTIM = OptimConfig(lr=1e-3, clip_grad=1e9, adam_eps=1e-4)
 units = mask.sum(1)
 pm = build_gpt(mcfg, pcfg, dims, optim=PROBE_OPTIM)
 load_hf_tensors(pm, adapter, hf)
-# direction (coordinator.lr_search): this update snapshots θ0, the Adam update below reads cos(g, θ1 − θ0)
-pm.probe = GradProbe(dims, microbatch=dims.pp == 1 and not args.max_tokens, direction=not args.dist_opt)
-w0 = {n: p.detach().clone() for n, p in pm.core.named_parameters()}
+pm.probe = GradProbe(dims, microbatch=dims.pp == 1 and not args.max_tokens)  # as the planner
 pm.probe.start()
 denom = algo.global_denominator("token-mean", mask)
 # a measured update keeps contiguous DP rows (megarl.update.rows.update_rows); with a budget at
@@ -173,13 +171,6 @@ if not args.dist_opt:  # (refused with the distributed optimizer: it holds one s
         groups=pgroups,
     )
     result["adam/global_sq"] = torch.tensor([pm.probe.global_sq])
-    result["probe/step_cos"] = torch.tensor([pm.probe.step_cosine])
-    if dims.dp == 1 and dims.pp == 1 and dims.tp == 1:  # brute force: the whole gradient against θ1 − θ0
-        dot = d2 = g2 = 0.0
-        for n, p in pm.core.named_parameters():
-            gr, d = p.main_grad.double(), (w1[n] - w0[n]).double()
-            dot, d2, g2 = dot + float((gr * d).sum()), d2 + float((d * d).sum()), g2 + float((gr * gr).sum())
-        result["probe/brute_step_cos"] = torch.tensor([dot / (d2 * g2) ** 0.5])
     result["adam/rank_sq"] = torch.tensor([rescale(x, n, total) for x, n in zip(pm.probe.gather_local(), per_rank)])
     if pm.probe.microbatch:
         mb = pm.probe.gather_microbatches() if dims.dp > 1 else pm.probe.mb_sq
