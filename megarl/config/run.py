@@ -39,7 +39,8 @@ class CoordinatorConfig:
     adapt: bool = True
     """Change batch and LR from the estimates (False = measure and log only)."""
     min_prompts: int = 8
-    """Smallest prompts per step the coordinator may choose."""
+    """Smallest prompts per step the coordinator may choose (at DP = 1 it also keeps two
+    micro-batches in the measured mini-batch: one gives the noise estimate nothing to read)."""
     max_prompts: int = 256
     """Largest prompts per step (memory / KV cache / dataset bound)."""
     grid_factor: float = 1.4142135623730951
