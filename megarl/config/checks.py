@@ -136,6 +136,12 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _validate_critic_layout(cfg, world_size)
 
 
+def _critic_dp(cfg: RunConfig, dp: int) -> int:
+    """The critic's DP size (its own layout, else the actor's; the actor's ``dp`` without a critic)."""
+    p = cfg.parallel
+    return cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
+
+
 def probe_min_batch(cfg: RunConfig, dp: int, critic_dp: int | None = None) -> int:
     """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
     parts are the measured mini-batch's micro-batches, and one part gives no estimate."""
@@ -149,8 +155,7 @@ def _probe_parts(cfg: RunConfig, dp: int) -> None:
     if not cfg.coordinator.enabled:
         return
     p = cfg.parallel
-    critic_dp = cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
-    need = probe_min_batch(cfg, dp, critic_dp)
+    need = probe_min_batch(cfg, dp, _critic_dp(cfg, dp))
     if cfg.batch_size < need:
         fail(
             "rollout.num_prompts×samples_per_prompt",
@@ -186,8 +191,7 @@ def _token_budget(cfg: RunConfig, m: ModelConfig, dp: int) -> None:
             budget,
             f"must be 0 (off) or >= rollout.max_prompt_len + max_response_len = {longest} (one whole row)",
         )
-    critic_dp = cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
-    if cfg.coordinator.enabled and min(dp, critic_dp) == 1:
+    if cfg.coordinator.enabled and min(dp, _critic_dp(cfg, dp)) == 1:
         fail(
             "parallel.max_tokens_per_micro_batch",
             budget,
