@@ -76,6 +76,8 @@ class HFTokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(self.folder))
         self.system_prompt = system_prompt
         self.template: str | None
+        self.template_source = f"the chat template of {self.folder}"
+        """Where ``template`` came from, as error messages name it."""
         if chat_template == "none":
             self.template = None
         elif chat_template == "auto":
@@ -85,6 +87,7 @@ class HFTokenizer:
             if not path.is_file():
                 raise ConfigError(f"data.chat_template={chat_template}: no such file (or use auto/none)")
             self.template = path.read_text()
+            self.template_source = f"the chat template data.chat_template={chat_template}"
         gen = self._json(GENERATION_CONFIG)
         model = self._json("config.json")
         eos: list[int] = []
@@ -156,8 +159,7 @@ class HFTokenizer:
 
             roles = [m.get("role") for m in messages]
             raise DataError(
-                f"{rec.where}: the chat template ({self.folder}) refused this row's turns {roles}: "
-                f"{type(e).__name__}: {e}"
+                f"{rec.where}: {self.template_source} refused this row's turns {roles}: {type(e).__name__}: {e}"
             ) from None
 
     def encode_answer(self, rec: PromptRecord) -> list[int]:

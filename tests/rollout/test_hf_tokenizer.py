@@ -119,8 +119,11 @@ def test_chat_template_none_and_file(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(RolloutError, match=r"r0: the chat template .* refused this row's turns \['system', 'user'\]: "
                        "TemplateError: System role not supported"):
         tok.encode_prompt(ROWS[0])
-    with pytest.raises(RolloutError, match="r0: the chat template"):
+    with pytest.raises(RolloutError, match="r0: the chat template") as refused:
         tok.encode_answer(ROWS[0])
+    # the template that refused is the file in use, not the model folder's own
+    assert f"r0: the chat template data.chat_template={strict} refused" in str(refused.value)
+    assert str(folder) not in str(refused.value)
     with pytest.raises(ConfigError, match=f"model.tokenizer: {tmp_path}/none has no tokenizer.json.*no such folder"):
         HFTokenizer(tmp_path / "none")
     (tmp_path / "gen").mkdir()
