@@ -6,6 +6,11 @@ the row's other fields, source location); the tokenizer turns it into prompt ids
 malformed row raises :class:`~megarl.errors.DataError` naming the file and line (the launcher
 reads every row before any process starts: :func:`megarl.prelaunch.check_data`); a prompt longer than
 ``rollout.max_prompt_len`` tokens is skipped or truncated by config and always counted.
+
+A null field is an absent field, at every level of a row's objects (:func:`without_nulls`):
+Parquet files and ``datasets`` folders hold one schema for all their rows, so a chat row there
+has ``prompt: null`` and a plain row ``messages: null`` where a JSONL row has no such key. Every
+reader's rows pass through it first, so a reward gets the same record from each format.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
     for where, row in raw:
         if not isinstance(row, dict):
             raise DataError(f"{where}: row must be an object, got {type(row).__name__}")
+        row = without_nulls(row)
         messages = chat_messages(row, cfg.messages_key, where)
         keys = (
             ((cfg.answer_key, "data.answer_key"),)
@@ -114,6 +120,18 @@ def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
         prompt = str(row[cfg.prompt_key]) if cfg.prompt_key in row else _last_user_turn(messages)
         out.append(PromptRecord(prompt, str(row[cfg.answer_key]), where, messages=messages, extra=extra))
     return out
+
+
+def without_nulls(value: Any) -> Any:
+    """``value`` with every null-valued key of its objects dropped, at any depth (list items
+    are kept: ``[1, null]`` is data). A mixed-schema Parquet / ``datasets`` row then reads as
+    the same row in JSONL: a chat row's ``prompt``, a turn's ``name``, a metadata field
+    another row has, all absent rather than ``None``."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 def _last_user_turn(messages: list[dict[str, Any]] | None) -> str:

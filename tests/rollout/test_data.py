@@ -29,6 +29,53 @@ def test_jsonl_and_parquet_give_the_same_records(tmp_path: Path) -> None:
     assert len(tj) == 7 and vj[-1].prompt == "9+1=" and tj[0].where.endswith("p.jsonl:1")
 
 
+MIXED = [  # chat and plain rows, as one mixed-schema table holds them
+    {"messages": [{"role": "system", "content": "add"}, {"role": "user", "content": "what is 1+1="}],
+     "answer": "2", "meta": {"id": "c0", "level": 3}},
+    {"prompt": "2+2=", "answer": "4", "meta": {"id": "p1"}, "tests": [{"in": 2, "out": 4}]},
+    {"messages": [{"role": "user", "content": "what is 3+3=", "name": "ann"}], "answer": "6"},
+    {"prompt": "4+4=", "answer": "8"},
+]  # fmt: skip
+
+
+def _mixed_sources(tmp_path: Path) -> dict[str, Path]:
+    """MIXED as JSONL (keys absent) and as Parquet and a ``save_to_disk`` folder (one schema:
+    what a row lacks is null there, e.g. a chat row's ``prompt``, a plain row's ``messages``)."""
+    import datasets
+
+    table = pa.Table.from_struct_array(pa.array(MIXED))  # the union of the rows' fields
+    assert table.to_pylist()[0]["prompt"] is None and table.to_pylist()[1]["messages"] is None
+    assert table.to_pylist()[0]["messages"][0]["name"] is None
+    pq.write_table(table, tmp_path / "m.parquet")
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "m_ds"))
+    return {"jsonl": _jsonl(tmp_path / "m.jsonl", MIXED), "parquet": tmp_path / "m.parquet", "disk": tmp_path / "m_ds"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "disk"])
+def test_null_fields_of_mixed_schema_rows_read_as_absent(tmp_path: Path, fmt: str) -> None:
+    """A chat row's null ``prompt`` gives the reward its last user turn (not the text 'None'),
+    and no field the reward gets (prompt, answer, messages, extra) holds a null another row's
+    schema put there: every format gives the same records."""
+    rows, _ = load_prompts(DataConfig(source=str(_mixed_sources(tmp_path)[fmt]), num_val=0), 0)
+    assert [r.prompt for r in rows] == ["what is 1+1=", "2+2=", "what is 3+3=", "4+4="]
+    assert [r.answer for r in rows] == ["2", "4", "6", "8"]
+    assert [r.messages for r in rows] == [
+        MIXED[0]["messages"],
+        None,
+        [{"role": "user", "content": "what is 3+3=", "name": "ann"}],
+        None,
+    ]
+    assert [r.extra for r in rows] == [
+        {"answer": "2", "meta": {"id": "c0", "level": 3}},
+        {"answer": "4", "meta": {"id": "p1"}, "tests": [{"in": 2, "out": 4}]},
+        {"answer": "6"},
+        {"answer": "8"},
+    ]
+    (tmp_path / "null_answer.jsonl").write_text('{"prompt": "1+1=", "answer": null}\n')
+    with pytest.raises(RolloutError, match=r"null_answer.jsonl:1: missing field 'answer' \(data.answer_key"):
+        load_prompts(DataConfig(source=str(tmp_path / "null_answer.jsonl"), num_val=0), 0)
+
+
 def test_custom_keys_and_several_files(tmp_path: Path) -> None:
     a = _jsonl(tmp_path / "a.jsonl", [{"q": "x", "a": "1"}] * 3)
     b = _jsonl(tmp_path / "b.jsonl", [{"q": "y", "a": "2"}] * 3)
