@@ -54,6 +54,7 @@ class Planner:
         self.coord: Coordinator | None = None
         self.dp = dp
         self._grads: list[ModelGradStats] = []  # measured in this step's update, observed after it
+        self._norms: dict[str, list[float]] = {}  # per model: each optimizer step's pre-clip grad norm
         self._ahead: dict[int, StepPlan] = {}
         """Plans made before an earlier update, for the batches generated ahead (rollout.max_staleness)."""
         self._prompts: int | None = None
@@ -69,6 +70,8 @@ class Planner:
                 lr_ref={m: self.lr_ref[m] for m in models},
                 b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
                 min_batch=probe_min_batch(cfg, dp, critic_dp),
+                mini_batches=cfg.algo.mini_batches,
+                clip_grad=cfg.optim.clip_grad,  # (the critic's optimizer clips alike)
             )
             self.coord = Coordinator(c, run)
 
@@ -189,6 +192,13 @@ class Planner:
             self._grads.append(stats)
         return float(model.probe.seconds)
 
+    def record_grad_norm(self, name: str, grad_norm: float) -> None:
+        """The optimizer's pre-clip global grad norm of one of ``name``'s steps (every step of
+        the rollout: Adam's second moments see them all, clipped). A skipped step (a non-finite
+        norm) handed Adam nothing and is left out."""
+        if self.coord is not None and math.isfinite(grad_norm):
+            self._norms.setdefault(name, []).append(grad_norm)
+
     # ------------------------------------------------------------------ phase 6
 
     def observe(
@@ -204,6 +214,7 @@ class Planner:
         ``work``: the seconds of the "update" and "logprobs" phases spent on micro-batch work;
         the rest of each phase is its measured fixed cost."""
         grads, self._grads = self._grads, []
+        norms, self._norms = self._norms, {}
         if self.coord is None:
             return
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
@@ -231,7 +242,7 @@ class Planner:
             rollout_tokens=batch_tokens,
             rank_train_s=[float(x) for x in gathered] if dims.dp > 1 else None,
         )
-        self.coord.observe(step, grads, timings)
+        self.coord.observe(step, grads, timings, norms)
 
     def metrics(self) -> dict[str, float]:
         return self.coord.metrics() if self.coord is not None else {}

@@ -92,3 +92,15 @@ def test_a_batch_change_is_logged_with_its_reason_and_the_predicted_step_times(c
     first = next(i for i, (a, b) in enumerate(zip(prompts, prompts[1:], strict=False), start=1) if a != b)
     assert lines[0].startswith(f"coordinator: step {first + 1}: 8 -> {prompts[first]} prompts (lr actor ")
     assert "b_noise=" in lines[0] and "predicted step" in lines[0] and f"at {prompts[first] * 16} responses" in lines[0]
+
+
+def test_the_coordinator_is_told_the_clip_and_the_optimizer_steps_per_rollout() -> None:
+    """What Adam's rescale and the per-step efficiency need reaches the coordinator: the clip of
+    optim.clip_grad, algo.mini_batches, and every optimizer step's pre-clip norm (a skipped step's
+    non-finite norm handed Adam nothing and is left out)."""
+    planner = _planner("optim.clip_grad=0.5", "algo.mini_batches=2")
+    assert planner.coord is not None
+    assert (planner.coord.run.clip_grad, planner.coord.run.mini_batches) == (0.5, 2)
+    for norm in (3.0, float("nan"), 0.25):
+        planner.record_grad_norm("actor", norm)
+    assert planner._norms == {"actor": [3.0, 0.25]}

@@ -37,6 +37,12 @@ class CoordinatorRun:
     """Smallest batch (responses) the grad probes can measure (at DP = 1: two micro-batches of
     the measured mini-batch); the grid holds no smaller batch, whatever min_prompts says —
     a batch the probe cannot measure would never be left again."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout and PPO epoch (``algo.mini_batches``): each step trains on
+    B/mini_batches responses, the batch McCandlish's model and the LR rules are about."""
+    clip_grad: float = 0.0
+    """Global grad-norm clip of every trained model's optimizer (``optim.clip_grad``; 0 = none):
+    Adam is handed min(1, clip_grad/|g|)·g, which the second-moment rescale follows."""
 
     @property
     def initial_batch(self) -> int:
@@ -72,6 +78,10 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
             f"initial_prompts x samples_per_prompt={run.samples_per_prompt} divisible "
             f"by batch_divisor={run.batch_divisor}"
         )
+    if run.mini_batches < 1:
+        raise ValueError(f"mini_batches={run.mini_batches} must be >= 1")
+    if not (run.clip_grad >= 0 and math.isfinite(run.clip_grad)):
+        raise ValueError(f"clip_grad={run.clip_grad} must be 0 (no clipping) or a finite norm > 0")
     if run.dp_size < 1:
         raise ValueError(f"dp_size={run.dp_size} must be >= 1")
     if not s.min_gain >= 0:

@@ -1,8 +1,9 @@
 """Critical-batch-size coordinator: gradient statistics + timings in, a step plan out.
 
 Each step the trainer reports, per trained model, the squared norms of the rank-local
-gradients and of the all-reduced gradient (`ModelGradStats`), and the phase timings
-(`StepTimings`). The coordinator turns them into:
+gradients and of the all-reduced gradient (`ModelGradStats`), the optimizer's pre-clip
+gradient norm at each of its steps, and the phase timings (`StepTimings`). The coordinator
+turns them into:
 
 1. a noise scale per model, B_simple = EMA(tr Σ)/EMA(|G|²) with each step weighted by its
    degrees of freedom (`noise.py`, McCandlish et al. 2018), converted to **responses** (the
@@ -10,14 +11,17 @@ gradients and of the all-reduced gradient (`ModelGradStats`), and the phase timi
    response, and an estimate over responses with reward signal by the smoothed fraction f
    of such responses — B responses carry f·B useful ones, so B_noise = B_noise,signal/f);
 2. a step-time model t(B) = t_gen(B) + t_logprobs(B) + t_train(B) + t_other (`throughput.py`);
-3. the prompt count maximising goodput(B) = B/t(B)·(B_noise + B0)/(B_noise + B) on a
-   geometric grid (`goodput.py`, Pollux OSDI'21): a first jump straight to the argmax once the
+3. the prompt count maximising goodput(B) = B/t(B)·(B_noise + B0/m)/(B_noise + B/m) on a
+   geometric grid (m = `mini_batches`: McCandlish's model is per optimizer step, and a step
+   trains on B/m of the rollout's B responses) (`goodput.py`, Pollux OSDI'21): a first jump straight to the argmax once the
    estimate has `min_dof` degrees of freedom, then a hold while the batch lies inside the
    band of optima of the B_noise band (`policy.py`). With several models the smallest
    B_noise decides (the most batch-sensitive model);
 4. a learning rate per model from its reference (b_ref = `lr_reference_batch`, lr_ref) and
-   the planned batch (`lr_rules.py`), clipped to [lr_min, lr_max], and on a batch change the
-   factor for Adam's second moments (`policy.adam_v_scale`);
+   the planned batch (`lr_rules.py`, batches per optimizer step), clipped to [lr_min, lr_max],
+   and on a batch change the factor for Adam's second moments: the change of the post-clip
+   squared norm the optimizer is handed (`policy.adam_v_scale`, from the raw estimate and the
+   recent pre-clip norms);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
    (responses/s), so that ranks finish together.
 
@@ -48,7 +52,12 @@ from megarl.coordinator.throughput import Ema, StepTimeModel
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats", "StepPlan", "StepTimings"]
 
 STATE_VERSION = 2
-"""2: degrees-of-freedom weighted noise EMAs, log-prob time model, signal fraction."""
+"""2: degrees-of-freedom weighted noise EMAs, log-prob time model, signal fraction (and,
+optional in it, the recent pre-clip grad norms)."""
+
+NORM_WINDOW = 32
+"""Pre-clip grad norms kept per model (the latest optimizer steps) for Adam's rescale: recent,
+since the norm drifts over training (1.2-10.9 in one demo run), and enough for a mean."""
 
 _GradUpdate = tuple[str, BatchUnit, tuple[float, float], float, float]
 """(model, batch unit, (|G|², tr Σ), degrees of freedom, signal fraction)."""
@@ -70,6 +79,8 @@ class Coordinator:
         self._noise: dict[str, NoiseScaleEstimator] = {}
         self._signal: dict[str, Ema] = {}  # per model: fraction of responses its parts count
         self._units: dict[str, BatchUnit] = {}
+        self._norms: dict[str, list[tuple[float, float]]] = {}
+        """Per model: (rollout responses, pre-clip |g|²) of its latest optimizer steps."""
         self._time = StepTimeModel(
             window=config.time_window,
             prior_fixed_fraction=config.prior_fixed_fraction,
@@ -79,8 +90,16 @@ class Coordinator:
         self._plan: StepPlan | None = None
 
     # ----------------------------------------------------------------- observe
-    def observe(self, step: int, grads: list[ModelGradStats], timings: StepTimings) -> None:
-        """Record gradient statistics and timings of the finished step `step`.
+    def observe(
+        self,
+        step: int,
+        grads: list[ModelGradStats],
+        timings: StepTimings,
+        grad_norms: dict[str, list[float]] | None = None,
+    ) -> None:
+        """Record gradient statistics and timings of the finished step `step`; ``grad_norms``:
+        per model, the optimizer's global grad norm before clipping at each of its steps this
+        rollout (all mini-batches and PPO epochs), which Adam's rescale follows.
 
         Everything is validated before any state changes, so a rejected call (ValueError)
         leaves the coordinator exactly as it was.
@@ -90,6 +109,18 @@ class Coordinator:
         updates = self._grad_updates(grads)
         timings.validate()
         rank_tput = self._rank_throughputs(step, timings)
+        norms = grad_norms or {}
+        for model, values in norms.items():
+            if model not in self.run.lr_ref:
+                raise ValueError(
+                    f"grad_norms names model {model!r}, which has no lr_ref (known: {sorted(self.run.lr_ref)})"
+                )
+            if not all(v >= 0 and math.isfinite(v) for v in values):
+                raise ValueError(f"grad_norms[{model!r}]={values} must be finite and >= 0")
+        for model, values in norms.items():
+            kept = self._norms.setdefault(model, [])
+            kept.extend((float(timings.rollout_responses), v * v) for v in values)
+            del kept[:-NORM_WINDOW]
         for model, unit, plain, dof, signal in updates:
             self._units[model] = unit
             self._estimator(model).update(*plain, dof=dof)
@@ -184,13 +215,21 @@ class Coordinator:
         return 1.0 if f is None else f
 
     # -------------------------------------------------------------------- plan
-    def _b_noise_responses(self, model: str, b: float | None) -> float | None:
-        """Calibrated batch-like quantity `b` of `model` (B_simple or a band end) in responses
-        of the whole rollout (None while unresolved; inf stays inf)."""
+    def _b_noise_responses(self, model: str, b: float | None, calibrated: bool = True) -> float | None:
+        """Batch-like quantity `b` of `model` (B_simple or a band end) in responses of the whole
+        rollout, times ``noise_calibration`` unless ``calibrated`` is False (None while
+        unresolved; inf stays inf)."""
         if b is None:
             return None
-        r = self._to_responses(model, b * self.config.noise_calibration)
+        r = self._to_responses(model, b * (self.config.noise_calibration if calibrated else 1.0))
         return None if r is None else r / self.signal_fraction(model)
+
+    def _per_rollout(self, b_noise: float | None) -> float | None:
+        """A per-sample noise scale as the rollout batch whose optimizer steps reach it: a step
+        trains on B/m of the rollout's B responses (m = mini_batches), and McCandlish's
+        efficiency is per step, (B_noise + B0/m)/(B_noise + B/m) = (m·B_noise + B0)/(m·B_noise + B),
+        so goodput over rollout batches takes m·B_noise."""
+        return None if b_noise is None else b_noise * self.run.mini_batches
 
     def _to_responses(self, model: str, value: float) -> float | None:
         """Convert a per-sample quantity in the model's unit (B or tr Σ) to responses."""
@@ -200,10 +239,10 @@ class Coordinator:
         return None if not tpr else value / tpr
 
     def _decision_values(self) -> dict[str, float | None]:
-        """B_noise in responses of each model that plans the batch; an observed but unresolved
-        one is inf with ``unresolved_as_infinite``, else None."""
+        """B_noise of each model that plans the batch, per rollout (`_per_rollout`); an observed
+        but unresolved one is inf with ``unresolved_as_infinite``, else None."""
         models = self.run.batch_models or sorted(self._noise)
-        values = {m: self._b_noise_responses(m, e.b_simple if (e := self._noise.get(m)) else None) for m in models}
+        values = {m: self._per_rollout(self._model_b_noise(m)) for m in models}
         if self.config.unresolved_as_infinite:
             return {m: math.inf if v is None and m in self._noise else v for m, v in values.items()}
         return values
@@ -225,6 +264,10 @@ class Coordinator:
         lo, hi = (self._b_noise_responses(model, x) for x in band)
         return None if lo is None or hi is None else (lo, hi)
 
+    def _band_per_rollout(self, model: str) -> tuple[float, float] | None:
+        band = self._band_responses(model)
+        return None if band is None else (band[0] * self.run.mini_batches, band[1] * self.run.mini_batches)
+
     def _lr(self, model: str, b: int) -> float:
         cfg = self.config
         lr_ref = self.run.lr_ref[model]
@@ -234,9 +277,10 @@ class Coordinator:
         g2 = est.g2 if est is not None else None
         tr = est.tr_sigma if est is not None else None
         tr_resp = None if tr is None else self._b_noise_responses(model, tr)
+        m = self.run.mini_batches  # the rules are about the optimizer step's batch
         inputs = LrInputs(
-            b=float(b),
-            b_ref=float(self.run.b_ref.get(model, self.run.initial_batch)),
+            b=b / m,
+            b_ref=float(self.run.b_ref.get(model, self.run.initial_batch)) / m,
             lr_ref=lr_ref,
             g2=g2 if tr_resp is not None else None,
             tr_sigma=tr_resp,
@@ -278,7 +322,7 @@ class Coordinator:
                 step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
                 return step_to, f"{d.reason}; |G|² not resolved: limited to {step_to} prompts"
         else:
-            band = self._band_responses(model)
+            band = self._band_per_rollout(model)
             d = hold_or_move(
                 self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0, band_ratio=cfg.band_ratio
             )
@@ -304,7 +348,7 @@ class Coordinator:
             self._prompts = prompts
             self._last_switch_step = step
             if self.config.adam_rescale:
-                v_scale = {m: adam_v_scale(old, b, self._model_b_noise(m)) for m in sorted(self.run.lr_ref)}
+                v_scale = {m: self._adam_v_scale(m, old, b) for m in sorted(self.run.lr_ref)}
         predicted: float | None = None
         if b_noise is not None and self._time.ready:
             predicted = goodput(float(b), b_noise, float(self.run.initial_batch), self._time.predict(b))
@@ -321,9 +365,22 @@ class Coordinator:
         )
         return self._plan
 
-    def _model_b_noise(self, model: str) -> float | None:
+    def _model_b_noise(self, model: str, calibrated: bool = True) -> float | None:
         est = self._noise.get(model)
-        return self._b_noise_responses(model, est.b_simple if est is not None else None)
+        return self._b_noise_responses(model, est.b_simple if est is not None else None, calibrated)
+
+    def _adam_v_scale(self, model: str, old: int, new: int) -> float:
+        """Rule 3 of `policy` for a change old -> new rollout responses: per optimizer step
+        (B/m), from the *raw* noise scale (``noise_calibration`` corrects the batch decision,
+        not E|g_B|²) and the model's recent pre-clip norms under the run's clip."""
+        m = self.run.mini_batches
+        return adam_v_scale(
+            old / m,
+            new / m,
+            self._model_b_noise(model, calibrated=False),
+            sq_norms=[(b / m, sq) for b, sq in self._norms.get(model, [])],
+            clip=self.run.clip_grad,
+        )
 
     # ----------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, float]:
@@ -381,6 +438,7 @@ class Coordinator:
             "noise": {m: e.state_dict() for m, e in self._noise.items()},
             "signal": {m: e.state_dict() for m, e in self._signal.items()},
             "time": self._time.state_dict(),
+            "grad_norms": {m: [list(x) for x in v] for m, v in self._norms.items()},
             "rank_tput": [e.state_dict() for e in self._rank_tput],
             "plan": None if self._plan is None else self._plan.to_dict(),
         }
@@ -416,6 +474,8 @@ class Coordinator:
         for m, s in state["signal"].items():
             self._signal.setdefault(m, Ema(self.config.ema_beta)).load_state_dict(s)
         self._time.load_state_dict(state["time"])
+        # (absent from checkpoints written before the rescale followed clipping: none kept)
+        self._norms = {m: [(float(b), float(sq)) for b, sq in v] for m, v in state.get("grad_norms", {}).items()}
         for e, s in zip(self._rank_tput, state["rank_tput"], strict=True):
             e.load_state_dict(s)
         self._plan = None if state["plan"] is None else StepPlan.from_dict(state["plan"])

@@ -28,22 +28,37 @@
    from 192 to 704 responses for ten steps, docs/COORDINATOR.md §5); a real change is
    followed in several moves, one per cooldown.
 
-3. **Adam's second moments follow the batch** (`adam_v_scale`). Per element, Adam's v
-   tracks E[g²] = G² + σ²/B. Summed over parameters, E|g_B|² = |G|² + tr(Σ)/B, so a change
-   B_old → B_new changes the expected second moment by
+3. **Adam's second moments follow what the optimizer sees** (`adam_v_scale`). Per element,
+   Adam's v tracks E[g̃²] of the gradient g̃ it is handed, which under global-norm clipping
+   (``optim.clip_grad`` = c; the coordinator requires it) is g̃ = min(1, c/|g|)·g, so summed
+   over parameters v tracks E|g̃|² = E[min(|g|², c²)]. Before clipping, the step's gradient
+   over its batch B (the optimizer step's batch: B_rollout/mini_batches) has
+   E|g_B|² = |G|² + tr(Σ)/B (McCandlish et al. 2018, App. A), so B_old → B_new moves it by
 
-       r = (|G|² + tr Σ/B_new)/(|G|² + tr Σ/B_old) = B_old·(B_noise + B_new) / (B_new·(B_noise + B_old)),
+       ρ = (|G|² + tr Σ/B_new)/(|G|² + tr Σ/B_old) = B_old·(B_noise + B_new) / (B_new·(B_noise + B_old)),
 
-   between B_old/B_new (noise-dominated, B ≪ B_noise) and 1 (B ≫ B_noise). Without the
-   rescale v keeps the old batch's noise for ~1/(1-β2) steps (1000 at β2 = 0.999): after a
-   2× growth at B ≪ B_noise every update is √2 smaller than the LR rule planned. One scalar
-   for all elements is the approximation (each element has its own signal-to-noise ratio).
+   between B_old/B_new (noise-dominated, B ≪ B_noise) and 1 (B ≫ B_noise). The factor for v is
+   the change of the *post-clip* expectation. It is taken from the optimizer's own pre-clip
+   norms |g_t|² of recent steps (measured at B_t), each carried to a batch B by ρ(B_t → B)
+   (the noise model moves only the level of the distribution, not its shape):
+
+       r = mean_t min(ρ(B_t→B_new)·|g_t|², c²) / mean_t min(ρ(B_t→B_old)·|g_t|², c²).
+
+   Clipped on every step at both batches (a demo run: pre-clip norm 1.2–10.9 against c = 1 on
+   200 of 200 steps) r = 1: the optimizer saw unit-norm gradients at either batch, and the
+   noise-model factor alone (512 → 128 at B_noise 1000: v × 2.98) would have shrunk every later
+   update by 0.58 for ~1/(1−β2) steps. Never clipped, r = ρ. Without the rescale, v keeps the
+   old batch's level for ~1/(1-β2) steps (1000 at β2 = 0.999). ρ uses the raw noise scale, not
+   ``noise_calibration`` (a correction of the batch decision, not of E|g_B|²). One scalar for
+   all elements is the approximation (each element has its own signal-to-noise ratio).
 
 Invariants: pure Python, no state; batches in responses.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megarl.coordinator.goodput import BatchGrid, TimeModel, choose_batch
@@ -116,12 +131,41 @@ def limit_move(grid: BatchGrid, current: int, target: int, factor: float) -> int
     return min(ok, default=current)
 
 
-def adam_v_scale(b_old: float, b_new: float, b_noise: float | None) -> float:
-    """Rule 3: E|g_{B_new}|² / E|g_{B_old}|²; B_noise unknown is the noise-dominated limit."""
-    if not (b_old > 0 and b_new > 0):
-        raise ValueError(f"batches must be > 0, got b_old={b_old}, b_new={b_new}")
+def noise_sq_ratio(b_from: float, b_to: float, b_noise: float | None) -> float:
+    """E|g_{b_to}|² / E|g_{b_from}|² before clipping (rule 3's ρ); B_noise unknown is the
+    noise-dominated limit b_from/b_to, B_noise = inf the noise-free 1."""
+    if not (b_from > 0 and b_to > 0):
+        raise ValueError(f"batches must be > 0, got b_from={b_from}, b_to={b_to}")
     if b_noise is None:
-        return b_old / b_new
+        return b_from / b_to
     if not b_noise >= 0:
         raise ValueError(f"b_noise={b_noise} must be >= 0")
-    return b_old * (b_noise + b_new) / (b_new * (b_noise + b_old))
+    if math.isinf(b_noise):
+        return 1.0
+    return b_from * (b_noise + b_to) / (b_to * (b_noise + b_from))
+
+
+def adam_v_scale(
+    b_old: float,
+    b_new: float,
+    b_noise: float | None,
+    *,
+    sq_norms: Sequence[tuple[float, float]] = (),
+    clip: float = 0.0,
+) -> float:
+    """Rule 3: E|g̃_{B_new}|² / E|g̃_{B_old}|² of the gradient g̃ the optimizer is handed.
+
+    ``b_old``, ``b_new``: the optimizer step's batch before and after, in the unit of
+    ``b_noise`` (the raw noise scale; None while unknown). ``sq_norms``: (batch B_t, pre-clip
+    |g_t|²) of recent optimizer steps; ``clip``: the global-norm clip c (0: none). Without
+    norms or clip the factor is the noise model's ρ(B_old → B_new)."""
+    rho = noise_sq_ratio(b_old, b_new, b_noise)
+    if not (clip > 0 and sq_norms):
+        return rho
+    cap = clip * clip
+
+    def seen(b: float) -> float:  # mean post-clip squared norm at batch b
+        return sum(min(sq * noise_sq_ratio(bt, b, b_noise), cap) for bt, sq in sq_norms) / len(sq_norms)
+
+    before = seen(b_old)
+    return seen(b_new) / before if before > 0 else rho

@@ -90,6 +90,7 @@ class PolicyUpdater:
                         groups=groups,
                     )
                     acc.add(stats, gnorm)
+                    self.planner.record_grad_norm(name, gnorm)  # what Adam saw, for its rescale
                     if measuring:
                         probe_s[name] = self.planner.record_probe(
                             name,

@@ -126,13 +126,20 @@ def _true_goodput(prompts: int, b_noise: float) -> float:
     return goodput(b, b_noise, 64.0, ALPHA + BETA * b)
 
 
-def _run(coord: Coordinator, trainer: SyntheticTrainer, first: int, last: int) -> list[StepPlan]:
+def _norms(step: int) -> dict[str, list[float]]:
+    """Pre-clip grad norms of a step's optimizer steps, partly above a clip of 1."""
+    return {"actor": [0.6 + 0.05 * (step % 12), 0.7]}
+
+
+def _run(
+    coord: Coordinator, trainer: SyntheticTrainer, first: int, last: int, norms: bool = False
+) -> list[StepPlan]:
     plans = []
     for step in range(first, last):
         plan = coord.next_plan()
         assert plan.step == step
         plans.append(plan)
-        coord.observe(step, *trainer.step(plan))
+        coord.observe(step, *trainer.step(plan), _norms(step) if norms else None)
     return plans
 
 
@@ -167,18 +174,20 @@ def test_coordinator_converges_to_goodput_optimum() -> None:
 
 @pytest.mark.parametrize("save_in", ["warmup", "cooldown"])
 def test_state_dict_round_trip_gives_identical_plans(save_in: str) -> None:
-    cfg = _config()
+    """A resumed coordinator plans as the uninterrupted one, the recent pre-clip grad norms
+    included (they set the Adam rescale of a change after resume)."""
+    cfg = _config(clip_grad=1.0)
     coord = Coordinator(*cfg)
     trainer = SyntheticTrainer(1, {"actor": 400.0, "critic": 2000.0})
     step = 0
     if save_in == "warmup":  # the first switch happens after resume
-        _run(coord, trainer, 0, 8)
+        _run(coord, trainer, 0, 8, norms=True)
         step = 8
     else:  # save right after the first switch, while the cooldown holds the batch
         while coord.next_plan().num_prompts == cfg[1].initial_prompts:
-            _run(coord, trainer, step, step + 1)
+            _run(coord, trainer, step, step + 1, norms=True)
             step += 1
-        _run(coord, trainer, step, step + 1)
+        _run(coord, trainer, step, step + 1, norms=True)
         step += 1
         assert "cooldown" in coord.next_plan().reason
     coord.next_plan()
@@ -195,10 +204,11 @@ def test_state_dict_round_trip_gives_identical_plans(save_in: str) -> None:
         plans_b.append(b)
         plans_c.append(c)
         grads, timings = trainer.step(a)
-        coord.observe(s, grads, timings)
-        resumed.observe(s, grads, timings)
-        fresh.observe(s, grads, timings)
+        coord.observe(s, grads, timings, _norms(s))
+        resumed.observe(s, grads, timings, _norms(s))
+        fresh.observe(s, grads, timings, _norms(s))
     assert plans_a == plans_b
+    assert any(p.adam_v_scale for p in plans_a)  # a change after resume, rescaled from the kept norms
     assert _nan_equal(coord.metrics(), resumed.metrics())
     assert len({p.num_prompts for p in plans_a}) > 1  # the batch did change after resume
     assert plans_c != plans_a

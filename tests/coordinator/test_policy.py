@@ -25,6 +25,7 @@ from megarl.coordinator import (
     StepTimings,
     adam_v_scale,
     choose_batch,
+    goodput,
     hold_or_move,
     limit_move,
     optimum_band,
@@ -233,6 +234,92 @@ def test_adam_v_scale_on_a_batch_change() -> None:
     want = adam_v_scale(64, jumped.batch_responses, bn)
     assert jumped.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
     assert _coord(adam_rescale=False).next_plan().adam_v_scale == {}
+
+
+def _jump_after_one_step(
+    coord: Coordinator, grad_norm: float | None = None, trainer: PartsTrainer | None = None
+) -> StepPlan:
+    """Observe one step of the synthetic trainer (with one optimizer step's pre-clip norm) and
+    return the plan after it, which jumps."""
+    trainer = trainer or PartsTrainer(4, parts=16)
+    grads, timings = trainer.step(coord.next_plan())
+    coord.observe(0, grads, timings, None if grad_norm is None else {"actor": [grad_norm] * 4})
+    jumped = coord.next_plan()
+    assert jumped.num_prompts != 8
+    return jumped
+
+
+def _clipped_coord(clip: float, **settings: object) -> Coordinator:
+    run = CoordinatorRun(
+        samples_per_prompt=8, initial_prompts=8, batch_divisor=8, lr_ref={"actor": 1e-3}, clip_grad=clip
+    )
+    kw: dict[str, object] = {"enabled": True, "min_prompts": 4, "max_prompts": 256, "noise_calibration": 1.0}
+    kw.update(settings)
+    return Coordinator(CoordinatorConfig(**kw), run)  # type: ignore[arg-type]
+
+
+def test_adam_v_scale_follows_the_clipped_gradient() -> None:
+    """optim.clip_grad = 1 and a pre-clip norm of 5 on every step (the demo run: 1.2-10.9, clipped on
+    200 of 200 steps): the optimizer saw unit-norm gradients and will at the new batch too, so the
+    plan's factor is 1, not the noise model's B_old(B_n + B_new)/(B_new(B_n + B_old)) (which it still
+    is when no step was clipped, norm 0.1)."""
+    clipped = _jump_after_one_step(_clipped_coord(1.0), grad_norm=5.0)
+    noise = adam_v_scale(64, clipped.batch_responses, clipped.b_noise["actor"])
+    assert noise < 0.5  # what was applied before: v x noise, updates x 1/sqrt(noise) for ~1/(1-β2) steps
+    assert clipped.adam_v_scale == {"actor": pytest.approx(1.0, rel=1e-12)}
+    free = _jump_after_one_step(_clipped_coord(1.0), grad_norm=0.1)
+    want = adam_v_scale(64, free.batch_responses, free.b_noise["actor"])
+    assert free.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
+    # partly clipped: each norm carried to the batch by the noise model, then clipped
+    mixed = _jump_after_one_step(_clipped_coord(1.0), grad_norm=1.5)
+    rho = adam_v_scale(64, mixed.batch_responses, mixed.b_noise["actor"])
+    assert mixed.adam_v_scale == {"actor": pytest.approx(min(2.25 * rho, 1.0), rel=1e-12)}
+
+
+def test_adam_v_scale_uses_the_raw_noise_scale() -> None:
+    """noise_calibration multiplies B_noise for the batch decision (Merrill et al.: the proxy reads
+    low under Adam); E|g_B|² = |G|² + tr(Σ)/B is the raw estimate's, and so is the rescale."""
+    plan = _jump_after_one_step(_coord(noise_calibration=3.0))
+    calibrated = plan.b_noise["actor"]
+    assert calibrated is not None
+    want = adam_v_scale(64, plan.batch_responses, calibrated / 3.0)
+    assert want != pytest.approx(adam_v_scale(64, plan.batch_responses, calibrated), rel=0.05)
+    assert plan.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
+
+
+def test_statistical_efficiency_is_per_optimizer_step() -> None:
+    """With algo.mini_batches = m a rollout of B responses makes m optimizer steps of B/m, and
+    McCandlish's E(B) = E_min(1 + B/B_noise) is per step: per-sample efficiency is
+    (B_noise + B0/m)/(B_noise + B/m), i.e. goodput over rollout batches with m·B_noise. For
+    t(B) = α + β·B the optimum moves from √(α·B_noise/β) to √(α·m·B_noise/β): 2x at m = 4. Adam's
+    rescale on the first change is per step too: 64/m -> B/m responses."""
+    plans = {}
+    for m in (1, 4):
+        run = CoordinatorRun(
+            samples_per_prompt=8, initial_prompts=8, batch_divisor=8 * m, lr_ref={"actor": 1e-3}, mini_batches=m
+        )
+        coord = Coordinator(CoordinatorConfig(enabled=True, min_prompts=4, max_prompts=256, noise_calibration=1.0), run)
+        trainer = PartsTrainer(5, parts=16)
+        checked = False
+        for step in range(30):
+            plan = coord.next_plan()
+            if plan.adam_v_scale and not checked:  # the first change
+                prev = 8 * 8
+                bn = plan.b_noise["actor"]
+                assert bn is not None
+                want = adam_v_scale(prev / m, plan.batch_responses / m, bn)
+                assert plan.adam_v_scale == {"actor": pytest.approx(want, rel=1e-12)}
+                checked = True
+            coord.observe(step, *trainer.step(plan))
+        assert checked
+        plan = coord.next_plan()
+        bn = plan.b_noise["actor"]
+        assert bn is not None and plan.predicted_goodput is not None
+        t = coord._time.predict(plan.batch_responses)
+        assert plan.predicted_goodput == pytest.approx(goodput(plan.batch_responses, m * bn, 64.0, t), rel=1e-12)
+        plans[m] = plan.num_prompts
+    print("prompts after 30 steps, m = 1 / 4:", plans)
+    assert 1.5 <= plans[4] / plans[1] <= 2.9
 
 
 def test_a_settled_batch_moves_at_most_track_factor_per_change() -> None:

@@ -5,7 +5,9 @@ Gradients are synthetic with a known noise scale: g = G + σ·ξ/√B per elemen
 so E|g_B|² = |G|²(1 + B_N/B). After 600 steps at B_old = 64 Adam's v holds that batch's
 E[g²]; the batch then grows to 256. Scaled by adam_v_scale (the coordinator's factor) v
 matches the steady state at 256 at once; unscaled it is ~2.8× too large, and the first
-updates are ~1.7× smaller than the ones an optimizer that always ran at 256 makes.
+updates are ~1.7× smaller than the ones an optimizer that always ran at 256 makes. With
+global-norm clipping in front of Adam (what the coordinator runs with), v follows the clipped
+gradient, and so must the factor: ~1 when every step is clipped.
 """
 
 from __future__ import annotations
@@ -92,6 +94,67 @@ def test_second_moments_match_the_new_batch_after_the_rescale() -> None:
     assert v_stale / want_v(B_NEW) > 2.3
     assert move_scaled == pytest.approx(steady_move, rel=0.15)
     assert move_stale / steady_move < 0.75
+
+
+def _run_clipped(adam: torch.optim.Adam, param: torch.nn.Parameter, grads, clip: float) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    """``_run`` with megatron's global-norm clip in front of Adam (clip_grads.py: ×c/(|g| + 1e-6)
+    when that is < 1, as torch's clip_grad_norm_); also returns each step's pre-clip |g|²."""
+    moves, sq = [], []
+    for grad in grads:
+        before = param.detach().clone()
+        param.grad = grad.clone()
+        sq.append(float(torch.nn.utils.clip_grad_norm_([param], clip)) ** 2)
+        adam.step()
+        moves.append(float((param.detach() - before).pow(2).mean()))
+    return math.sqrt(sum(moves) / len(moves)), sq
+
+
+@pytest.mark.parametrize(
+    ("g2", "want_factor"),
+    [
+        (4.0, 1.0),  # |g| ≈ 5.4 at 64 and 3.2 at 256: clipped on every step at both batches
+        (0.3, 0.77),  # |g| ≈ 1.47 at 64 (clipped), 0.88 at 256 (not): E|g̃|² 1 -> 0.77
+        (0.05, 64 * 656 / (256 * 464)),  # |g| ≤ 0.6: never clipped, the noise model's ρ = 0.353
+    ],
+)
+def test_the_rescale_follows_the_clipped_gradient_adam_sees(g2: float, want_factor: float) -> None:
+    """optim.clip_grad = 1 (the coordinator requires a clip): Adam's v tracks E|g̃|² of the
+    clipped gradient, E[min(|g|², 1)], not E|g_B|². The coordinator's factor from the last 32
+    pre-clip norms at 64 (adam_v_scale with the clip) lands v on the steady state of a run
+    that always trained at 256, and the updates once Adam's first moment has followed (steps 20-40) at its size, in every
+    regime; the
+    noise-model factor alone (0.353) would leave v at 0.35 of it when clipping is active on
+    every step (updates ~1.7x too large), as in the demo run of issue #41 D.1."""
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(DIM, generator=gen)
+    g = g * math.sqrt(g2 / float(g @ g))
+    sd = math.sqrt(B_N * g2 / DIM)
+    clip = 1.0
+    param = torch.nn.Parameter(torch.zeros(DIM))
+    wrapped, adam = _optimizer(param)
+    _, sq = _run_clipped(adam, param, _grads(gen, g, sd, B_OLD, 600), clip)
+    factor = adam_v_scale(B_OLD, B_NEW, B_N, sq_norms=[(B_OLD, x) for x in sq[-32:]], clip=clip)
+    assert factor == pytest.approx(want_factor, rel=0.05)
+    assert scale_adam_second_moments(wrapped, factor) == 1
+    v_scaled = _v_sum(adam)
+    # updates of steps 20-40 at 256: the clipped gradient's signal changes with the batch, and
+    # Adam's first moment (β1 = 0.9) needs ~20 steps to follow; v (β2 = 0.99) keeps most of a
+    # wrong level over those steps (0.99^30 = 0.74)
+    _run_clipped(adam, param, _grads(gen, g, sd, B_NEW, 20), clip)
+    move = _run_clipped(adam, param, _grads(gen, g, sd, B_NEW, 20), clip)[0]
+
+    steady_param = torch.nn.Parameter(torch.zeros(DIM))
+    _, steady = _optimizer(steady_param)
+    _run_clipped(steady, steady_param, _grads(gen, g, sd, B_NEW, 600), clip)
+    v_steady = _v_sum(steady)
+    _run_clipped(steady, steady_param, _grads(gen, g, sd, B_NEW, 20), clip)
+    steady_move = _run_clipped(steady, steady_param, _grads(gen, g, sd, B_NEW, 20), clip)[0]
+    noise_only = adam_v_scale(B_OLD, B_NEW, B_N)
+    print(f"factor {factor:.3f} (noise model {noise_only:.3f}); v/v* {v_scaled / v_steady:.3f}; move/steady {move / steady_move:.3f}")
+    assert v_scaled == pytest.approx(v_steady, rel=0.1)
+    assert move == pytest.approx(steady_move, rel=0.15)
+    if g2 >= 4.0:  # clipped everywhere: the noise model's factor is ~3x off
+        assert noise_only * v_scaled / factor / v_steady < 0.4
 
 
 def test_nothing_to_scale_before_the_first_step_and_bad_factors_refused() -> None:
