@@ -5,7 +5,8 @@
 engine of its run before it sends the credential. Every other route, ``/health`` included,
 needs the run's credential (``Authorization: Bearer``,
 ``megarl.engine.credentials``); a request without it gets 401 before its body is read, so
-a stranger can neither reach the engine nor make it buffer anything. Bodies are bounded
+a stranger can neither reach the engine nor make it buffer anything, and connections that
+have not shown the credential are few and short-lived (``EngineHTTPServer``). Bodies are bounded
 (``Limits``): a weight bucket cannot be larger than the whole model at fp32 plus its
 safetensors header, a JSON request than ``max_json_bytes``; a larger ``Content-Length`` gets
 413 and the connection is closed unread. ``/health`` says only that the engine lives and
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -98,33 +100,96 @@ class Lifeline:
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once (a connection beyond is
-    closed unanswered), each read bounded by the handler's ``timeout``: a stranger who opens
-    connections and sends nothing, or half a request, holds a thread for seconds, not forever,
-    and cannot lock the trainer out. A client that hangs up mid-reply is one log line."""
+    """A thread per connection; a stranger cannot hold the engine's connections.
+
+    A connection starts *unproven*. It holds one of ``max_pending`` slots and has
+    ``proof_deadline_s`` from its accept to send a request that carries the run's credential
+    (``/hello`` exchanges included): one deadline for all of it, not a per-read timeout, so a
+    client that trickles a header byte every few seconds loses its slot like one that sends
+    nothing. When every unproven slot is taken, a new connection evicts the *oldest* unproven
+    one instead of being refused: the trainer's own connection sends its credential within
+    milliseconds of connecting, so a stranger's pile of idle connections cannot shut it out.
+    Once a request on a connection carried the credential the connection is *trusted*: it
+    leaves the unproven pool, and each of its reads waits at most the handler's ``timeout``
+    (the run's kept-alive connections idle between steps). A client that hangs up mid-reply is
+    one log line; evictions and expiries are summarised at most once every 10 s."""
 
     daemon_threads = True
+    request_queue_size = 128  # listen backlog: a burst of connections is not dropped (the stdlib's 5)
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int = 64):
-        self._slots = threading.BoundedSemaphore(max_connections)
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        max_pending: int = 64,
+        proof_deadline_s: float = 10.0,
+    ):
+        self.max_pending, self.proof_deadline_s = max_pending, proof_deadline_s
+        self._lock = threading.Lock()
+        self._pending: dict[Any, float] = {}  # unproven socket -> deadline (insertion order: oldest first)
+        self._trusted: set[Any] = set()
+        self._cut: set[Any] = set()  # dropped, their handler not finished yet
+        self.dropped = {"evicted": 0, "expired": 0}
+        """Unproven connections closed so far: evicted by a newer one, or past their deadline."""
+        self._noted, self._noted_at = dict(self.dropped), 0.0
         super().__init__(address, handler)
+        threading.Thread(target=self._reap, name="http-reaper", daemon=True).start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.warning("refused a connection from %s: every connection slot is taken", client_address[0])
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._slots.release()
-            raise
+        with self._lock:
+            if len(self._pending) >= self.max_pending:
+                self._drop(next(iter(self._pending)), "evicted")
+            self._pending[request] = time.monotonic() + self.proof_deadline_s
+        super().process_request(request, client_address)
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def trust(self, request: Any) -> None:
+        """``request``'s connection carried the run's credential: it is the run's from now on."""
+        with self._lock:
+            if self._pending.pop(request, None) is not None:
+                self._trusted.add(request)
+
+    def was_cut(self, request: Any) -> bool:
+        """True if the server closed ``request``'s connection (what was read is half a request)."""
+        with self._lock:
+            return request in self._cut
+
+    def counts(self) -> dict[str, int]:
+        """Open connections by kind, and unproven ones dropped so far."""
+        with self._lock:
+            return {"unproven": len(self._pending), "trusted": len(self._trusted), **self.dropped}
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:  # out of the pools before its socket closes (_drop never sees a closed one)
+            self._pending.pop(request, None)
+            self._trusted.discard(request)
+            self._cut.discard(request)
+        super().shutdown_request(request)
+
+    def _drop(self, sock: Any, why: str) -> None:
+        """Close an unproven connection (lock held): its handler's read returns, its thread ends."""
+        del self._pending[sock]
+        self._cut.add(sock)
+        self.dropped[why] += 1
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _reap(self, every_s: float = 0.2) -> None:
+        while True:
+            time.sleep(every_s)
+            now = time.monotonic()
+            with self._lock:
+                for sock in [s for s, deadline in self._pending.items() if deadline < now]:
+                    self._drop(sock, "expired")
+                if self.dropped != self._noted and now - self._noted_at >= 10.0:
+                    new = {k: v - self._noted[k] for k, v in self.dropped.items()}
+                    self._noted, self._noted_at = dict(self.dropped), now
+                    log.warning(
+                        "closed %d unproven connections (%d evicted by newer ones, %d without the credential "
+                        "after %.0fs); %d unproven open",
+                        sum(new.values()), new["evicted"], new["expired"], self.proof_deadline_s, len(self._pending),
+                    )  # fmt: skip
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         err = sys.exc_info()[1]
@@ -175,10 +240,18 @@ def make_handler(
         # no Nagle delay between the header and body writes of a reply (~40 ms otherwise).
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True
-        timeout = 120  # seconds any one read may wait (an idle kept connection is then closed)
+        timeout = 120  # seconds any one read of a trusted connection may wait (then it is closed)
 
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
             log.debug(fmt, *args)
+
+        def parse_request(self) -> bool:
+            """A connection the server cut (evicted, past its deadline) ends without a reply."""
+            was_cut = getattr(self.server, "was_cut", None)  # (a plain test server has no pools)
+            if was_cut is not None and was_cut(self.request):
+                self.close_connection = True
+                return False
+            return super().parse_request()
 
         def _send(
             self, code: int, body: dict[str, Any] | bytes, close: bool = False, extra: dict[str, str] | None = None
@@ -205,6 +278,9 @@ def make_handler(
                            extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return None
             lifeline.touch()
+            trust = getattr(self.server, "trust", None)  # (a plain test server has no pools)
+            if trust is not None:
+                trust(self.request)
             if routes.ROUTES.get(path) != method:
                 self._send(404, {"error": f"no route {method} {path}"}, close=True)
                 return None
