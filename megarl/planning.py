@@ -8,7 +8,9 @@ owns the probes: it attaches them to the trained models, switches them on for th
 measures, and turns what they saw into :class:`ModelGradStats` — parts are the micro-batches
 of every DP rank (PP = 1) or the DP ranks, counting only responses with reward signal for the
 policy loss (docs/COORDINATOR.md §1). The LR schedule
-(:func:`lr_at`: warm-up, cosine) multiplies the planned LR, so the two compose.
+(:func:`schedule_lr`: warm-up, cosine) multiplies the planned LR, so the two compose; its
+progress is counted in responses trained, not steps, so a batch change does not stretch or
+shrink the warm-up and the decay (issue #41 D.5).
 """
 
 from __future__ import annotations
@@ -32,16 +34,31 @@ from megarl.model.grad_stats import GradProbe, rescale
 log = logging.getLogger("megarl")
 
 
-def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
-    """Warm-up then constant or cosine; ``step`` counts optimizer steps from 0."""
+def schedule_lr(
+    done: float, batch: float, ocfg: OptimConfig, b0: float, total_steps: int, base_lr: float | None = None
+) -> float:
+    """Warm-up then constant or cosine, with progress in samples: ``done`` trained before this
+    step, ``batch`` trained by it. The config's step counts are converted at the starting batch
+    ``b0`` (what they meant when it was fixed): the warm-up spans ``warmup_steps``·b0 samples and
+    reaches (done + batch)/(warmup_steps·b0) of the peak, the cosine decays over
+    (total_steps − warmup_steps)·b0 samples after it. At a fixed batch b0 this is the step
+    schedule exactly (done = step·b0); when the coordinator changes the batch, a step schedule
+    would warm up and decay over a different number of samples (4× the batch: 4× the samples)."""
     peak = ocfg.lr if base_lr is None else base_lr
-    if ocfg.warmup_steps and step < ocfg.warmup_steps:
-        return peak * (step + 1) / ocfg.warmup_steps
+    warm = ocfg.warmup_steps * b0
+    if warm and done < warm:
+        return peak * min(1.0, (done + batch) / warm)
     if ocfg.schedule == "constant":
         return peak
-    span = max(1, total_steps - ocfg.warmup_steps)
-    progress = min(1.0, (step - ocfg.warmup_steps) / span)
+    span = max(b0, (total_steps - ocfg.warmup_steps) * b0)
+    progress = min(1.0, (done - warm) / span)
     return ocfg.min_lr + 0.5 * (peak - ocfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None = None) -> float:
+    """Warm-up then constant or cosine over steps (``step`` from 0): :func:`schedule_lr` at a
+    fixed batch (the supervised warm start)."""
+    return schedule_lr(step, 1, ocfg, 1, total_steps, base_lr)
 
 
 class Planner:
@@ -59,6 +76,10 @@ class Planner:
         """Plans made before an earlier update, for the batches generated ahead (rollout.max_staleness)."""
         self._prompts: int | None = None
         """Prompts of the last coordinator plan (a change is logged with its reason)."""
+        self._samples: int | None = None
+        """Responses planned before the next plan is made (plans are made once per step, in step
+        order): the LR schedule's progress. None until the first plan, or a resume from a
+        checkpoint without it: then step × the configured batch (exact at a fixed batch)."""
         self.unit = "tokens" if cfg.algo.loss_agg == "token-mean" else "responses"
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
@@ -89,9 +110,11 @@ class Planner:
         return self._ahead[step]
 
     def _make(self, step: int) -> StepPlan:
-        r, o = self.cfg.rollout, self.cfg.optim
-        schedule = lr_at(step, o, self.cfg.train.steps) / o.lr  # warm-up / cosine factor
+        r = self.cfg.rollout
+        if self._samples is None:
+            self._samples = step * self.cfg.batch_size
         if self.coord is None:
+            schedule = self._schedule(self.cfg.batch_size)
             return StepPlan(
                 step=step,
                 num_prompts=r.num_prompts,
@@ -103,6 +126,7 @@ class Planner:
                 reason="fixed by config (coordinator.enabled=false)",
             )
         p = self.coord.next_plan()  # for the step after the last observed one (= step without pipelining)
+        schedule = self._schedule(p.batch_responses)
         if p.num_prompts != self._prompts:  # a user sees why the batch moved (megarl report plots where)
             if self._prompts is not None:
                 lr = ", ".join(f"{m} {v * schedule:.3g}" for m, v in p.lr.items())
@@ -116,6 +140,14 @@ class Planner:
                 )
             self._prompts = p.num_prompts
         return dataclasses.replace(p, step=step, lr={m: v * schedule for m, v in p.lr.items()})
+
+    def _schedule(self, batch: int) -> float:
+        """The warm-up / cosine factor of the next plan, which trains ``batch`` responses."""
+        assert self._samples is not None
+        o = self.cfg.optim
+        factor = schedule_lr(self._samples, batch, o, self.cfg.batch_size, self.cfg.train.steps) / o.lr
+        self._samples += batch
+        return factor
 
     # ------------------------------------------------------------------ grad probes
 
@@ -249,6 +281,8 @@ class Planner:
 
     def state_dict(self) -> dict[str, Any]:
         out = self.coord.state_dict() if self.coord is not None else {}
+        if self.coord is not None and self._samples is not None:  # (fixed batch: step × batch)
+            out = {**out, "lr_samples": self._samples}
         if self._ahead:  # only when pipelining: other checkpoints keep their exact form
             out = {**out, "plans_ahead": {str(s): p.to_dict() for s, p in self._ahead.items()}}
         return out
@@ -256,6 +290,8 @@ class Planner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self._ahead = {int(s): StepPlan.from_dict(d) for s, d in state.pop("plans_ahead", {}).items()}
+        samples = state.pop("lr_samples", None)
+        self._samples = None if samples is None else int(samples)
         if self.coord is not None and state:
             self.coord.load_state_dict(state)
 

@@ -4,6 +4,8 @@ gradients), with every micro-batch of every DP rank a part."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,3 +106,60 @@ def test_the_coordinator_is_told_the_clip_and_the_optimizer_steps_per_rollout() 
     for norm in (3.0, float("nan"), 0.25):
         planner.record_grad_norm("actor", norm)
     assert planner._norms == {"actor": [3.0, 0.25]}
+
+
+def _scheduled(planner: Planner, steps: int, start: int = 0, trainer=None) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]
+    """(responses, schedule factor) of each plan: the plan's LR over the coordinator's own."""
+    from tests.coordinator.test_policy import PartsTrainer
+
+    assert planner.coord is not None
+    trainer = trainer or PartsTrainer(1, parts=16, b_noise=4000.0)
+    out = []
+    for step in range(start, start + steps):
+        plan = planner.plan(step)
+        out.append((plan.batch_responses, plan.lr["actor"] / planner.coord.next_plan().lr["actor"]))
+        planner.coord.observe(step, *trainer.step(plan))
+    return out
+
+
+def test_the_lr_schedule_progresses_in_samples() -> None:
+    """optim.warmup_steps = 20 at the configured 128 responses is a warm-up over 2560 responses,
+    and the cosine decays over (60 - 20) × 128 after it. When the coordinator moves the batch up
+    (B_noise 4000: far above 8 prompts; at step 11 here) the warm-up ends after 2560 responses,
+    not 20 steps: each step's factor is the samples trained through it over 2560, then the
+    cosine of the samples trained before it. A step schedule would warm up over ~3x the samples."""
+    planner = _planner("optim.warmup_steps=20", "optim.schedule=cosine", "optim.min_lr=0", "train.steps=60")
+    seen = _scheduled(planner, 30)
+    assert len({b for b, _ in seen}) > 1  # the batch moved
+    done = 0
+    for b, factor in seen:
+        if done < 2560:
+            want = min(1.0, (done + b) / 2560)
+        else:
+            want = 0.5 * (1 + math.cos(math.pi * min(1.0, (done - 2560) / (40 * 128))))
+        assert factor == pytest.approx(want, rel=1e-9), (done, b)
+        done += b
+    warm = next(i for i, (_, f) in enumerate(seen) if f == pytest.approx(1.0))
+    assert warm < 19  # warmed up within 2560 responses, in fewer than 20 steps
+    fixed = _planner("optim.warmup_steps=10", "optim.schedule=cosine", "train.steps=40", "coordinator.enabled=false")
+    for step in range(12):  # at a fixed batch it is the step schedule
+        want = (step + 1) / 10 if step < 10 else 0.5 * (1 + math.cos(math.pi * (step - 10) / 30))
+        assert fixed.plan(step).lr["actor"] == pytest.approx(1e-4 * want, rel=1e-12)
+
+
+def test_the_schedule_resumes_where_it_was() -> None:
+    """A planner restored from its checkpointed state plans the uninterrupted run's LRs after a
+    batch change: the schedule's progress in samples is part of the state."""
+    import json
+
+    from tests.coordinator.test_policy import PartsTrainer
+
+    overrides = ("optim.warmup_steps=40", "optim.schedule=cosine", "train.steps=80")
+    trainer = PartsTrainer(2, parts=16, b_noise=4000.0)
+    a = _planner(*overrides)
+    _scheduled(a, 16, trainer=trainer)
+    assert a._samples != 16 * 128  # the batch did move before the checkpoint
+    state = json.loads(json.dumps(a.state_dict()))
+    b = _planner(*overrides)
+    b.load_state_dict(state)
+    assert b.plan(16).lr == a.plan(16).lr

@@ -112,9 +112,11 @@ class OptimConfig:
     min_lr: float = 0.0
     """Final LR of the cosine schedule."""
     schedule: Literal["constant", "cosine"] = "constant"
-    """LR schedule after warm-up."""
+    """LR schedule after warm-up; the cosine decays over ``train.steps`` − ``warmup_steps`` steps at
+    the starting batch, counted in responses trained (the coordinator may change the batch)."""
     warmup_steps: int = 0
-    """Linear warm-up, optimizer steps."""
+    """Linear warm-up, RL steps at the starting batch: over warmup_steps × rollout.num_prompts ×
+    samples_per_prompt responses trained (``megarl.planning.schedule_lr``)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
