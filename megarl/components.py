@@ -164,6 +164,10 @@ def build(cfg: RunConfig) -> Components:
         planner.attach_probe(actor)
         rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
+        if fleet is not None:
+            fleet.restart_in_background = (
+                cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
+            )
         integrity_tokens = integrity_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
         publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=rollouts.fleet_ready)
     except BaseException:

@@ -132,6 +132,12 @@ class RolloutConfig:
     """host:port of engines started elsewhere (e.g. by srun); empty = start locally."""
     kv_cache_gb: float = 0.25
     """KV cache per engine on CPU, GiB."""
+    engine_restart: Literal["background", "blocking"] = "background"
+    """A local engine that dies while others serve: ``background`` restarts it in its own thread
+    (at low CPU priority) while the others take its prompts, and it serves again from the next
+    weight update; ``blocking`` restarts it and gives it the current weights before the fleet
+    goes on (the step waits). A fleet of one, and the nccl / cuda_ipc transports and http with
+    pipeline_parallel > 1 (which cannot update a joining engine alone), always block."""
     engine_start_timeout_s: float = 300.0
     """Give up on an engine that is not healthy after this long, seconds."""
     request_timeout_s: float = 600.0

@@ -54,6 +54,8 @@ class EngineClient:
     ping for an engine that answered moments ago)."""
     served_version: int | None = field(default=None, repr=False)
     """The weight version the engine named in its last answer that carried one."""
+    log_start: int = field(default=0, repr=False)
+    """Where the current process's output starts in ``log_path`` (every start appends to it)."""
     _idle: list[http.client.HTTPConnection] = field(default_factory=list, init=False, repr=False)
     """Kept-alive connections not in use (several threads may talk to one engine at once)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -219,6 +221,17 @@ class EngineClient:
         return self.proc is None or self.proc.poll() is None
 
     def log_tail(self, n: int = 15) -> str:
-        if self.log_path and self.log_path.exists():
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        return ""
+        """The last ``n`` lines the current process wrote to its log (not an earlier start's)."""
+        if not (self.log_path and self.log_path.exists()):
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(self.log_start)
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-n:])
+
+    def last_words(self, n: int = 15) -> str:
+        """A sentence for an error: the current process's last log lines, or that it wrote none."""
+        tail = self.log_tail(n)
+        if not tail.strip():
+            return f"this process wrote nothing to its log ({self.log_path})"
+        return f"last log lines of this process ({self.log_path}):\n{tail}"

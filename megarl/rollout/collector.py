@@ -173,6 +173,7 @@ class RolloutCollector:
         stats["fleet/reissued_prompts"] = float(self.fleet.reissued_prompts)
         stats.update(self.fleet.pop_timings())  # this batch's generations: fleet, engine, model seconds
         if self.cfg.rollout.colocate:  # the trainer needs the GPUs until the next sync
+        stats["fleet/serving"] = float(len(self.fleet.serving()))  # engines this batch could use
             self.fleet.sleep(level=1)
         return batch, stats
 

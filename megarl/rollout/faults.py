@@ -10,6 +10,8 @@ Without ``MEGARL_FAULT`` in the environment :func:`inject` does nothing.
 Each entry fires once, on engine ``engine<i>`` (default 0), when weight version ``V`` is at
 that phase (step ``s`` samples with version ``s``; its sync pushes version ``s + 1``):
 
+  generate     the /generate request of a generation at version V is in flight to the
+               engine: frozen (SIGSTOP), then SIGKILLed after 1 s (its prompts go elsewhere)
   logprobs     the trainer computes log-probs of the batch sampled with V (engine idle)
   sync_begin   every engine has opened update V, nothing loaded yet (shm: the load
                request opens the update, so this is just before it)
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("megarl.fleet")
 
 ENV = "MEGARL_FAULT"
-PHASES = ("logprobs", "sync_begin", "sync_load", "sync_commit", "integrity")
+PHASES = ("generate", "logprobs", "sync_begin", "sync_load", "sync_commit", "integrity")
 
 
 @dataclass
@@ -83,7 +85,7 @@ def inject(phase: str, version: int, engines: Sequence[EngineClient]) -> None:
         _fired.add(key)
         pid = victim.proc.pid
         log.warning("fault injection: SIGKILL %s (pid %d) at %s of version %d", victim.name, pid, phase, version)
-        if phase == "sync_load":
+        if phase in ("generate", "sync_load"):
             os.kill(pid, signal.SIGSTOP)  # the request is accepted by the kernel, never answered
             threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
         else:

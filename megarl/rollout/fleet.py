@@ -51,17 +51,18 @@ from megarl.engine.client import EngineClient, free_port
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, make_staging_dir, new_token
 from megarl.errors import EngineDead, RolloutError
 from megarl.rollout import faults
+from megarl.rollout.fleet_restarts import Restarts
 from megarl.rollout.fleet_updates import WeightUpdates, concurrently
 
 log = logging.getLogger("megarl.fleet")
 
 
-class Fleet(WeightUpdates):
+class Fleet(Restarts, WeightUpdates):
     def __init__(self, engines: list[EngineClient], request_timeout_s: float, start_timeout_s: float) -> None:
         self.engines = engines
         self.timeout = request_timeout_s
         self.start_timeout = start_timeout_s
-        self.restarts = 0
+        self._init_restarts()
         self.reissued_prompts = 0
         self._replay: Callable[[list[EngineClient]], None] | None = None
         self.version = -1
@@ -216,15 +217,6 @@ class Fleet(WeightUpdates):
 
         threading.Thread(target=beat, name="fleet-heartbeat", daemon=True).start()
 
-    def _spawn(self, e: EngineClient) -> None:
-        e.close()  # connections kept to an earlier process of this engine
-        env = dict(os.environ)
-        env.update(e.env)
-        assert e.log_path is not None
-        fh = open(e.log_path, "ab")  # noqa: SIM115 (handed to the child)
-        e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        fh.close()
-
     def wait_healthy(self, engines: list[EngineClient] | None = None) -> None:
         """Wait for every engine's /health. A local engine that exits fails at once; an address
         that answers but is not a megarl engine (or a host that does not resolve) fails at once;
@@ -239,9 +231,9 @@ class Fleet(WeightUpdates):
                 if not e.alive():
                     assert e.proc is not None
                     last = next((ln for ln in reversed(e.log_tail(40).splitlines()) if ln.strip()), "")
+                    said = f"last line: {last.strip()}" if last else "this process wrote nothing to it"
                     raise RolloutError(
-                        f"engine {e.name} exited with code {e.proc.returncode} during start; "
-                        f"log {e.log_path}, last line: {last.strip()}"
+                        f"engine {e.name} exited with code {e.proc.returncode} during start; log {e.log_path}, {said}"
                     )
                 health, reason, answered = e.check_health()
                 if health is not None:
@@ -266,70 +258,10 @@ class Fleet(WeightUpdates):
             if pending:
                 time.sleep(0.5)
 
-    def restart(self, e: EngineClient, attempts: int = 3) -> None:
-        """Restart a local engine and bring it to the fleet's current weights (the replay).
-
-        An engine that dies again while it starts or replays is restarted again, up to
-        ``attempts`` times; a replay rejected by the live engine raises WeightSyncError."""
-        if not e.launch:
-            raise RolloutError(
-                f"engine {e.name} ({e.address}) is down and remote (started outside megarl): cannot restart it"
-            )
-        for attempt in range(1, attempts + 1):
-            if e.proc is not None and e.proc.poll() is None:
-                e.proc.kill()
-                e.proc.wait()
-            self._spawn(e)
-            self.restarts += 1
-            self.down.discard(e.name)
-            try:
-                self.wait_healthy([e])
-                if self._replay is not None:
-                    self._replay([e])
-            except EngineDead as err:  # e.g. wait_healthy's request to a process that just died
-                log.warning("%s died again while restarting (attempt %d): %s", e.name, attempt, err)
-                continue
-            except RolloutError as err:
-                if e.alive():
-                    raise
-                log.warning("%s died again while restarting (attempt %d): %s", e.name, attempt, err)
-                continue
-            served = (e.health(timeout=30) or {}).get("version")
-            if e.name not in self.down and served == self.version:
-                log.warning("restarted %s at version %d (restart #%d)", e.name, self.version, self.restarts)
-                return
-            log.warning(
-                "%s not at version %d after restart attempt %d (serves %s)", e.name, self.version, attempt, served
-            )
-        raise RolloutError(
-            f"engine {e.name} ({e.address}) could not be restarted at version {self.version} in {attempts} "
-            f"attempts; last log lines ({e.log_path}):\n{e.log_tail()}"
-        )
-
-    def recover(self) -> None:
-        """Restart every engine that is down (marked during an update, exited, or silent on
-        /health), bring it to the current version, then check the fleet agrees on it.
-
-        An engine whose process lives and that answered a request less than
-        :attr:`fresh_s` ago is not pinged (it just proved it serves, and named its
-        version): a steady step pays no health round trips. Any other is asked /health."""
-        if self._starting:  # engines still loading are not dead: wait for them first
-            self.ready()
-        now = time.monotonic()
-        for e in self.engines:
-            fresh = e.alive() and now - e.answered_at < self.fresh_s and e.served_version is not None
-            if e.name in self.down or not e.alive() or (not fresh and e.health(timeout=30) is None):
-                log.warning("%s (%s) is down; restarting it", e.name, e.address)
-                self.restart(e)
-        self.down.clear()
-        served = [e.served_version if e.served_version is not None else -2 for e in self.engines]
-        if len(set(served)) > 1:  # (not checked against self.version: another client may have updated them)
-            have = ", ".join(f"{e.name}={v}" for e, v in zip(self.engines, served))
-            raise RolloutError(f"engines disagree on the weight version after recovery: {have}")
-
     def shutdown(self) -> None:
         """Ask every engine this fleet started to stop, then wait for each (killed after 10 s)."""
         self._beating.set()
+        self.stop_restarts()
         stopping = []
         for e in self.engines:
             if e.proc is not None and e.proc.poll() is None:
@@ -374,10 +306,14 @@ class Fleet(WeightUpdates):
         versions: list[int] = []
         todo = list(range(len(prompts)))
         while todo:
-            live = [e for e in self.engines if e.alive()]
+            live = [e for e in self.serving() if e.alive()]
+            if not live:
+                self.recover()
+                live = [e for e in self.serving() if e.alive()]
             if not live:
                 raise RolloutError("no live engine in the fleet")
-            shares = self._balance(todo, prompts, n, max_tokens, live)
+            shares = [(e, i) for e, i in self._balance(todo, prompts, n, max_tokens, live) if i]
+            faults.inject("generate", self.version, [e for e, _ in shares])
             failed: list[int] = []
 
             def run(engine: EngineClient, idx: list[int]) -> tuple[EngineClient, list[int], Any]:
@@ -398,13 +334,13 @@ class Fleet(WeightUpdates):
                 except EngineDead as err:
                     return engine, idx, err
 
-            outs = concurrently(lambda kv: run(*kv), [(e, i) for e, i in shares if i])
-            for engine, idx, out in outs:
+            dead = []
+            for engine, idx, out in concurrently(lambda kv: run(*kv), shares):
                 if isinstance(out, Exception):
                     log.warning("%s died mid-generation (%s); re-issuing %d prompts", engine.name, out, len(idx))
                     self.reissued_prompts += len(idx)
                     failed.extend(idx)
-                    self.restart(engine)
+                    dead.append(engine)
                     continue
                 version, groups, timings = out
                 self._count("engine_s", timings.get("engine_s", 0.0), engine.name)
@@ -412,7 +348,8 @@ class Fleet(WeightUpdates):
                 versions.append(version)
                 for i, group in zip(idx, groups):
                     results[i] = group
-            todo = failed
+            self.lost(dead)  # the same seeds on another engine: the same samples
+            todo = sorted(failed)
         self.timings["generate_s"] = self.timings.get("generate_s", 0.0) + time.perf_counter() - t0
         return [r for r in results if r is not None], min(versions) if versions else -1
 
@@ -446,10 +383,10 @@ class Fleet(WeightUpdates):
     def logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
         """Prompt log-probs of each sequence on every engine (integrity check); an engine
         that died is restarted at the current version and asked again (bounded)."""
-        faults.inject("integrity", self.version, self.engines)
+        faults.inject("integrity", self.version, self.serving())
         body = {"sequences": sequences, "temperature": temperature}
         out = []
-        for e in self.engines:
+        for e in self.serving():
             for attempt in range(3):
                 try:
                     out.append(e.post(routes.LOGPROBS, body, self.timeout)["logprobs"])
@@ -458,7 +395,9 @@ class Fleet(WeightUpdates):
                     if attempt == 2:
                         raise
                     log.warning("%s died before the integrity check (%s); restarting it", e.name, err)
-                    self.restart(e)
+                    self.lost([e])
+                    if e.name in self.restarting:
+                        break  # checked at the first sync after it serves again
         return out
 
     # ------------------------------------------------------------------ colocation
@@ -472,7 +411,7 @@ class Fleet(WeightUpdates):
         self._post_each(routes.WAKE_UP, {"tags": tags})
 
     def _post_each(self, path: str, body: dict[str, Any]) -> None:
-        concurrently(lambda e: e.post(path, body, self.timeout), self.engines)
+        concurrently(lambda e: e.post(path, body, self.timeout), self.members())
 
     def versions(self) -> list[int]:
         return [int((e.health() or {}).get("version", -2)) for e in self.engines]

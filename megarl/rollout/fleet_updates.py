@@ -43,14 +43,20 @@ class WeightUpdates:
     _replay: Callable[[list[EngineClient]], None] | None
 
     def recover(self) -> None:
-        raise NotImplementedError  # Fleet.recover
+        raise NotImplementedError  # Fleet.recover (megarl.rollout.fleet_restarts)
+
+    def members(self) -> list[EngineClient]:
+        raise NotImplementedError  # the engines an update goes to (megarl.rollout.fleet_restarts)
+
+    def committed(self, e: EngineClient) -> None:
+        raise NotImplementedError  # e applied an update (megarl.rollout.fleet_restarts)
 
     def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
         """begin → load(files) → commit on every engine; a restarted engine replays it."""
         t0 = time.perf_counter()
         self.recover()
         try:
-            self.update_engines(self.engines, version, files)
+            self.update_engines(self.members(), version, files)
         except WeightSyncError:
             self.recover()  # engines that died meanwhile come back at the previous version
             raise
@@ -78,7 +84,7 @@ class WeightUpdates:
 
         An engine that fails at the connection level (``EngineDead``) is marked in ``down``
         and answers None: the update goes on without it, :meth:`recover` restarts it."""
-        engines = engines or self.engines
+        engines = engines or self.members()
 
         def one(e: EngineClient) -> dict[str, Any] | None:
             try:
@@ -97,7 +103,7 @@ class WeightUpdates:
 
     def begin_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
         self.post_all(routes.BEGIN, {"version": version}, version, engines)
-        faults.inject("sync_begin", version, engines or self.engines)
+        faults.inject("sync_begin", version, engines or self.members())
 
     def load_files(
         self,
@@ -112,7 +118,7 @@ class WeightUpdates:
         for one engine only, as nothing then waits for another engine's verdict. Each saves a
         round trip (~1 ms of a demo step). True when the update needs no separate commit: the
         engine committed, or died and is left to :meth:`recover`, as in :meth:`commit_update`."""
-        targets = engines or self.engines
+        targets = engines or self.members()
         if commit and len(targets) != 1:
             raise ValueError(f"a load that commits needs a fleet of one engine, not {len(targets)}")
         if begin:
@@ -137,17 +143,18 @@ class WeightUpdates:
                     "an engine from another megarl version?"
                 )
             self.version = version
+            self.committed(targets[0])
         return True
 
     def load_bytes(self, version: int, data: bytes, engines: list[EngineClient] | None = None) -> None:
         """One bucket as safetensors bytes (http transport)."""
-        faults.inject("sync_load", version, engines or self.engines)
+        faults.inject("sync_load", version, engines or self.members())
         self.post_all(f"{routes.LOAD_BYTES}?version={version}", data, version, engines)
 
     def commit_update(self, version: int, engines: list[EngineClient] | None = None) -> None:
         """Commit engine by engine; one that died is left to :meth:`recover` (it replays this
         version), one that refuses aborts the engines not reached yet."""
-        for e in engines or self.engines:
+        for e in engines or self.members():
             faults.inject("sync_commit", version, [e])
             try:
                 e.post(routes.COMMIT, {"version": version}, self.timeout)
@@ -159,10 +166,11 @@ class WeightUpdates:
                 self.abort_update(engines)  # engines not reached yet drop their staged tensors
                 raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
             self.version = version
+            self.committed(e)
 
     def abort_update(self, engines: list[EngineClient] | None = None) -> None:
         """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""
-        for e in engines or self.engines:
+        for e in engines or self.members():
             try:
                 e.post(routes.ABORT, {}, self.timeout)
             except RolloutError:

@@ -35,7 +35,7 @@ class PolicyPublisher:
         self._ready = ready  # rank 0: wait for engines spawned at start-up (once)
         self.version = 0
         """Version of the weights the fleet serves (0 = none pushed yet)."""
-        self._checked_restarts = -1  # fleet.restarts at the last integrity check (-1: none yet)
+        self._checked_restarts = -1  # fleet.rejoins at the last integrity check (-1: none yet)
 
     def push(self) -> dict[str, float]:
         """Collective over the trainer ranks: the actor's weights become version + 1."""
@@ -54,12 +54,13 @@ class PolicyPublisher:
             self._checked_restarts = self._restarts()
         if self.fleet is not None:  # engines restarted so far, including during this sync
             out["fleet/restarts"] = float(self.fleet.restarts)
+            out["fleet/rejoins"] = float(self.fleet.rejoins)
         return out
 
     def _check_due(self) -> bool:
         """Integrity check at this version: the first sync of this process, every
-        ``integrity_every``-th version, and the first sync after an engine restart (the same
-        on every rank: versions are collective and rank 0's restart count is broadcast)."""
+        ``integrity_every``-th version, and the first sync after a restarted engine came back into
+        service (the same on every rank: versions are collective and rank 0's count is broadcast)."""
         w = self.cfg.weight_sync
         if not w.integrity_check:
             return False
@@ -71,7 +72,7 @@ class PolicyPublisher:
         return bool(flag.item())
 
     def _restarts(self) -> int:
-        return self.fleet.restarts if self.fleet is not None else 0
+        return self.fleet.rejoins if self.fleet is not None else 0
 
     def _wake(self, tags: list[str]) -> None:
         """Colocated engines wake in two steps around a sync (no-op for engines awake)."""

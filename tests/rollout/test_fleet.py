@@ -6,6 +6,7 @@ pushing over http leaves the engines exactly where a shm push of the same weight
 
 import json
 import shutil
+import sys
 import threading
 import time
 import urllib.request
@@ -435,3 +436,88 @@ def test_one_engine_takes_an_update_in_one_request(tmp_path: Path, monkeypatch: 
         assert f.logprobs([SEQ], temperature=1.0) == before  # the restarted engine replayed version 4
     finally:
         f.shutdown()
+
+
+def _wait_restarted(f: Fleet, timeout: float = 300.0) -> None:
+    """Until the background restarts under way have finished (not yet collected by recover)."""
+    for job in list(f.restarting.values()):
+        assert job.done.wait(timeout), "background restart did not finish"
+
+
+def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -> None:
+    """#41 E: engine0 dies mid-generation; engine1 finishes the step alone with the same seeds
+    (the same samples as an undisturbed step), without waiting for engine0, which restarts in
+    its own thread, gets no prompts while it serves stale weights, and serves again from the
+    next update on. Then the survivor dies too while engine0 waits to join: the fleet waits for
+    nothing but gives engine0 the current weights at once (the replay)."""
+    f, hf, _, _ = fleet
+    prompts = [[1, 5 + (i % 40), 7] for i in range(256)]
+    seeds = list(range(len(prompts)))
+    kw = dict(n=2, max_tokens=32, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True, seeds=seeds)
+    calm, _ = f.generate(prompts, **kw)
+    f.restart_in_background = True
+    try:
+        victim, survivor = f.engines
+        restarts, rejoins, pid = f.restarts, f.rejoins, victim.proc.pid
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(out=f.generate(prompts, **kw)))
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive(), "generation finished before the kill; make the workload larger"
+        victim.proc.kill()
+        t.join(timeout=300)
+        outs, version = result["out"]
+        assert outs == calm and version == 1  # every sample as if nothing had happened
+        assert f.restarts == restarts + 1 and victim.proc.pid != pid
+        assert victim.name in f.restarting and not f.restarting[victim.name].done.is_set()  # still starting
+        assert f.serving() == [survivor]
+        _wait_restarted(f)
+        f.recover()  # collects it: healthy, stale weights -> joining, no prompts
+        assert victim.name in f.joining and f.serving() == [survivor]
+        f.pop_timings()
+        again, _ = f.generate(prompts, **kw)
+        assert again == calm
+        assert set(k.split("/")[1] for k in f.timings if k.startswith("engine_s/")) == {survivor.name}
+        f.update_weights(1, [_staged(f, hf / "model.safetensors")])  # the next update: it joins
+        assert f.serving() == [victim, survivor] and not f.joining and f.rejoins == rejoins + 1
+        assert f.versions() == [1, 1]
+        per_engine = f.logprobs([SEQ], temperature=1.0)
+        assert _max_diff(per_engine[:1], per_engine[1:]) <= 1e-6
+
+        # no survivor: engine1 dies while engine0 is joining -> engine0 is replayed and serves now
+        victim.proc.kill()
+        f.generate(prompts[:8], **kw | {"seeds": seeds[:8]})  # finds engine0 dead, restarts it behind
+        _wait_restarted(f)
+        survivor.proc.kill()
+        survivor.proc.wait()
+        out, version = f.generate(prompts, **kw)
+        assert out == calm and version == 1
+        assert victim.name not in f.joining and victim in f.serving()
+        f.recover()
+        _wait_restarted(f)
+        f.update_weights(1, [_staged(f, hf / "model.safetensors")])
+        assert f.versions() == [1, 1] and not f.restarting and not f.joining
+    finally:
+        f.restart_in_background = False
+
+
+def test_an_engine_that_dies_again_while_restarting_is_quoted_from_its_own_log(tmp_path: Path) -> None:
+    """All starts append to one log: the error quotes only what the last process wrote."""
+    from megarl.engine.client import EngineClient as Engine
+    from megarl.errors import RolloutError
+
+    log_path = tmp_path / "engine0.log"
+    log_path.write_text("INFO an earlier process of this engine said this\n")
+    silent = Engine("engine0", "127.0.0.1:9", launch=[sys.executable, "-c", "raise SystemExit(3)"],
+                    log_path=log_path)
+    f = Fleet([silent], request_timeout_s=5, start_timeout_s=30)
+    with pytest.raises(RolloutError) as err:
+        f.restart(silent, attempts=2)
+    assert "earlier process" not in str(err.value) and "wrote nothing" in str(err.value)
+    assert f.restarts == 2
+    talker = Engine("engine0", "127.0.0.1:9", launch=[sys.executable, "-c", "print('cannot bind'); raise SystemExit(3)"],
+                    log_path=log_path)
+    f = Fleet([talker], request_timeout_s=5, start_timeout_s=30)
+    with pytest.raises(RolloutError, match="cannot bind") as err:
+        f.restart(talker, attempts=1)
+    assert "earlier process" not in str(err.value)

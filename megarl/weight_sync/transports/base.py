@@ -30,6 +30,9 @@ class Transport(Protocol):
     """``send`` reaches the engines (or is a trainer collective), so every rank must know that
     rank 0's begin succeeded before any sends; False: ``send`` only writes locally (shm), and
     a failed begin is reported with the rest of the update."""
+    updates_joining_engines: bool
+    """Every update carries every weight through the fleet rank 0 holds, so an engine restarted
+    in the background is brought up to date by the next update alone (``Fleet.members``)."""
 
     def begin(self, version: int) -> None: ...
     def send(self, version: int, buckets: list[Bucket]) -> Any: ...
@@ -76,6 +79,7 @@ class FleetPhases:
 
     fleet: Fleet | None
     send_needs_begin = True
+    updates_joining_engines = False
 
     def begin(self, version: int) -> None:
         if self.fleet is not None:

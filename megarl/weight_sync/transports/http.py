@@ -40,6 +40,8 @@ class HttpTransport(FleetPhases):
         # A restarted local engine replays the last update from these bytes (rank 0's stage).
         self._keep = dims.is_rank0 and fleet is not None and any(e.launch for e in fleet.engines)
         self._kept: list[bytes] = []
+        # other stage owners post to the addresses they were given: only rank 0 knows who joins
+        self.updates_joining_engines = dims.pp == 1
 
     def send(self, version: int, buckets: list[Bucket]) -> int:
         from safetensors.torch import save

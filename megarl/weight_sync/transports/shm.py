@@ -22,6 +22,7 @@ class ShmTransport(FleetPhases):
     name = "shm"
     device = "cpu"
     send_needs_begin = False  # files in the staging folder: the engines read them at load
+    updates_joining_engines = True
 
     def __init__(self, fleet: Fleet | None, dims: ParallelDims, root: Path) -> None:
         self.fleet, self.dims, self.root = fleet, dims, root
@@ -52,7 +53,7 @@ class ShmTransport(FleetPhases):
         self._files = [f for files in receipts for f in files]
         self._committed = False
         if self.fleet is not None:
-            one = len(self.fleet.engines) == 1
+            one = len(self.fleet.members()) == 1
             self._committed = self.fleet.load_files(version, self._files, begin=True, commit=one)
 
     def commit_engines(self, version: int) -> None:
