@@ -103,8 +103,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     warnings.filterwarnings("ignore")
     from megarl.loop import train
+    from megarl.report import draw
 
-    summary = train(cfg)
+    summary = train(cfg, report=draw)
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megarl").info("summary %s", json.dumps(summary))
     # leave together and tear the process groups down explicitly: a rank that exits while a

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from megarl.checkpoint import state
 from megarl.components import Components, add_reference_and_critic, build
-from megarl.config import RunConfig, TrainConfig
+from megarl.config import RunConfig, TrainConfig, to_dict
 from megarl.coordinator import StepPlan
 from megarl.metrics import MetricsLogger, Timer
 from megarl.rollout import faults
@@ -166,14 +167,16 @@ def _save(c: Components, step: int, progress: Progress, asynchronous: bool = Fal
     return state.save(c.run_dir, step, c.models(), parts, files, c.cfg.train.keep_last, asynchronous=asynchronous)
 
 
-def train(cfg: RunConfig) -> dict[str, float]:
-    """Warm start (or resume) + RL; returns a summary (rank 0 logs it)."""
+def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> dict[str, float]:
+    """Warm start (or resume) + RL; returns a summary (rank 0 logs it, and the trackers as their
+    run summary). ``report(run_dir)`` draws the report uploaded with ``train.tracking.artifacts``."""
     t_start = time.perf_counter()
     c = build(cfg)
     state.install_preemption_handlers()
     rank0 = c.dims.is_rank0
     summary: dict[str, float] = {}
     metrics_log = None
+    ok = False  # the trackers mark a run that raised as failed
     try:
         resume = state.find_resume(cfg.train.run_dir, cfg.train.resume)  # in the try: engines stop on error
         start, progress = 0, Progress()
@@ -192,7 +195,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if cfg.warm_start.steps:
                 summary["warm_start/final_nll"] = warm_start(cfg, c.dims, c.actor, c.tok, c.rollouts.train_rows)[-1]
             add_reference_and_critic(c)
-        metrics_log = MetricsLogger(cfg.train.run_dir, enabled=rank0, tensorboard=cfg.train.tensorboard)
+        metrics_log = MetricsLogger.open(cfg.train, to_dict(cfg), enabled=rank0, resumed=resume is not None)
         c.publisher.push()  # the current policy into every engine (version 1 on a fresh start)
         if start == 0:
             summary["val/reward_start"] = c.rollouts.validate()
@@ -209,7 +212,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
         while step < cfg.train.steps and progress.done(cfg.train) is None:
             m = rl_step(c, step)
             step += 1
-            if progress.count(int(m["rollout/responses"]), step, cfg.train) and step < cfg.train.steps:
+            due = progress.count(int(m["rollout/responses"]), step, cfg.train)
+            m["progress/samples"] = float(progress.samples)  # the second x-axis: responses trained so far
+            if due and step < cfg.train.steps:
                 t0 = time.perf_counter()
                 m["val/reward"] = c.rollouts.validate()
                 t_val += time.perf_counter() - t0
@@ -232,6 +237,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 summary["preempted_at_step"] = step
                 if rank0:
                     log.info("preempted after step %d: checkpoint written, exiting for requeue", step)
+                metrics_log.summary(summary)
+                ok = True
                 return summary
             if progress.reached_step == step:
                 summary.update(
@@ -276,11 +283,25 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 summary["rl_wall_s"],
                 summary["wall_s"],
             )
+        metrics_log.summary(summary)
+        if rank0 and cfg.train.tracking.artifacts:
+            _artifacts(metrics_log, c.run_dir, report)
+        ok = True
     finally:
         if metrics_log is not None:
-            metrics_log.close()
+            metrics_log.close(ok)
         c.close()
     return summary
+
+
+def _artifacts(metrics_log: MetricsLogger, run_dir: Path, report: Callable[[Path], Path] | None) -> None:
+    """``hf_final/`` and the report folder to the trackers (a report that fails to draw is left out)."""
+    metrics_log.artifact("hf_final", run_dir / "hf_final")
+    if report is not None:
+        try:
+            metrics_log.artifact("report", report(run_dir).parent)
+        except Exception as e:  # the report is an extra: the run and its checkpoint are done
+            log.warning("report not drawn for the trackers: %s: %s", type(e).__name__, e)
 
 
 def _log_step(step: int, total: int, m: dict[str, float]) -> None:

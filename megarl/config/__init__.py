@@ -5,7 +5,8 @@ rejects unknown keys and wrong types (naming the dotted field), and
 :func:`validate` (``checks``) applies the cross-field rules before any process
 group starts. Sections: ``model`` (model, parallel, optim), ``rollout`` (data, reward,
 rollout), ``algo`` (algo, critic, warm start), ``run`` (weight sync, coordinator, train,
-RunConfig); ``hf`` maps an HF ``config.json`` onto a ModelConfig or refuses it; ``docs``
+RunConfig), ``tracking`` (W&B / MLflow settings, ``train.tracking``); ``hf`` maps an HF
+``config.json`` onto a ModelConfig or refuses it; ``docs``
 prints the resolved config with each field's docstring. Every error is a
 :class:`ConfigError` that names the field, the value and the rule.
 """
@@ -16,6 +17,7 @@ from megarl.config.load import load_config, parse_override, to_dict
 from megarl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import DataConfig, RewardConfig, RolloutConfig
 from megarl.config.run import CoordinatorConfig, RunConfig, TrainConfig, WeightSyncConfig
+from megarl.config.tracking import TrackingConfig
 from megarl.errors import ConfigError
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "TrackingConfig",
     "TrainConfig",
     "WarmStartConfig",
     "WeightSyncConfig",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megarl.config.rules import fail, walk
+from megarl.config.tracking import check_trackers
 
 if TYPE_CHECKING:
     from megarl.config.model import ModelConfig
@@ -34,6 +35,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _coordinator(cfg)
     _devices(cfg, m)
     _stopping(cfg)
+    check_trackers(cfg.train.trackers, cfg.train.tracking)
 
 
 def _stopping(cfg: RunConfig) -> None:

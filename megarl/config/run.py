@@ -9,6 +9,7 @@ from typing import Literal
 from megarl.config.algo import AlgoConfig, CriticConfig, WarmStartConfig
 from megarl.config.model import ModelConfig, OptimConfig, ParallelConfig
 from megarl.config.rollout import DataConfig, RewardConfig, RolloutConfig
+from megarl.config.tracking import TrackingConfig
 
 
 @dataclass(kw_only=True)
@@ -130,7 +131,14 @@ class TrainConfig:
     max_samples: int = 0
     """Stop once this many responses are trained (0 = no limit; ``steps`` still caps)."""
     tensorboard: bool = True
-    """Also write TensorBoard events."""
+    """Also write TensorBoard events (false drops "tensorboard" from ``trackers``)."""
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["jsonl", "tensorboard"]
+    )
+    """Where rank 0 sends the metrics: jsonl (always written: run_dir/metrics.jsonl), tensorboard,
+    wandb, mlflow; a tracker not installed or failing is dropped with one warning (docs/TRACKING.md)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """W&B / MLflow run settings: project, run name, group, tags, URI (train.tracking.*)."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end and on preemption)."""
     keep_last: int = 2
