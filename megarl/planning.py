@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimConfig, RunConfig
-from megarl.config.checks import probe_min_batch
+from megarl.config.checks import probe_min_batch, probe_part_rows
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import adam_preconditioner
@@ -86,7 +86,8 @@ class Planner:
             run = CoordinatorRun(
                 samples_per_prompt=r.samples_per_prompt,
                 initial_prompts=r.num_prompts,
-                batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.parallel.micro_batch_size * cfg.algo.mini_batches,
+                # every DP rank's share of the measured mini-batch: whole probe parts (whole groups)
+                batch_divisor=math.lcm(dp, critic_dp or dp) * probe_part_rows(cfg) * cfg.algo.mini_batches,
                 dp_size=dp,
                 lr_ref={m: self.lr_ref[m] for m in models},
                 b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
@@ -154,7 +155,8 @@ class Planner:
     def attach_probe(self, model: Model) -> None:
         """Give ``model`` a grad probe when the coordinator measures noise (no-op otherwise):
         the small batches are the micro-batches of every DP rank (PP = 1, and with DP > 1 only
-        when ``coordinator.microbatch_parts``), else the DP ranks."""
+        when ``coordinator.microbatch_parts``), joined into runs that hold whole GRPO groups
+        (``probe_part_rows``), else the DP ranks."""
         if self.coord is None:
             return
         dims = model.dims
@@ -172,7 +174,9 @@ class Planner:
             )
         # with a budget, micro-batches are grouped by length: only whole DP ranks are random parts
         model.probe = GradProbe(
-            dims, microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts)
+            dims,
+            microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts),
+            microbatches_per_part=probe_part_rows(self.cfg) // self.cfg.parallel.micro_batch_size,
         )
 
     def start_probe(self, model: Model, update_index: int) -> bool:
@@ -208,9 +212,9 @@ class Planner:
         units = mask.sum(1) if self.unit == "tokens" else (mask.sum(1) > 0).float()  # per row
         answered = mask.sum(1) > 0
         signal = answered if adv is None else answered & ((adv * mask).abs().sum(1) > 0 if adv.dim() == 2 else adv != 0)
-        if model.probe.microbatch:
+        if model.probe.microbatch:  # runs of micro-batches holding whole groups
             parts = model.probe.gather_microbatches() if model.dims.dp > 1 else model.probe.mb_sq
-            rows = [r for sl in every for r in _chunks(sl, mbs)]
+            rows = [r for sl in every for r in _chunks(sl, mbs * model.probe.microbatches_per_part)]
         else:
             parts, rows = model.probe.gather_local(), every
         if len(parts) != len(rows):

@@ -163,3 +163,31 @@ def test_the_schedule_resumes_where_it_was() -> None:
     b = _planner(*overrides)
     b.load_state_dict(state)
     assert b.plan(16).lr == a.plan(16).lr
+
+
+def test_probe_parts_are_whole_groups_of_micro_batches() -> None:
+    """examples/qwen_math_gpu.yaml's layout (micro-batch 4, 8 samples per prompt) at DP = 1: a
+    part is two micro-batches, one whole group; the coordinator's batches stay whole parts and
+    never fewer than two (16 responses). The probe's 8 readings of a 64-row mini-batch become 8
+    parts of 8 rows each (before: 16 parts of 4 rows, half-groups, negatively correlated)."""
+    from types import SimpleNamespace
+
+    from tests.model.test_grad_probe import _dims
+
+    cfg = load_config(None, ["coordinator.enabled=true", "coordinator.min_prompts=2", "rollout.num_prompts=8",
+                             "rollout.samples_per_prompt=8", "parallel.micro_batch_size=4"])  # fmt: skip
+    planner = Planner(cfg, dp=1, models=["actor"])
+    assert planner.coord is not None
+    assert (planner.coord.run.batch_divisor, planner.coord.run.min_batch) == (8, 16)
+    model = SimpleNamespace(dims=_dims(), probe=None)
+    planner.attach_probe(model)  # type: ignore[arg-type]
+    assert model.probe is not None and model.probe.microbatches_per_part == 2
+    gen = torch.Generator().manual_seed(0)
+    model.probe.mb_sq = torch.rand(8, generator=gen, dtype=torch.float64).tolist()
+    mask = torch.ones(64, 1)  # one token a response (the default token-mean loss counts tokens)
+    adv = torch.tensor([1.0, -1.0] * 32)
+    planner.record_probe("actor", model, 1.0, mask, [slice(0, 64)], 4, adv)  # type: ignore[arg-type]
+    (stats,) = planner._grads
+    assert stats.local_batches == [8.0] * 8
+    # each part's sum-scaled gradient over its mean: × (D/n)² = (64/8)²
+    assert stats.local_sq_norms == pytest.approx([64 * x for x in model.probe.mb_sq], rel=1e-12)

@@ -144,27 +144,50 @@ def _critic_dp(cfg: RunConfig, dp: int) -> int:
     return cfg.critic_layout(dp * p.tensor_parallel * p.pipeline_parallel)[2] if cfg.algo.name == "ppo" else dp
 
 
+def probe_part_rows(cfg: RunConfig) -> int:
+    """Rows of the grad probe's smallest part: whole micro-batches holding whole GRPO groups,
+    lcm(micro_batch_size, samples_per_prompt). A group's responses share their prompt and, under
+    a group-centred advantage, are negatively correlated; a part that splits a group is not
+    independent of the others, which the two-batch estimate assumes (it biases B_noise high)."""
+    return math.lcm(cfg.parallel.micro_batch_size, cfg.rollout.samples_per_prompt)
+
+
 def probe_min_batch(cfg: RunConfig, dp: int, critic_dp: int | None = None) -> int:
     """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
-    parts are the measured mini-batch's micro-batches, and one part gives no estimate."""
+    parts are the measured mini-batch's whole-group runs of micro-batches (`probe_part_rows`),
+    and one part gives no estimate."""
     if min(dp, critic_dp or dp) > 1:
         return 1  # parts are DP ranks (or their micro-batches): at least two
-    return 2 * cfg.parallel.micro_batch_size * cfg.algo.mini_batches
+    return 2 * probe_part_rows(cfg) * cfg.algo.mini_batches
 
 
 def _probe_parts(cfg: RunConfig, dp: int) -> None:
-    """coordinator.enabled at DP = 1: the starting batch gives the noise probe two micro-batches."""
+    """coordinator.enabled: every DP rank's share of the measured mini-batch is whole probe parts
+    (whole groups in whole micro-batches), and at DP = 1 the starting batch gives it two."""
     if not cfg.coordinator.enabled:
         return
-    p = cfg.parallel
-    need = probe_min_batch(cfg, dp, _critic_dp(cfg, dp))
-    if cfg.batch_size < need:
+    p, r, m = cfg.parallel, cfg.rollout, cfg.algo.mini_batches
+    part, ranks = probe_part_rows(cfg), math.lcm(dp, _critic_dp(cfg, dp))
+    if cfg.batch_size % (ranks * part * m):
         fail(
             "rollout.num_prompts×samples_per_prompt",
             cfg.batch_size,
-            f"must be >= 2 × parallel.micro_batch_size={p.micro_batch_size} × algo.mini_batches="
-            f"{cfg.algo.mini_batches} = {need} with coordinator.enabled at DP = 1: the noise estimate's "
-            "parts are the measured mini-batch's micro-batches, and one part measures no noise",
+            f"must be divisible by DP={ranks} × lcm(parallel.micro_batch_size={p.micro_batch_size}, "
+            f"rollout.samples_per_prompt={r.samples_per_prompt}) × algo.mini_batches={m} = {ranks * part * m} "
+            "with coordinator.enabled: the noise probe's parts must hold whole GRPO groups (a split "
+            "group's responses are negatively correlated, which biases B_noise high)",
+        )
+    need = probe_min_batch(cfg, dp, _critic_dp(cfg, dp))
+    if cfg.batch_size < need:
+        size = f"parallel.micro_batch_size={p.micro_batch_size}"
+        if part != p.micro_batch_size:  # micro-batches joined into whole groups
+            size = f"lcm({size}, rollout.samples_per_prompt={r.samples_per_prompt})"
+        fail(
+            "rollout.num_prompts×samples_per_prompt",
+            cfg.batch_size,
+            f"must be >= 2 × {size} × algo.mini_batches={m} = {need} with coordinator.enabled at DP = 1: "
+            "the noise estimate's parts are the measured mini-batch's micro-batches (joined into whole "
+            "GRPO groups), and one part measures no noise",
         )
 
 

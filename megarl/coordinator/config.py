@@ -23,7 +23,8 @@ class CoordinatorRun:
     initial_prompts: int = 32
     """Prompts per step until the first change."""
     batch_divisor: int = 1
-    """Responses per step must be a multiple of this (DP size x micro-batch size x mini-batches)."""
+    """Responses per step must be a multiple of this (DP size x probe part x mini-batches; a probe
+    part is whole micro-batches holding whole groups, ``megarl.config.checks.probe_part_rows``)."""
     dp_size: int = 1
     """Data-parallel ranks sharing the batch (length of StepPlan.dp_shares)."""
     lr_ref: dict[str, float] = field(default_factory=dict)
@@ -34,7 +35,7 @@ class CoordinatorRun:
     batch_models: list[str] | None = None
     """Models whose noise scale decides the batch; None means every observed model."""
     min_batch: int = 1
-    """Smallest batch (responses) the grad probes can measure (at DP = 1: two micro-batches of
+    """Smallest batch (responses) the grad probes can measure (at DP = 1: two whole-group parts of
     the measured mini-batch); the grid holds no smaller batch, whatever min_prompts says —
     a batch the probe cannot measure would never be left again."""
     mini_batches: int = 1

@@ -11,7 +11,10 @@ Per optimizer step (the first mini-batch of each rollout) the probe records:
 * **micro-batch** |g_k|² (only with PP = 1) — each micro-batch's own gradient, as the
   difference of the accumulated buffer between micro-batch boundaries, gathered over DP
   (:meth:`GradProbe.gather_microbatches`): every micro-batch of every DP rank is then a part
-  of the noise estimate (``source="microbatch"``), B/mbs parts instead of DP.
+  of the noise estimate (``source="microbatch"``), B/mbs parts instead of DP. With
+  ``microbatches_per_part`` = k > 1 a part is k consecutive micro-batches (the buffer is read
+  at every k-th boundary only): the planner joins micro-batches that split GRPO groups into
+  runs holding whole groups, since a split group's parts are not independent.
 
 Preconditioned (``coordinator.noise_kind: adam``): with ``weights`` — Adam's element-wise
 preconditioner P = 1/(√v̂+ε) per grad buffer (:func:`megarl.model.adam_state.adam_preconditioner`,
@@ -44,12 +47,16 @@ class GradProbe:
     dims: ParallelDims
     microbatch: bool = False
     """Also record per-micro-batch norms (PP = 1 only)."""
+    microbatches_per_part: int = 1
+    """Consecutive micro-batches that make one part (whole GRPO groups); the rank's micro-batch
+    count must be a multiple of it (the config keeps it so)."""
     active: bool = False
     local_sq: float = 0.0
     mb_sq: list[float] = field(default_factory=list)
     _segments: list[list[tuple[int, int]]] | None = None
     _prev: list[torch.Tensor] | None = None
     _pending: list[torch.Tensor] = field(default_factory=list)
+    _boundaries: int = 0
     weights: list[torch.Tensor] | None = None
     """Per grad buffer, Adam's preconditioner laid out like the buffer (noise_kind adam), else None."""
     global_sq: float | None = None
@@ -116,16 +123,24 @@ class GradProbe:
     def start(self, weights: list[torch.Tensor] | None = None) -> None:
         """Measure the next update; ``weights``: Adam's preconditioner per grad buffer (or None)."""
         self.active, self.local_sq, self.mb_sq, self._prev, self.seconds = True, 0.0, [], None, 0.0
-        self._pending, self.weights, self.global_sq = [], weights, None
+        self._pending, self.weights, self.global_sq, self._boundaries = [], weights, None, 0
 
-    def microbatch_boundary(self, ddp: Any) -> None:
-        """Called before each micro-batch's forward (k > 0) and before the DP reduce.
+    def microbatch_boundary(self, ddp: Any, last: bool = False) -> None:
+        """Called before each micro-batch's forward (k > 0) and before the DP reduce (``last``).
 
-        The micro-batch's own gradient is the change of the accumulated buffer since the last
-        boundary; it is formed in place in a copy kept for the step (|prev - cur|² = |cur - prev|²),
-        which then takes the current values: no allocation after the first boundary."""
+        The part's own gradient is the change of the accumulated buffer since the last recorded
+        boundary (every ``microbatches_per_part``-th, and the last); it is formed in place in a
+        copy kept for the step (|prev - cur|² = |cur - prev|²), which then takes the current
+        values: no allocation after the first boundary."""
         if not (self.active and self.microbatch):
             return
+        self._boundaries += 1
+        if not last and self._boundaries % self.microbatches_per_part:
+            return  # inside a part: its micro-batches are read together
+        if self._boundaries % self.microbatches_per_part:
+            raise RuntimeError(
+                f"grad probe: {self._boundaries} micro-batches are not whole parts of {self.microbatches_per_part}"
+            )
         t0 = time.perf_counter()
         cur = self._buffers(ddp)
         if self._prev is None:
@@ -144,7 +159,7 @@ class GradProbe:
         all-reduce (TP shards and PP stages; a collective per micro-batch before)."""
         if not self.active:
             return
-        self.microbatch_boundary(ddp)
+        self.microbatch_boundary(ddp, last=True)
         t0 = time.perf_counter()
         sums = torch.stack([*self._pending, self._local_sq(ddp, self._buffers(ddp))])
         if self.dims.tp * self.dims.pp > 1:

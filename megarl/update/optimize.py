@@ -14,6 +14,7 @@ from typing import cast
 
 from megarl import algo, objectives
 from megarl.config import RunConfig
+from megarl.config.checks import probe_part_rows
 from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments
@@ -79,6 +80,7 @@ class PolicyUpdater:
                         shares,
                         probed=measuring,
                         pack=self.cfg.parallel.pack_sequences,
+                        part_rows=probe_part_rows(self.cfg),  # the probe's parts hold whole groups
                     )
                     stats, gnorm = train_step(
                         model,

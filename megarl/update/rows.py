@@ -36,6 +36,7 @@ def update_rows(
     shares: list[float] | None = None,
     probed: bool = False,
     pack: bool = False,
+    part_rows: int = 0,
 ) -> tuple[slice | torch.Tensor, list[slice] | list[torch.Tensor], list[MicroBatch] | None]:
     """(this rank's rows, every rank's rows, its micro-batches) of one mini-batch.
 
@@ -43,14 +44,17 @@ def update_rows(
     micro-batches over rows balanced by tokens (∝ ``shares``) — except when a grad probe
     measures the update (``probed``): the noise estimate treats each DP rank's rows as a
     random sample of the batch, which a length-balanced split is not, so the rows stay the
-    plan's contiguous ones and only the micro-batches follow the budget. ``pack``: the
-    micro-batches run padding-free (``parallel.pack_sequences``)."""
+    plan's contiguous ones and only the micro-batches follow the budget. A probed update's DP
+    shares come in ``part_rows`` (whole GRPO groups in whole micro-batches,
+    ``megarl.config.checks.probe_part_rows``; 0: micro-batches), so no rank boundary splits a
+    group. ``pack``: the micro-batches run padding-free (``parallel.pack_sequences``)."""
     n = int(lengths.numel())
+    unit = part_rows if probed and part_rows else micro_batch_size
     if not max_tokens:
-        mine, every = dp_rows(n, micro_batch_size, dims, shares)
+        mine, every = dp_rows(n, unit, dims, shares)
         return mine, every, None
     if probed:
-        mine, every = dp_rows(n, micro_batch_size, dims, shares)
+        mine, every = dp_rows(n, unit, dims, shares)
         return mine, every, token_budget_split(lengths[mine], max_tokens, packed=pack)
     parts = balance_rows(lengths, dims.dp, shares if dims.dp > 1 else None)
     rows = parts[dims.dp_rank]

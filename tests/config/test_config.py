@@ -1,6 +1,7 @@
 """Config loading and validation: unknown keys, wrong types and inconsistent sizes fail
 before any process group starts, naming the field, the value and the rule."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,35 @@ def test_cpu_engine_head_dims_are_vllms_and_others_are_refused() -> None:
         validate(cfg, 1)
     cfg.rollout.engine_addresses = ["gpu-node:8000"]  # engines elsewhere: their own business
     validate(cfg, 1)
+
+
+def test_coordinator_probe_parts_hold_whole_groups() -> None:
+    """Micro-batches of 4 with 8 samples per prompt (examples/qwen_math_gpu.yaml's layout) split
+    every GRPO group; the probe joins them in pairs, so the run needs two pairs at DP = 1 and
+    whole pairs on every rank. Where no join fits the batch (micro-batch 12, groups of 8: runs
+    of 24 rows) the config is refused, naming the fields (issue #41 D.4)."""
+    from megarl.prelaunch import check_run
+
+    def cfg(prompts: int, mbs: int) -> RunConfig:
+        return _cfg(coordinator={"enabled": True, "min_prompts": 2},
+                    rollout={"num_prompts": prompts, "samples_per_prompt": 8}, parallel={"micro_batch_size": mbs})
+
+    check_run(cfg(2, 4), 1)  # 16 rows: two parts of one group each
+    with pytest.raises(ConfigError, match=re.escape(
+            "rollout.num_prompts×samples_per_prompt=8 must be >= 2 × lcm(parallel.micro_batch_size=4, "
+            "rollout.samples_per_prompt=8) × algo.mini_batches=1 = 16")):
+        check_run(cfg(1, 4), 1)
+    check_run(cfg(4, 4), 2)  # DP = 2: one group per rank
+    with pytest.raises(ConfigError, match=re.escape(  # ranks of 12 rows: the second starts mid-group
+            "rollout.num_prompts×samples_per_prompt=24 must be divisible by DP=2 × lcm(parallel.micro_batch_size"
+            "=12, rollout.samples_per_prompt=8) × algo.mini_batches=1 = 48") + ".*whole GRPO groups"):
+        check_run(cfg(3, 12), 2)
+    with pytest.raises(ConfigError, match=re.escape(  # mini-batches of 12 rows: one and a half groups
+            "rollout.num_prompts×samples_per_prompt=24 must be divisible by DP=1 × lcm(parallel.micro_batch_size"
+            "=4, rollout.samples_per_prompt=8) × algo.mini_batches=2 = 16")):
+        check_run(_cfg(coordinator={"enabled": True, "min_prompts": 2}, rollout={"num_prompts": 3,
+                       "samples_per_prompt": 8}, parallel={"micro_batch_size": 4}, algo={"mini_batches": 2}), 1)
+    check_run(cfg(6, 12), 1)  # 48 rows: two runs of 24
 
 
 def test_coordinator_start_the_probe_cannot_measure_is_refused() -> None:

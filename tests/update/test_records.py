@@ -76,3 +76,19 @@ def test_update_rows_token_budget() -> None:
     mine, every, groups = update_rows(lengths, 2, 60, _dims(2, 1), probed=True)  # type: ignore[arg-type]
     assert mine == slice(4, 8) and every == [slice(0, 4), slice(4, 8)]
     assert groups is not None and [(g.rows.tolist(), g.width) for g in groups] == [([1], 29), ([0, 2, 3], 7)]
+
+
+def test_a_probed_update_splits_ranks_at_whole_groups() -> None:
+    """Micro-batches of 4, groups of 8, DP shares 0.6 / 0.4 of 32 rows: cut in micro-batches the
+    ranks get 20 / 12 rows, and the group of rows 16-23 lies on both (a probe part would split
+    it). A probed update cuts the shares in whole probe parts (8 rows: 16 / 16); an unprobed one
+    keeps micro-batch granularity (issue #41 D.4)."""
+    from megarl.update.rows import update_rows
+
+    lengths = torch.full((32,), 5)
+    _, every, _ = update_rows(lengths, 4, 0, _dims(2, 0), [0.6, 0.4])  # type: ignore[arg-type]
+    assert every == [slice(0, 20), slice(20, 32)]  # group 16-23 on both ranks
+    _, every, _ = update_rows(lengths, 4, 0, _dims(2, 0), [0.6, 0.4], probed=True, part_rows=8)  # type: ignore[arg-type]
+    assert every == [slice(0, 16), slice(16, 32)]
+    _, every, _ = update_rows(lengths, 4, 0, _dims(2, 0), [0.6, 0.4], probed=True)  # type: ignore[arg-type]
+    assert every == [slice(0, 20), slice(20, 32)]  # (part_rows 0: micro-batches, as before)
