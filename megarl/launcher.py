@@ -27,7 +27,10 @@ code 2 without printing. ``python -m megarl.launcher ARGS`` is ``torchrun ARGS``
 when such a message exists, torchrun's own failure output (the per-rank "failed (exitcode:
 2)" lines and the ChildFailedError report) is dropped, so the launcher (:func:`launch`)
 prints the first message alone. Failures without a message (a bug, a signal) keep
-torchrun's full report.
+torchrun's full report. Started by hand (no ``MEGARL_ERROR_DIR``: the command to use instead
+of ``torchrun`` for ``-m megarl.cli train``), it keeps the ranks' messages itself and prints the
+first one alone, exit 2: torchrun turns any failed rank into a ChildFailedError traceback, so
+only its parent can keep a megarl error to one line.
 
 Torch-free, except ``main`` (the torchrun wrapper, run in the child).
 """
@@ -205,7 +208,6 @@ class _UnlessReported(logging.Filter):
 
 
 def main(argv: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     quiet = _UnlessReported()
@@ -219,6 +221,23 @@ def main(argv: list[str]) -> int:
     ]
     for h in {h for lg in loggers for h in lg.handlers}:
         h.addFilter(quiet)
+    if os.environ.get(ERROR_DIR_ENV):  # under launch(), which prints the first rank's line
+        return _torchrun_quiet(torchrun, argv)
+    with tempfile.TemporaryDirectory(prefix="megarl-errors-") as errors:  # by hand: print it here
+        os.environ[ERROR_DIR_ENV] = errors  # the ranks inherit torchrun's environment
+        try:
+            code = _torchrun_quiet(torchrun, argv)
+        finally:
+            del os.environ[ERROR_DIR_ENV]
+        line = first_rank_error(errors)
+    if line:
+        sys.stderr.write(line + "\n")
+    return code
+
+
+def _torchrun_quiet(torchrun: Callable[[list[str]], None], argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         torchrun(argv)
     except ChildFailedError:

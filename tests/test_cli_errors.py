@@ -229,6 +229,48 @@ def test_real_command_one_line_exit_2_fast(tmp_path: Path, sets: list[str], need
     print(f"{needle!r}: exit 2 in {elapsed:.2f}s")
 
 
+def test_wrong_world_size_only_local_rank_0_leaves_by_itself(tmp_path: Path) -> None:
+    """The two ranks of a hand-started torchrun with 2 processes for a 1-process config, as
+    torchrun starts them (its environment, no torchrun: it would stop rank 1 itself). Rank 0
+    says why and exits 2; rank 1 says nothing and is still there when rank 0 has long gone
+    (a rank 1 that exited first had torchrun stop rank 0, sometimes before its line was out),
+    and dies of torchrun's SIGTERM."""
+    import os
+    import signal
+
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", CONFIG,
+           "--set", "parallel.tensor_parallel=1", "--set", f"train.run_dir={tmp_path}/r"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != launcher.ERROR_DIR_ENV}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    ranks = [
+        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        out0, err0 = ranks[0].communicate(timeout=120)
+        took = time.perf_counter() - t0
+        assert ranks[0].returncode == 2, err0
+        assert err0.strip().splitlines() == [
+            "megarl: config error: this run has 2 ranks (WORLD_SIZE) but parallel.tensor_parallel=1 × "
+            "pipeline_parallel=1 × data_parallel=1 = 1: start it with `megarl train` (it launches torchrun "
+            "itself) or --nproc-per-node=1"
+        ], err0
+        # rank 1 runs the same code to the same point: twice rank 0's time and it has not left
+        with pytest.raises(subprocess.TimeoutExpired):
+            ranks[1].wait(timeout=max(5.0, 2 * took))
+        ranks[1].send_signal(signal.SIGTERM)  # what torchrun does once rank 0 has failed
+        out1, err1 = ranks[1].communicate(timeout=30)
+        assert ranks[1].returncode == -signal.SIGTERM and out1 == "" and err1 == "", (ranks[1].returncode, err1)
+        print(f"rank 0 exit 2 after {took:.2f}s; rank 1 waited to be stopped")
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 # --------------------------------------------------------------------------- print-config, help
 
 

@@ -7,7 +7,7 @@ the single-rank rendezvous used to take: the run finishes, every failure is coun
 summarised in one line per step (and per validation), the overlong validation prompt is
 skipped. Run B resumes A's checkpoint into a model of another shape under torchrun (TP=2,
 started by ``megarl train``): one line, exit 2, none of torchrun's report. Run C starts
-ranks under torchrun by hand with the wrong world size.
+ranks under torchrun by hand with the wrong world size (plain, and as ``python -m megarl.launcher``).
 
 Heavy: run under ``flock /tmp/megarl-heavy.lock``.
 """
@@ -127,17 +127,30 @@ def test_resume_into_another_shape_is_one_line_under_torchrun(
     print(f"run B: exit 2, {len(err.splitlines())} stderr lines, last: {errors[0][:140]}")
 
 
-def test_wrong_world_size_under_torchrun_by_hand(tmp_path: Path) -> None:
-    """torchrun started by the user: the ranks say it once (rank 0); torchrun's own report is
-    torchrun's (not ours to silence)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megarl.cli",
+WRONG_WORLD = (
+    "megarl: config error: this run has 2 ranks (WORLD_SIZE) but parallel.tensor_parallel=1 × "
+    "pipeline_parallel=1 × data_parallel=1 = 1: start it with `megarl train` (it launches torchrun itself) "
+    "or --nproc-per-node=1"
+)
+
+
+@pytest.mark.parametrize("runner", ["torch.distributed.run", "megarl.launcher"])
+def test_wrong_world_size_under_torchrun_by_hand(tmp_path: Path, runner: str) -> None:
+    """torchrun started by the user: the ranks say it once (local rank 0, the only one that
+    leaves by itself, so torchrun's report names it). Plain torchrun then prints its own report
+    (a ChildFailedError traceback for any failed rank: not ours to silence); ``python -m
+    megarl.launcher``, torchrun with the same arguments as slurm/README.md shows it, prints
+    the line alone and exits 2."""
+    cmd = [sys.executable, "-m", runner, "--standalone", "--nproc-per-node=2", "-m", "megarl.cli",
            "train", "--config", CONFIG, *_sets("parallel.tensor_parallel=1", f"train.run_dir={tmp_path / 'r'}")]  # fmt: skip
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     ours = [ln for ln in out.splitlines() if ln.startswith("megarl: ")]
-    assert proc.returncode != 0
-    assert ours == [
-        "megarl: config error: this run has 2 ranks (WORLD_SIZE) but parallel.tensor_parallel=1 × "
-        "pipeline_parallel=1 × data_parallel=1 = 1: start it with `megarl train` (it launches torchrun itself) "
-        "or --nproc-per-node=1"
-    ], out[-4000:]
+    assert ours == [WRONG_WORLD], out[-4000:]
+    if runner == "torch.distributed.run":
+        assert proc.returncode == 1, out[-4000:]
+        cause = out.split("Root Cause (first observed failure):", 1)[1]
+        assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2 " in cause, out[-4000:]
+    else:
+        assert proc.returncode == 2 and proc.stdout == "", out[-4000:]
+        assert proc.stderr.strip().splitlines() == [WRONG_WORLD], proc.stderr[-4000:]
