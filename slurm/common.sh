@@ -32,6 +32,8 @@ megarl_init() {
     # shellcheck disable=SC2206  # word splitting is the documented format
     sets=(${MEGARL_SET:-} "$@")
     set +f
+    # MEGARL_TRACKERS="wandb,mlflow" → train.trackers=jsonl,tensorboard,wandb,mlflow (before the sets: they win)
+    if [[ -n "${MEGARL_TRACKERS:-}" ]]; then sets=("train.trackers=jsonl,tensorboard,$MEGARL_TRACKERS" "${sets[@]}"); fi
     MEGARL_SETS=("${sets[@]}")
     MEGARL_TRAIN_ARGS=()
     if [[ -n "${MEGARL_CONFIG:-}" ]]; then MEGARL_TRAIN_ARGS+=(--config "$MEGARL_CONFIG"); fi
@@ -54,11 +56,13 @@ p, r = c.parallel, c.rollout
 print(p.tensor_parallel, p.pipeline_parallel, p.data_parallel, r.engine_tp, r.kv_cache_gb, c.train.seed,
       r.engine_threads, r.max_staleness)
 print(Path(c.train.run_dir).resolve())
+print(",".join(c.train.trackers))
 EOF
 )" || megarl_die "could not read the megarl config (MEGARL_CONFIG='${MEGARL_CONFIG:-}', MEGARL_SET='${MEGARL_SET:-}')"
     read -r MEGARL_TP MEGARL_PP MEGARL_DP MEGARL_ENGINE_TP MEGARL_KV_CACHE_GB MEGARL_SEED \
         MEGARL_ENGINE_THREADS MEGARL_MAX_STALENESS <<<"$(sed -n 1p <<<"$cfg")"
     MEGARL_RUN_DIR="$(sed -n 2p <<<"$cfg")"
+    MEGARL_TRACKER_LIST="$(sed -n 3p <<<"$cfg")"
     MEGARL_WORLD=$((MEGARL_TP * MEGARL_PP * MEGARL_DP))
 
     mapfile -t MEGARL_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -67,6 +71,7 @@ EOF
     megarl_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on ${#MEGARL_NODES[@]} node(s): ${MEGARL_NODES[*]}"
     megarl_log "config ${MEGARL_CONFIG:-<defaults>} sets [${MEGARL_SETS[*]}] → TP=$MEGARL_TP PP=$MEGARL_PP DP=$MEGARL_DP world=$MEGARL_WORLD run_dir=$MEGARL_RUN_DIR"
     megarl_export_env
+    megarl_log_trackers
     # From here on the batch shell survives USR1/TERM and hands them to the trainer step.
     MEGARL_GOT_SIGNAL=""
     trap 'megarl_forward USR1' USR1
@@ -82,6 +87,22 @@ megarl_export_env() {
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"          # Megatron TP/SP overlap relies on in-order kernel launch
     export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"               # no fork warnings / thread oversubscription
     # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / NCCL_IB_HCA: unset on purpose (site specific, see README).
+}
+
+# megarl_log_trackers: which trackers the run logs to and the tracker variables the steps inherit
+# (sbatch and srun pass the environment through: W&B and MLflow read WANDB_* / MLFLOW_* themselves;
+# a requeued job keeps them, and megarl continues the same tracker runs from <run_dir>/trackers.json).
+# Names only for the secrets (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN / _PASSWORD).
+megarl_log_trackers() {
+    local v seen=()
+    for v in WANDB_MODE WANDB_PROJECT WANDB_ENTITY WANDB_RUN_GROUP WANDB_TAGS WANDB_DIR WANDB_BASE_URL \
+        MLFLOW_TRACKING_URI MLFLOW_EXPERIMENT_NAME; do
+        if [[ -n "${!v:-}" ]]; then seen+=("$v=${!v}"); fi
+    done
+    for v in WANDB_API_KEY MLFLOW_TRACKING_TOKEN MLFLOW_TRACKING_PASSWORD; do
+        if [[ -n "${!v:-}" ]]; then seen+=("$v=<set>"); fi
+    done
+    megarl_log "trackers: $MEGARL_TRACKER_LIST${seen:+ (${seen[*]})}"
 }
 
 # megarl_make_token: this run's engine credential, a fresh random token in a file only this

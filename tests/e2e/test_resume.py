@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import ROOT, megarl_train, train_cmd, train_env
+from tests.metrics.readback import WANDB_ENV, jsonl_by_step, mlflow_history, same, wandb_files, wandb_history
 
 # coordinator off: its batch choices follow wall-clock timings, so two runs would differ
 COMMON = ["coordinator.enabled=false", "warm_start.steps=20", "rollout.num_prompts=8", "rollout.samples_per_prompt=4", "data.num_train=2000",
@@ -54,6 +55,29 @@ def _assert_same_run(a: Path, b: Path, n: int) -> None:
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
+def _assert_trackers_equal_jsonl(run: Path) -> None:
+    """Both parts of the run are one W&B run (two offline files, one id) and one MLflow run, steps
+    going up, each row equal to metrics.jsonl; their config and summary are the run folder's."""
+    from mlflow.tracking import MlflowClient
+
+    jsonl = jsonl_by_step(run)
+    assert sorted(jsonl) == [0, 1, 2, 3, 4] and jsonl[4]["progress/samples"] == 4 * 32
+    ids = json.loads((run / "trackers.json").read_text())
+    files = wandb_files(run)
+    assert [f.run_id for f in files] == [ids["wandb"]["run_id"]] * 2 and [f.exit_code for f in files] == [0, 0]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
+    assert mlrun.info.run_id == ids["mlflow"]["run_id"] and mlrun.info.status == "FINISHED"
+    for rows in (wandb_history(files), mlflow_history(client, mlrun.info.run_id)):
+        assert sorted(rows) == sorted(jsonl)
+        for step, row in jsonl.items():
+            assert row.keys() == rows[step].keys() and all(same(v, rows[step][k]) for k, v in row.items()), step
+    config, summary = json.loads((run / "config.json").read_text()), json.loads((run / "summary.json").read_text())
+    assert files[-1].config == config and config["train"]["steps"] == 4
+    assert summary["steps"] == 4 and all(files[-1].summary[k] == v for k, v in summary.items())
+    assert {k: mlrun.data.metrics[f"summary/{k}"] for k in summary} == summary
+
+
 GRPO_ASYNC = ("grpo_cpu.yaml", ["parallel.micro_batch_size=16", "train.save_every=1", "train.async_save=true"])
 
 
@@ -67,7 +91,8 @@ def grpo_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("setup", [GRPO, PPO_DISTOPT, GRPO_ASYNC], ids=["grpo_tp2", "ppo_dp2_distopt", "grpo_async"])
-def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: pytest.FixtureRequest) -> None:
+def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: pytest.FixtureRequest,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     config, extra = setup
     parts = tmp_path / "parts"
     if setup in (GRPO, GRPO_ASYNC):
@@ -75,9 +100,16 @@ def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: 
     else:
         full = tmp_path / "full"
         _run(config, [*COMMON, *extra, "train.steps=4", f"train.run_dir={full}"])
+    if setup is GRPO:  # the resumed run also logs to W&B (offline) and MLflow (a SQLite file): one run each
+        extra = [*extra, "train.trackers=jsonl,wandb,mlflow"]
+        for k, v in WANDB_ENV.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     _run(config, [*COMMON, *extra, "train.steps=2", f"train.run_dir={parts}"])
     log = _run(config, [*COMMON, *extra, "train.steps=4", f"train.run_dir={parts}"])
     assert "resumed from" in log and "at step 2" in log
+    if setup is GRPO:
+        _assert_trackers_equal_jsonl(parts)
     if "train.async_save=true" in extra:  # periodic saves were staged, written in the background
         assert "writing in the background" in log and "committed" in log
         blocked = [r["timing/checkpoint_blocked_s"] for r in map(json.loads, (parts / "metrics.jsonl").open())
