@@ -202,7 +202,7 @@ def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> dict[
             metrics_log.log(0, {"val/reward": summary["val/reward_start"]})
             if rank0:
                 log.info(
-                    "start: validation reward %.3f (%d prompts)", summary["val/reward_start"], len(c.rollouts.val_rows)
+                    "start: validation reward %.3f (%d prompts)", summary["val/reward_start"], c.rollouts.val_scored
                 )
         t_rl, t_val, step = time.perf_counter(), 0.0, start
         summary["startup_s"] = t_rl - t_start  # process groups, models, engines, warm start, first sync

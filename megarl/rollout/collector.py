@@ -85,6 +85,8 @@ class RolloutCollector:
         """Seconds rank 0 waited for engines spawned at start-up to become healthy."""
         self.failed_steps = 0
         """Rank 0: consecutive steps in which every reward failed (reward.stop_after_failed_steps)."""
+        self.val_scored = 0
+        """Rank 0: prompts the latest :meth:`validate` scored (the validation set less those skipped)."""
 
     def fleet_ready(self) -> None:
         """Rank 0: engines spawned at start-up are healthy (waits once, the first time)."""
@@ -228,6 +230,7 @@ class RolloutCollector:
             # the overlong-prompt rule applies here too (a prompt past the context would fail the
             # engine); a reward that raises scores 0, as in training, counted in one line
             rows = validation_prompts(self.val_rows, self.tok, self.cfg)
+            self.val_scored = len(rows)
             outs, _ = self.fleet.generate(
                 [ids for _, ids in rows],
                 n=1,

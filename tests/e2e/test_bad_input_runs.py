@@ -96,6 +96,9 @@ def test_broken_reward_and_overlong_validation_prompt_do_not_stop_the_run(
     assert "step 1 rewards: 32 of 32 samples got reward.failed_reward=0 (0 timed out, 0 crashed" in train_lines[0]
     assert "32 raised); e.g. " in train_lines[0] and "RuntimeError: verifier service down" in train_lines[0]
     assert "validation rewards: 3 of 3 samples got reward.failed_reward=0" in val_lines[0]
+    # the line after the first skip counts the prompts validated, not the validation set
+    start = [ln for ln in lines if "start: validation reward" in ln]
+    assert len(start) == 1 and start[0].endswith("start: validation reward 0.000 (3 prompts)"), start
     print(f"run A: {len(lines)} log lines; {train_lines[0][:160]}")
 
 
