@@ -7,18 +7,30 @@ under torchrun (``megarl.launcher``) when it is not already a torchrun rank, wit
 A failure the user can fix (:class:`megarl.errors.MegarlError`) ends as one line on stderr,
 ``megarl: <kind> error: <message>``, and exit code 2, printed once: by rank 0, or by the
 launcher for ranks it started. Anything else is a bug and keeps its traceback.
+
+Under a torchrun started by hand with a number of processes the config does not ask for, each
+rank says so before its heavy imports (:func:`_wrong_world_size`): each machine's local rank 0
+prints the line and exits 2; the other ranks wait for torchrun to stop them, so none can end
+first and have torchrun stop local rank 0 before its line is out. torchrun's own failure report
+follows unless it was started as ``python -m megarl.launcher`` (torchrun's arguments, one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
 import sys
+import time
+from typing import Any
 
 EXIT_USER_ERROR = 2
 """Exit code of a failure the user can fix (bad config, data, checkpoint, engine address)."""
+PEER_WAIT_S = 120.0
+"""How long a rank other than local rank 0 waits, on a wrong world size, for torchrun to stop it."""
 
 
 def _setup_logging() -> None:
@@ -91,14 +103,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megarl.checkpoint.state import install_preemption_handlers
 
     install_preemption_handlers()
-    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != world:
+    if message := world_size_error(cfg):  # (python -m megarl.cli says it before its imports)
         from megarl.config import ConfigError
 
-        raise ConfigError(
-            f"this run has {os.environ.get('WORLD_SIZE')} ranks (WORLD_SIZE) but parallel.tensor_parallel="
-            f"{p.tensor_parallel} × pipeline_parallel={p.pipeline_parallel} × data_parallel={p.data_parallel} = "
-            f"{world}: start it with `megarl train` (it launches torchrun itself) or --nproc-per-node={world}"
-        )
+        raise ConfigError(message)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -119,6 +127,49 @@ def cmd_train(args: argparse.Namespace) -> int:
         dist.barrier()
     shutdown()
     return 0
+
+
+def world_size_error(cfg: Any) -> str | None:
+    """Under torchrun: why WORLD_SIZE is not the config's TP × PP × DP (None when it is, or
+    when this process is not a torchrun rank)."""
+    p = cfg.parallel
+    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == world:
+        return None
+    return (
+        f"this run has {os.environ.get('WORLD_SIZE')} ranks (WORLD_SIZE) but parallel.tensor_parallel="
+        f"{p.tensor_parallel} × pipeline_parallel={p.pipeline_parallel} × data_parallel={p.data_parallel} = "
+        f"{world}: start it with `megarl train` (it launches torchrun itself) or --nproc-per-node={world}"
+    )
+
+
+def _wrong_world_size(argv: list[str]) -> int | None:
+    """A torchrun rank of ``megarl train``, before torch and Megatron are imported (~10 s): the
+    exit code when WORLD_SIZE is not what the config asks for, else None (and a config that
+    does not load is left to :func:`main` to report).
+
+    Local rank 0 prints the line (or hands it to the megarl launcher) and returns 2. The other
+    ranks print nothing and wait for torchrun to stop them (SIGTERM, which nothing handles
+    yet): had one of them exited first, torchrun would stop local rank 0, perhaps before its
+    line was out, and name that rank as the failure."""
+    from megarl.config import load_config
+    from megarl.errors import ConfigError, MegarlError
+
+    if argv[:1] != ["train"]:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # (a usage error: main() prints it)
+            args = _parser().parse_args(argv)
+        cfg = load_config(args.config, args.set)
+    except (SystemExit, MegarlError):
+        return None
+    message = None if args.print_config else world_size_error(cfg)
+    if message is None:
+        return None
+    if int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) != 0:
+        time.sleep(PEER_WAIT_S)
+        return EXIT_USER_ERROR
+    return _user_error(ConfigError(message), local=True)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -146,14 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _user_error(e: Exception) -> int:
-    """Print ``megarl: <kind> error: <message>`` once: on rank 0 under torchrun, or handed to the
-    megarl launcher (which prints the first rank's line) when it started this rank."""
+def _user_error(e: Exception, local: bool = False) -> int:
+    """Print ``megarl: <kind> error: <message>`` once: on rank 0 under torchrun (``local``: on
+    each machine's local rank 0), or handed to the megarl launcher (which prints the first
+    rank's line) when it started this rank."""
     from megarl.launcher import record_rank_error
 
     message = " ".join(line.strip() for line in getattr(e, "message", str(e)).splitlines() if line.strip())
     line = f"megarl: {getattr(e, 'kind', 'megarl')} error: {message}"
-    if not record_rank_error(line) and int(os.environ.get("RANK", "0")) == 0:
+    rank = os.environ.get("LOCAL_RANK", "0") if local else os.environ.get("RANK", "0")
+    if not record_rank_error(line) and int(rank) == 0:
         sys.stderr.write(line + "\n")
     return EXIT_USER_ERROR
 
@@ -169,6 +222,11 @@ def _dispatch(args_list: list[str]) -> int:
             if isinstance(e.code, str):
                 raise ConvertError(e.code) from None
             raise
+    args = _parser().parse_args(args_list)
+    return int(args.fn(args))
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megarl")
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser(
@@ -195,8 +253,7 @@ def _dispatch(args_list: list[str]) -> int:
     )
     r.set_defaults(fn=cmd_report)
     sub.add_parser("convert", help="HF <-> megarl checkpoint: hf-to-megarl | megarl-to-hf (megarl convert -h)")
-    args = ap.parse_args(args_list)
-    return int(args.fn(args))
+    return ap
 
 
 if __name__ == "__main__":
@@ -204,6 +261,8 @@ if __name__ == "__main__":
     from megarl.compat.startup import startup
 
     if "RANK" in os.environ:  # a trainer rank under torchrun: torch's and Megatron's modules, frozen
+        if (refused := _wrong_world_size(sys.argv[1:])) is not None:
+            raise SystemExit(refused)
         with startup():
             import megarl.loop  # noqa: F401
     code = main()
