@@ -214,3 +214,23 @@ def test_tracker_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="train.tracking.close_timeout_s=-1.0 must be >= 0"):
         validate(load_config(None, ["train.tracking.close_timeout_s=-1"]), 1)
     assert load_config(None, ["train.trackers=wandb"]).train.trackers == ["wandb"]
+
+
+def test_artifacts_reach_both_trackers(tmp_path: Path) -> None:
+    """train.tracking.artifacts: the loop hands hf_final/ (and the report folder) to every tracker."""
+    run = tmp_path / "run"
+    (run / "hf_final").mkdir(parents=True)
+    (run / "hf_final" / "config.json").write_text("{}")
+    cfg = load_config(None, [f"train.run_dir={run}", "train.trackers=jsonl,wandb,mlflow"])
+    logger = MetricsLogger.open(cfg.train, to_dict(cfg), enabled=True, resumed=False)
+    logger.log(1, {"x": 1.0})
+    logger.artifact("hf_final", run / "hf_final")
+    logger.close()
+    (f,) = wandb_files(run)
+    assert [(a["name"], a["type"], [e["path"] for e in a["manifest"]["contents"]]) for a in f.artifacts] == [
+        (f"{f.run_id}-hf_final", "model", ["config.json"])]
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run / "trackers.json").read_text())["mlflow"]["run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    assert [a.path for a in client.list_artifacts(run_id, "hf_final")] == ["hf_final/config.json"]
