@@ -173,9 +173,9 @@ class RolloutCollector:
         stats["rollout/truncated_overlong_prompts"] = float(counts[1])
         stats["fleet/restarts"] = float(self.fleet.restarts)
         stats["fleet/reissued_prompts"] = float(self.fleet.reissued_prompts)
+        stats["fleet/serving"] = float(len(self.fleet.serving()))  # engines this batch could use
         stats.update(self.fleet.pop_timings())  # this batch's generations: fleet, engine, model seconds
         if self.cfg.rollout.colocate:  # the trainer needs the GPUs until the next sync
-        stats["fleet/serving"] = float(len(self.fleet.serving()))  # engines this batch could use
             self.fleet.sleep(level=1)
         return batch, stats
 
