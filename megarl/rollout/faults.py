@@ -11,7 +11,7 @@ Each entry fires once, on engine ``engine<i>`` (default 0), when weight version 
 that phase (step ``s`` samples with version ``s``; its sync pushes version ``s + 1``):
 
   generate     the /generate request of a generation at version V is in flight to the
-               engine: frozen (SIGSTOP), then SIGKILLed after 1 s (its prompts go elsewhere)
+               engine: frozen (SIGSTOP), then SIGKILLed after 0.1 s (its prompts go elsewhere)
   logprobs     the trainer computes log-probs of the batch sampled with V (engine idle)
   sync_begin   every engine has opened update V, nothing loaded yet (shm: the load
                request opens the update, so this is just before it)
@@ -87,7 +87,7 @@ def inject(phase: str, version: int, engines: Sequence[EngineClient]) -> None:
         log.warning("fault injection: SIGKILL %s (pid %d) at %s of version %d", victim.name, pid, phase, version)
         if phase in ("generate", "sync_load"):
             os.kill(pid, signal.SIGSTOP)  # the request is accepted by the kernel, never answered
-            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+            threading.Timer(0.1 if phase == "generate" else 1.0, os.kill, (pid, signal.SIGKILL)).start()
         else:
             victim.proc.kill()
             victim.proc.wait()
