@@ -12,7 +12,14 @@ tokenizer and data are the same for every seed.
 Prints a table (seed, val before RL, val after RL, gain, RL wall s, total wall s) and one
 JSON line with the mean and spread (sample standard deviation, min, max) of each column.
 
-    python benchmarks/byo_learning.py [--seeds 1,2,3] [--out runs/byo_learning] [--set key=value ...]
+``--control``: after each seed's RL run, the same seed again with **no RL** and the warm start
+made longer by as many steps as fit in that seed's RL wall time (at the warm start's own
+seconds per step, measured in the RL run: ``warm_start_s`` of its summary). Its greedy
+accuracy after the longer warm start is the control: if RL's gain were only more training,
+the control would gain as much. Prints the control's accuracy and RL's gain over it, paired
+by seed.
+
+    python benchmarks/byo_learning.py [--seeds 1,2,3] [--control] [--out runs/byo_learning] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
@@ -60,8 +69,26 @@ def one_seed(seed: int, model: Path, data: Path, out: Path, extra: list[str], ti
         "val_after_rl": after,
         "gain": after - before,
         "rl_wall_s": summary["rl_wall_s"],
+        "warm_start_s": summary.get("warm_start_s", float("nan")),
         "total_wall_s": wall,  # the whole command: start-up, warm start, RL, validation, export, exit
         "val_curve": vals,
+    }
+
+
+def control(seed: int, rl: dict[str, Any], model: Path, data: Path, out: Path, extra: list[str], timeout: int,
+            ws_steps: int) -> dict[str, Any]:  # fmt: skip
+    """The seed without RL: ``ws_steps`` + the warm-start steps that fit in the RL run's wall time."""
+    more = round(rl["rl_wall_s"] / (rl["warm_start_s"] / ws_steps))
+    row = one_seed(seed, model, data, out / "control", [*extra, f"warm_start.steps={ws_steps + more}", "train.steps=0"],
+                   timeout)  # fmt: skip
+    return {
+        "seed": seed,
+        "warm_start_steps": ws_steps + more,
+        "extra_warm_start_s": row["warm_start_s"] - rl["warm_start_s"],
+        "rl_wall_s": rl["rl_wall_s"],
+        "val_control": row["val_after_rl"],  # step 0 = after the longer warm start; no RL step
+        "val_after_rl": rl["val_after_rl"],
+        "rl_minus_control": rl["val_after_rl"] - row["val_after_rl"],
     }
 
 
@@ -84,9 +111,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs/byo_learning", help="model, data and run folders")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides for every run")
     ap.add_argument("--timeout", type=int, default=900, help="limit per run, seconds (the issue's budget: 15 min)")
+    ap.add_argument("--control", action="store_true", help="also run each seed's warm-start-only control")
     args = ap.parse_args()
     model, data = make_all(args.out / "byo")
-    rows = []
+    ws_steps = int(next((s.split("=", 1)[1] for s in reversed(args.set) if s.startswith("warm_start.steps=")),
+                        yaml.safe_load(Path(CONFIG).read_text())["warm_start"]["steps"]))  # fmt: skip
+    rows, controls = [], []
     for seed in (int(s) for s in args.seeds.split(",")):
         row = one_seed(seed, model, data, args.out, args.set, args.timeout)
         print(
@@ -94,8 +124,23 @@ def main() -> int:
             flush=True,
         )
         rows.append(row)
+        if args.control:
+            controls.append(control(seed, row, model, data, args.out, args.set, args.timeout, ws_steps))
+            print(f"seed {seed} control: {controls[-1]}", flush=True)
     print(table(rows, COLS))
-    print(json.dumps({"byo_learning": spread(rows), "seeds": [r["seed"] for r in rows], "overrides": args.set}))
+    result: dict[str, Any] = {"byo_learning": spread(rows), "seeds": [r["seed"] for r in rows], "overrides": args.set}
+    if controls:
+        ccols = ["seed", "warm_start_steps", "extra_warm_start_s", "rl_wall_s", "val_control", "val_after_rl",
+                 "rl_minus_control"]  # fmt: skip
+        print(table(controls, ccols))
+        diffs = [c["rl_minus_control"] for c in controls]
+        result["control"] = {
+            "rows": controls,
+            "rl_minus_control_mean": statistics.fmean(diffs),
+            "rl_minus_control_std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            "min": min(diffs),
+        }
+    print(json.dumps(result))
     return 0
 
 

@@ -193,7 +193,9 @@ def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> dict[
             if rank0:
                 state.rotate_metrics(Path(cfg.train.run_dir) / "metrics.jsonl")
             if cfg.warm_start.steps:
+                t_ws = time.perf_counter()
                 summary["warm_start/final_nll"] = warm_start(cfg, c.dims, c.actor, c.tok, c.rollouts.train_rows)[-1]
+                summary["warm_start_s"] = time.perf_counter() - t_ws  # part of startup_s
             add_reference_and_critic(c)
         metrics_log = MetricsLogger.open(cfg.train, to_dict(cfg), enabled=rank0, resumed=resume is not None)
         c.publisher.push()  # the current policy into every engine (version 1 on a fresh start)
