@@ -163,17 +163,29 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The actor's (and reference's) architecture and size, or an HF folder to start from (``model.init_from``)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer ranks split the actor and reference: tensor / pipeline / data parallel sizes, micro-batches."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The actor's Adam optimizer: peak and minimum LR, schedule, warm-up, weight decay, eps, gradient clip."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where prompts come from (built-in task, JSONL, Parquet, datasets folder), their fields, chat template."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Which reward functions score a response, their weights, and the worker processes that run them."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: prompts × samples per step, lengths, sampling, the vLLM engines and their resources."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The RL algorithm: advantage estimator, PPO clip, KL, loss aggregation, DAPO filters, TIS."""
     critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model (its own Adam): LR, warm-up, value clip, initialisation, its own parallel layout."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised steps on the reference answers before RL (teaches the answer format)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How the actor's weights reach the engines after every optimizer step, and the integrity check."""
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    """The critical-batch-size coordinator: gradient-noise estimates choose the rollout batch and LR."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The run: steps, seed, output folder, validation cadence, checkpoints, stop rules, trackers."""
 
     @property
     def batch_size(self) -> int:
