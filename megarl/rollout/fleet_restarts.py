@@ -56,8 +56,16 @@ class _Restart:
 
 
 def _renice(pid: int, nice: int) -> None:
-    """Set the niceness of every thread of ``pid`` (Linux niceness is per thread). Raising it
-    back needs privilege; without it the engine keeps the low priority (one debug line)."""
+    """Set the CPU niceness of ``pid``: of its autogroup, where the kernel groups by session
+    (an engine runs in a session of its own, and between autogroups only the group's niceness
+    counts), and of each of its threads (Linux niceness is per thread). Raising it back needs
+    privilege; without it the engine keeps the low priority (one debug line)."""
+    group = Path(f"/proc/{pid}/autogroup")
+    try:
+        if group.exists():
+            group.write_text(f"{nice}\n")
+    except OSError as e:
+        log.debug("autogroup nice of %d to %d: %s", pid, nice, e)
     tasks = Path(f"/proc/{pid}/task")
     tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [pid]
     for tid in tids:
@@ -287,8 +295,7 @@ class Restarts:
                 self.joining.discard(e.name)
                 self.restart(e)
                 continue
-            self.joining.discard(e.name)
-            self._in_service(e)
+            self.committed(e)  # (a no-op when the replay's commit already said so)
         return back
 
     def ready(self) -> float:
