@@ -1,6 +1,7 @@
 # megarl — two commands on a fresh machine:
 #   make demo   # sets up .venv (pinned packages) on first run, then trains GRPO on CPU
-#   make test   # lint + type check + the whole test suite (what .ci/run calls)
+#   make test   # lint + type check + docs check + the whole test suite (what .ci/run calls)
+#   make docs   # regenerate docs/config.md from the config docstrings and build the site
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCHDYNAMO_DISABLE := 1
 export PYTHONWARNINGS := ignore
 
-.PHONY: venv demo demo-ppo test lint typecheck pytest bench clean
+.PHONY: venv demo demo-ppo test lint typecheck docs docs-check pytest bench clean
 
 venv: $(STAMP)
 
@@ -40,10 +41,21 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy megarl
 
+# the docs site (mkdocs.yml): docs/config.md is generated from the config fields' docstrings;
+# --strict fails on a broken internal link or anchor and on a page missing from the nav
+docs: venv
+	$(BIN)/python tools/config_docs.py
+	$(BIN)/mkdocs build --strict --quiet
+	@echo "docs: build/site/index.html"
+
+docs-check: venv
+	$(BIN)/python tools/config_docs.py --check
+	$(BIN)/mkdocs build --strict --quiet
+
 pytest: venv
 	$(BIN)/pytest -q --timeout=900 --durations=15 tests
 
-test: lint typecheck pytest
+test: lint typecheck docs-check pytest
 
 clean:
-	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache build/site
