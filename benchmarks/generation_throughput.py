@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    from megarl.rollout.fleet import Fleet
+    from megarl.fleet.fleet import Fleet
 
     tmp = Path(tempfile.mkdtemp(prefix="megarl_genbench_"))
     model = make_model(tmp / "hf", args.layers, args.hidden, args.vocab)

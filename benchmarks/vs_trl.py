@@ -308,9 +308,9 @@ def trl_worker(scale: str, hf: Path, steps: int, res_file: Path) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from megarl.config import DataConfig
-    from megarl.rollout.data import load_prompts
-    from megarl.rollout.rewards import REWARDS
-    from megarl.rollout.tokenizer import Tokenizer
+    from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import Tokenizer
+    from megarl.rewards.builtin import REWARDS
 
     torch.set_num_threads(os.cpu_count() or 1)
     s, r = SCALES[scale], SCALES[scale]["rollout"]

@@ -59,8 +59,8 @@ def main() -> int:
     from megarl.config import ModelConfig, ParallelConfig
     from megarl.distributed import init_distributed
     from megarl.engine.staging import MANIFEST
+    from megarl.fleet.fleet import Fleet
     from megarl.model.builder import build_gpt
-    from megarl.rollout.fleet import Fleet
     from megarl.weight_sync.sync import WeightSync
 
     dims = init_distributed(1, 1, seed=0)

@@ -32,19 +32,19 @@ from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
 from megarl.config.hf import check_hf_tensors, hf_dtype_name
 from megarl.config.rollout import cpu_engine_threads
+from megarl.data.hf_tokenizer import open_tokenizer
+from megarl.data.prompts import load_prompts, tokenizer_corpus
+from megarl.data.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
+from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
+from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collect import integrity_sequence
 from megarl.rollout.collector import RolloutCollector
-from megarl.rollout.data import load_prompts, tokenizer_corpus
-from megarl.rollout.fleet import Fleet
-from megarl.rollout.hf_tokenizer import open_tokenizer
 from megarl.rollout.pipeline import RolloutPipeline
-from megarl.rollout.reward_runner import RewardRunner
-from megarl.rollout.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync

@@ -33,8 +33,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.hf_tokenizer import GENERATION_CONFIG, HF_TOKENIZER_FILES
-from megarl.rollout.tokenizer import export_tokenizer_files
+from megarl.data.hf_tokenizer import GENERATION_CONFIG, HF_TOKENIZER_FILES
+from megarl.data.tokenizer import export_tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

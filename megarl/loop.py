@@ -28,8 +28,8 @@ from megarl.checkpoint import state
 from megarl.components import Components, add_reference_and_critic, build
 from megarl.config import RunConfig, TrainConfig, to_dict
 from megarl.coordinator import StepPlan
+from megarl.fleet import faults
 from megarl.metrics import MetricsLogger, Timer
-from megarl.rollout import faults
 from megarl.update import evaluate, mismatch
 from megarl.warm_start import warm_start
 
@@ -50,7 +50,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     metrics["rollout/responses"] = float(batch.size)  # on every rank (the other rollout stats: rank 0's)
     w0 = microbatch_s(c)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
-        if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (rollout/faults.py)
+        if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (fleet/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
         ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))

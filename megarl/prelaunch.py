@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.config import RunConfig, validate
+from megarl.data.hf_tokenizer import open_tokenizer
+from megarl.data.prompts import load_prompts, tokenizer_corpus
 from megarl.errors import ConfigError, DataError
-from megarl.rollout.data import load_prompts, tokenizer_corpus
-from megarl.rollout.hf_tokenizer import open_tokenizer
-from megarl.rollout.reward_runner import check_reward_config
+from megarl.rewards.runner import check_reward_config
 
 
 def check_run(cfg: RunConfig, world_size: int) -> None:

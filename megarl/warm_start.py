@@ -11,13 +11,13 @@ import random
 import torch
 
 from megarl.config import RunConfig
+from megarl.data.prompts import PromptRecord
+from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
 from megarl.planning import lr_at
 from megarl.rollout.collect import pack_sequences
-from megarl.rollout.data import PromptRecord
-from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.update.rows import dp_rows
 
 log = logging.getLogger("megarl")

@@ -8,7 +8,7 @@ Validation is held out **by problem**: every distinct prompt of a stratum is ran
 SHA-256 of its text and the lowest-ranked ones are validation problems, the rest training
 problems, so no validation prompt is ever a training prompt (not even in the warm start).
 The file holds the training rows first and the validation rows last, as ``data.source`` with
-``data.num_val = len(validation)`` expects (``megarl.rollout.data.load_prompts``).
+``data.num_val = len(validation)`` expects (``megarl.data.prompts.load_prompts``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class DataConfig:
 class RewardConfig:
     fn: list[str] = field(default_factory=list)
     """Reward functions: built-in names (arithmetic, exact_match, answer_prefix, math),
-    'package.module:function' or 'path/to/file.py:function' (megarl/rollout/reward_runner.py
+    'package.module:function' or 'path/to/file.py:function' (megarl/rewards/runner.py
     documents the signature). Empty = 'arithmetic' for built-in data, else 'exact_match'."""
     weights: list[float] = field(default_factory=list)
     """Weight of each reward in ``fn``; a sample's reward is the weighted sum. Empty = all 1."""

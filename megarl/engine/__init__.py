@@ -4,5 +4,5 @@
 staged weight updates, sleep/wake), ``staging`` (update manifest and per-tensor checks),
 ``http`` (handler, body limits, lifeline), ``routes`` (the one route table), ``credentials``
 (the run's token, private staging folders), ``worker_ext`` (code inside vLLM's workers),
-``wire`` (tensor records for NCCL / CUDA IPC) and ``client`` (the trainer's side).
+``wire`` (tensor records for NCCL / CUDA IPC). The trainer's side is :mod:`megarl.fleet.client`.
 """

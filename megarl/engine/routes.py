@@ -1,5 +1,5 @@
 """The engine protocol's route table: one name per route, shared by the server
-(``megarl.engine.http``), the client (``megarl.engine.client``), the fleet and the weight-sync
+(``megarl.engine.http``), the client (``megarl.fleet.client``), the fleet and the weight-sync
 transports, so a path is written once. Every route needs the run's credential, except
 :data:`HELLO`, where the engine proves it holds the credential before the client sends it."""
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from megarl import algo
 from megarl.config import RunConfig
-from megarl.rollout.data import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
-from megarl.rollout.fleet import Fleet
-from megarl.rollout.reward_runner import RewardReport, RewardRunner, RewardSample
-from megarl.rollout.tokenizer import PromptTokenizer
+from megarl.data.prompts import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
+from megarl.data.tokenizer import PromptTokenizer
+from megarl.fleet.fleet import Fleet
+from megarl.rewards.runner import RewardReport, RewardRunner, RewardSample
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")

@@ -25,7 +25,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import RunConfig
+from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError
+from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
+from megarl.fleet.fleet import Fleet
+from megarl.rewards.runner import RewardReport, RewardRunner
 from megarl.rollout.collect import (
     Group,
     PromptStats,
@@ -40,10 +44,6 @@ from megarl.rollout.collect import (
     take_prompts,
     validation_prompts,
 )
-from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError
-from megarl.rollout.fleet import Fleet
-from megarl.rollout.reward_runner import RewardReport, RewardRunner
-from megarl.rollout.tokenizer import PromptTokenizer
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl")

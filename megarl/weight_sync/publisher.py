@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import RunConfig
+from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model
-from megarl.rollout.fleet import Fleet
 from megarl.weight_sync.sync import WeightSync, check_integrity
 
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, iter_layer_groups
 from megarl.checkpoint.hf_io import gather_hf_tensors
 from megarl.config import ConfigError
+from megarl.data.prompts import RolloutError
 from megarl.errors import WeightSyncError
+from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model
-from megarl.rollout.data import RolloutError
-from megarl.rollout.fleet import Fleet
 from megarl.weight_sync.transports import Transport, bucket_bytes, make_transport, resolve_transport
 
 log = logging.getLogger("megarl.sync")

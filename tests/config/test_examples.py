@@ -95,7 +95,7 @@ def test_byo_files_are_deterministic_split_by_problem_and_fit_the_config(tmp_pat
     from transformers import AutoConfig, AutoTokenizer
 
     from examples.make_byo_model import NUM_VAL, make_all
-    from megarl.rollout.rewards import math
+    from megarl.rewards.builtin import math
 
     model, data = make_all(tmp_path / "a")
     model_b, data_b = make_all(tmp_path / "b")

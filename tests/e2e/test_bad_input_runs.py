@@ -33,7 +33,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHD
 # the reward is registered in the run's own process (one rank: no torchrun re-import)
 RUN_WITH_BROKEN_REWARD = """
 import sys
-from megarl.rollout import rewards
+from megarl.rewards import builtin as rewards
 
 def always_raises(prompt, response, answer):
     raise RuntimeError("verifier service down")

@@ -2,7 +2,7 @@
 trainer) are restarted and brought to the current weights, and the run equals an
 uninterrupted one: same metrics at every step, same final weights.
 
-The kills are placed by the test-only hook ``MEGARL_FAULT`` (``megarl.rollout.faults``):
+The kills are placed by the test-only hook ``MEGARL_FAULT`` (``megarl.fleet.faults``):
 the death is a real SIGKILL of the engine process; recovery is the ordinary code path.
 Step s samples with weight version s and its sync pushes version s + 1."""
 
@@ -122,7 +122,7 @@ def test_engine_killed_mid_step_restarts_in_the_background(base: Path, tmp_path:
     metric; the kill's step waits for nothing after its generation (its update and sync take
     the undisturbed step's time), and the steps after it, with the restart under way, stay
     within 1.5x of the same steps undisturbed. (Rejoining at an update and the fleet with no
-    survivor: tests/rollout/test_fleet.py; the repeated-kill benchmark: benchmarks/engine_kills.py.)"""
+    survivor: tests/fleet/test_fleet.py; the repeated-kill benchmark: benchmarks/engine_kills.py.)"""
     hurt = tmp_path / "hurt"
     log = _train(hurt, BACKGROUND_FAULT)
     assert "SIGKILL engine1" in log and "at generate of version 2" in log, log[-6000:]

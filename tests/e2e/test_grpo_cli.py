@@ -70,7 +70,7 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
 def test_exported_actor_loads_in_transformers(run_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.tokenizer import Tokenizer
+    from megarl.data.tokenizer import Tokenizer
 
     hf = run_dir / "hf_final"
     cfg = json.loads((hf / "config.json").read_text())
@@ -120,7 +120,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from transformers import AutoModelForCausalLM
-from megarl.rollout.tokenizer import Tokenizer
+from megarl.data.tokenizer import Tokenizer
 hf = "{run_dir / 'hf_final'}"
 tok = Tokenizer(hf + "/tokenizer.model")
 ids = tok.encode("7+5=")

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from megarl.components import export_dtype
 from megarl.config import ModelConfig, load_config
+from megarl.data.prompts import load_prompts
+from megarl.data.tokenizer import train_tokenizer
 from megarl.metrics import read_metrics
-from megarl.rollout.data import load_prompts
-from megarl.rollout.tokenizer import train_tokenizer
 from tests.helpers import ROOT, megarl_train, tiny_hf_model
 
 

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 
 
 def main() -> None:

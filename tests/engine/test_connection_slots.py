@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 
 from megarl.engine import routes
-from megarl.engine.client import EngineClient, free_port
 from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+from megarl.fleet.client import EngineClient, free_port
 from tests.engine.test_keepalive import TOKEN, FakeEngine
 
 DEADLINE_S = 2.0

@@ -17,7 +17,7 @@ from megarl.engine.staging import MANIFEST
 from megarl.engine.vllm_engine import PLAIN_GEMM_MAX_HIDDEN, cpu_gemm_mode
 from megarl.engine.worker_ext import loads_in_place
 from megarl.errors import EngineError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import tiny_hf_model
 
 SEQS = [[1, 5 + i, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 3, 7, 11, 15] for i in range(3)]

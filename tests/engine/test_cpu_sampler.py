@@ -16,7 +16,7 @@ from megarl.config import ModelConfig
 from megarl.engine import cpu_sampler
 from megarl.engine.cpu_sampler import draw_seeds, use_cpu_sampler
 from megarl.engine.staging import MANIFEST
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import tiny_hf_model
 
 MASK = (1 << 64) - 1

@@ -18,9 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megarl.engine import routes
-from megarl.engine.client import EngineClient, free_port
 from megarl.engine.credentials import engine_proof
 from megarl.errors import RolloutError
+from megarl.fleet.client import EngineClient, free_port
 from tests.engine.test_keepalive import TOKEN, Server
 
 

@@ -40,7 +40,7 @@ from megarl.engine.http import Limits
 from megarl.engine.routes import ROUTES
 from megarl.engine.staging import MANIFEST
 from megarl.errors import RolloutError, WeightSyncError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model
 
 # Runs in a separate process: a stranger on the node, knowing only the address (and maybe a token).

@@ -85,9 +85,9 @@ def test_recover_skips_health_of_an_engine_that_just_answered() -> None:
     """An engine whose last answer is fresh costs no request in ``Fleet.recover``; once that
     answer is older than ``fresh_s`` recover asks /health again (here nothing listens there,
     and a remote engine that does not answer cannot be restarted: the error names it)."""
-    from megarl.engine.client import EngineClient, free_port
     from megarl.errors import RolloutError
-    from megarl.rollout.fleet import Fleet
+    from megarl.fleet.client import EngineClient, free_port
+    from megarl.fleet.fleet import Fleet
 
     e = EngineClient("engine0", f"127.0.0.1:{free_port()}", token="t")  # nothing listens
     fleet = Fleet([e], request_timeout_s=5, start_timeout_s=5)

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from megarl.engine import routes
-from megarl.engine.client import EngineClient, free_port
 from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.errors import EngineDead, RolloutError
+from megarl.fleet.client import EngineClient, free_port
 
 TOKEN = "run-token"
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from megarl.engine.staging import MANIFEST
 from megarl.errors import WeightSyncError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,7 +18,7 @@ import torch
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.config import ModelConfig
 from megarl.engine.staging import MANIFEST
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import tiny_hf_model
 
 LLAMA3 = dict(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError
 from megarl.distributed import ParallelDims
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from megarl.weight_sync.transports.base import Bucket, Transport, bucket_bytes, is_local_address
 from megarl.weight_sync.transports.cuda_ipc import CudaIpcTransport
 from megarl.weight_sync.transports.http import HttpTransport

@@ -14,9 +14,9 @@ import torch
 
 from megarl.config import ConfigError
 from megarl.engine import routes
-from megarl.engine.client import EngineClient
 from megarl.errors import RolloutError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.client import EngineClient
+from megarl.fleet.fleet import Fleet
 
 Bucket = list[tuple[str, torch.Tensor]]
 """HF-named tensors sent together; a layer group (q/k/v, gate/up) never spans two buckets."""

@@ -9,7 +9,7 @@ import torch
 
 from megarl.distributed import ParallelDims
 from megarl.engine import routes, wire
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from megarl.weight_sync.transports.base import Bucket, FleetPhases, cannot_replay, check_all, need_cuda
 
 

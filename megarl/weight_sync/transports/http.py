@@ -9,8 +9,8 @@ from typing import Any
 import torch.distributed as dist
 
 from megarl.distributed import ParallelDims
-from megarl.engine.client import EngineClient
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.client import EngineClient
+from megarl.fleet.fleet import Fleet
 from megarl.weight_sync.transports.base import Bucket, FleetPhases, cannot_replay
 
 

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from megarl.distributed import ParallelDims
 from megarl.engine import routes, wire
-from megarl.engine.client import EngineClient, free_port
 from megarl.errors import RolloutError, WeightSyncError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.client import EngineClient, free_port
+from megarl.fleet.fleet import Fleet
 from megarl.weight_sync.transports.base import (
     Bucket,
     FleetPhases,

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.distributed import ParallelDims
-from megarl.engine.client import EngineClient
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.client import EngineClient
+from megarl.fleet.fleet import Fleet
 from megarl.weight_sync.transports.base import Bucket, FleetPhases
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save, save_file
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, auth_header
 from megarl.engine.staging import MANIFEST
 from megarl.errors import WeightSyncError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.fleet import Fleet
 from tests.helpers import ROOT, tiny_hf_model, torchrun
 
 
@@ -79,7 +79,7 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
 
 
 def test_balance_by_outstanding_tokens() -> None:
-    from megarl.engine.client import EngineClient as Engine
+    from megarl.fleet.client import EngineClient as Engine
 
     engines = [Engine("e0", "a:1"), Engine("e1", "b:1")]
     prompts = [[0] * 100, [0] * 10, [0] * 10, [0] * 10, [0] * 10]
@@ -271,7 +271,7 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path, monkeypat
     monkeypatch.setenv(TOKEN_ENV, f.engines[0].token)
     monkeypatch.setenv(STAGING_ENV, str(f.staging_dir))
     try:
-        torchrun(ROOT / "tests/rollout/worker_http_sync.py", 2,
+        torchrun(ROOT / "tests/fleet/worker_http_sync.py", 2,
                  ["--hf", str(folder), "--addresses", ",".join(e.address for e in f.engines), "--version", "10",
                   "--out", str(out)], timeout=600)
         res = json.loads(out.read_text())
@@ -336,9 +336,9 @@ def test_rejected_update_with_a_dead_engine_restarts_it_at_the_old_version(fleet
 
 def test_dead_remote_engine_is_a_clear_error(tmp_path) -> None:
     """An engine megarl did not start (an address only) cannot be restarted: the error names it."""
-    from megarl.engine.client import EngineClient as Engine
-    from megarl.engine.client import free_port
-    from megarl.rollout.data import RolloutError
+    from megarl.errors import RolloutError
+    from megarl.fleet.client import EngineClient as Engine
+    from megarl.fleet.client import free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there: a real refused connection
     f = Fleet([Engine("engine0", address)], request_timeout_s=5, start_timeout_s=5)
@@ -353,7 +353,7 @@ def test_engine_spawned_before_its_folder_waits_for_it_and_exits_promptly(tmp_pa
     meanwhile, ``--wait-for-model``): an engine waits for the manifest, then serves the synced
     weights; asked to shut down it exits with status 0 at once, not after vLLM's seconds of
     teardown. An engine whose folder never comes fails its start, naming the file."""
-    from megarl.rollout.data import RolloutError
+    from megarl.errors import RolloutError
 
     src = tiny_hf_model(tmp_path / "src", vocab=64)
     weights = load_file(str(src / "model.safetensors"))
@@ -503,8 +503,8 @@ def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -
 
 def test_an_engine_that_dies_again_while_restarting_is_quoted_from_its_own_log(tmp_path: Path) -> None:
     """All starts append to one log: the error quotes only what the last process wrote."""
-    from megarl.engine.client import EngineClient as Engine
     from megarl.errors import RolloutError
+    from megarl.fleet.client import EngineClient as Engine
 
     log_path = tmp_path / "engine0.log"
     log_path.write_text("INFO an earlier process of this engine said this\n")

@@ -1,4 +1,4 @@
-"""How the fleet brings dead engines back (mixed into :class:`megarl.rollout.fleet.Fleet`).
+"""How the fleet brings dead engines back (mixed into :class:`megarl.fleet.fleet.Fleet`).
 
 An engine is in one of three states::
 
@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megarl.engine.client import EngineClient
 from megarl.errors import EngineDead, RolloutError
+from megarl.fleet.client import EngineClient
 
 log = logging.getLogger("megarl.fleet")
 

@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 from typing import Any, cast
 
-from megarl.rollout.data import PromptRecord, RolloutError
+from megarl.data.prompts import PromptRecord, RolloutError
 
 log = logging.getLogger("megarl")
 
@@ -155,7 +155,7 @@ class HFTokenizer:
         try:
             return self.hf.apply_chat_template(messages, chat_template=self.template, return_dict=False, **kw)
         except Exception as e:  # jinja2's TemplateError (raise_exception) and whatever a template trips on
-            from megarl.rollout.data import DataError
+            from megarl.data.prompts import DataError
 
             roles = [m.get("role") for m in messages]
             raise DataError(
@@ -202,8 +202,8 @@ def open_tokenizer(cfg: Any, texts: list[str], train: bool) -> Any:
     an ``init_from`` folder that has one), else the built-in SentencePiece model in
     ``train.run_dir/tokenizer``, trained on ``texts`` first when absent and ``train`` is set.
     The launcher's data check and the trainer both open the run's tokenizer through here."""
+    from megarl.data.tokenizer import Tokenizer, is_builtin_model, train_tokenizer
     from megarl.errors import ConfigError
-    from megarl.rollout.tokenizer import Tokenizer, is_builtin_model, train_tokenizer
 
     m, d = cfg.model, cfg.data
     choice = m.tokenizer

@@ -17,8 +17,8 @@ from megarl.checkpoint.hf_io import load_hf_tensors, read_hf_folder  # noqa: E40
 from megarl.config import ModelConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.errors import WeightSyncError  # noqa: E402
+from megarl.fleet.fleet import Fleet  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
-from megarl.rollout.fleet import Fleet  # noqa: E402
 from megarl.weight_sync.sync import WeightSync, check_integrity  # noqa: E402
 
 SEQ = [1, 5, 9, 13, 17, 21, 25]

@@ -1,7 +1,7 @@
 """The built-in rewards, selected by name in ``reward.fn``.
 
 Each is a per-sample reward in the calling convention of
-:mod:`megarl.rollout.reward_runner`: parameters are passed by name (``prompt``, ``response``,
+:mod:`megarl.rewards.runner`: parameters are passed by name (``prompt``, ``response``,
 ``answer``, ...). They are pure and fast, so by default they run in the trainer's rank 0
 process; user rewards run in the worker pool.
 

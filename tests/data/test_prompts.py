@@ -1,5 +1,5 @@
 """Prompt files, overlong prompts, the resumable sampler and the built-in rewards (failing
-rewards: tests/rollout/test_reward_runner.py)."""
+rewards: tests/rewards/test_runner.py)."""
 
 import json
 from pathlib import Path
@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import DataConfig, RunConfig
+from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
+from megarl.data.tokenizer import train_tokenizer
 from megarl.rollout.collect import PromptStats, overlong_summary, take_prompts
-from megarl.rollout.data import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
-from megarl.rollout.tokenizer import train_tokenizer
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -138,7 +138,7 @@ def test_sampler_resume_replays_nothing() -> None:
 
 
 def test_answer_prefix_reward_ignores_the_tail() -> None:
-    from megarl.rollout.rewards import answer_prefix
+    from megarl.rewards.builtin import answer_prefix
 
     cases = [("12 junk 7", 1.0), (" 12+3", 1.0), ("123", 1.0), ("x12", 0.0), ("1 2", 0.0), ("", 0.0), ("-4", 0.0)]
     assert [answer_prefix("5+7=", r, "12") for r, _ in cases] == [v for _, v in cases]

@@ -1,7 +1,7 @@
 """Rewards as the user configures them: resolve ``reward.fn``, check them before launch, score.
 
 **Specs** (``reward.fn``, a list): a built-in name (``arithmetic``, ``exact_match``,
-``answer_prefix``, ``math``: :mod:`megarl.rollout.rewards`); ``package.module:function``
+``answer_prefix``, ``math``: :mod:`megarl.rewards.builtin`); ``package.module:function``
 (imported from ``sys.path``: PYTHONPATH or the working directory); or
 ``path/to/file.py:function`` (relative to the working directory). With several specs a
 sample's reward is ``sum(weights[k] * reward_k)`` (``reward.weights``, default all 1).
@@ -22,7 +22,7 @@ and return a number (bool, int or float)::
 **Batched rewards** are marked with :func:`batched` (or an attribute ``batched = True``),
 take one ``list[RewardSample]`` and return one number per sample, in order.
 
-**Isolation.** User rewards run in a pool of worker processes (:mod:`reward_pool`) with a
+**Isolation.** User rewards run in a pool of worker processes (:mod:`megarl.rewards.pool`) with a
 per-call timeout (``reward.timeout_s``): a reward that raises, returns a non-number, hangs or
 kills its interpreter fails only its own sample(s), which get ``reward.failed_reward`` as
 their whole reward, not a partial weighted sum that would look like a real score (counted: ``rollout/reward_failures``, ``_timeouts``, ``_crashes``, ``_errors``; one log line
@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import ConfigError, RunConfig
-from megarl.rollout.reward_pool import Outcome, RewardPool
-from megarl.rollout.rewards import NEEDS_PACKAGE, REWARDS
+from megarl.rewards.builtin import NEEDS_PACKAGE, REWARDS
+from megarl.rewards.pool import Outcome, RewardPool
 
 log = logging.getLogger("megarl.rewards")
 
@@ -167,7 +167,7 @@ def inspect_reward(fn: Callable[..., Any]) -> Entry:
         elif p.default is p.empty:
             raise TypeError(
                 f"{sig}: parameter '{p.name}' is not one of {', '.join(PARAMS)} (a per-sample reward takes "
-                "these by name; a batched reward fn(samples) needs @megarl.rollout.reward_runner.batched)"
+                "these by name; a batched reward fn(samples) needs @megarl.rewards.runner.batched)"
             )
     if not takes_all and "response" not in names:
         raise TypeError(f"{sig} does not take 'response' (per-sample rewards get it by name)")

@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megarl.engine.client import free_port
 from megarl.errors import RolloutError
-from megarl.rollout.fleet import Fleet
+from megarl.fleet.client import free_port
+from megarl.fleet.fleet import Fleet
 
 
 class _NotAnEngine(BaseHTTPRequestHandler):

@@ -1,4 +1,4 @@
-"""The fleet's weight-update primitives (mixed into :class:`megarl.rollout.fleet.Fleet`).
+"""The fleet's weight-update primitives (mixed into :class:`megarl.fleet.fleet.Fleet`).
 
 Weight updates go to every engine as begin → load (all engines) → commit (all engines); a
 load rejected by any engine aborts the update everywhere, so the whole fleet keeps serving
@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from megarl.engine import routes
-from megarl.engine.client import EngineClient
 from megarl.errors import EngineDead, RolloutError, WeightSyncError
-from megarl.rollout import faults
+from megarl.fleet import faults
+from megarl.fleet.client import EngineClient
 
 log = logging.getLogger("megarl.fleet")
 
@@ -43,13 +43,13 @@ class WeightUpdates:
     _replay: Callable[[list[EngineClient]], None] | None
 
     def recover(self) -> None:
-        raise NotImplementedError  # Fleet.recover (megarl.rollout.fleet_restarts)
+        raise NotImplementedError  # Fleet.recover (megarl.fleet.restarts)
 
     def members(self) -> list[EngineClient]:
-        raise NotImplementedError  # the engines an update goes to (megarl.rollout.fleet_restarts)
+        raise NotImplementedError  # the engines an update goes to (megarl.fleet.restarts)
 
     def committed(self, e: EngineClient) -> None:
-        raise NotImplementedError  # e applied an update (megarl.rollout.fleet_restarts)
+        raise NotImplementedError  # e applied an update (megarl.fleet.restarts)
 
     def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
         """begin → load(files) → commit on every engine; a restarted engine replays it."""

@@ -77,7 +77,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
 
 def _rows_from_file(path: Path, cfg: DataConfig) -> list[PromptRecord]:
     if path.is_dir():  # a folder written by HF datasets' save_to_disk
-        from megarl.rollout.saved_dataset import read_saved_dataset
+        from megarl.data.saved_dataset import read_saved_dataset
 
         raw = read_saved_dataset(path)
     elif not path.is_file():

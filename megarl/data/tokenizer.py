@@ -2,7 +2,7 @@
 
 :class:`PromptTokenizer` is what rollouts, the warm start and exports need; it has two
 implementations: :class:`Tokenizer` here (``model.tokenizer: builtin``, trained locally on
-the task corpus) and ``megarl.rollout.hf_tokenizer.HFTokenizer`` (the model folder's own).
+the task corpus) and ``megarl.data.hf_tokenizer.HFTokenizer`` (the model folder's own).
 
 Built-in ids 0..3 are fixed: pad=0, bos=1, eos=2, unk=3. Digits are split into single
 pieces, so arithmetic answers tokenize one digit per token.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from megarl.rollout.data import PromptRecord
+    from megarl.data.prompts import PromptRecord
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 

@@ -1,4 +1,4 @@
-"""The model folder's HF tokenizer (megarl.rollout.hf_tokenizer) against transformers itself,
+"""The model folder's HF tokenizer (megarl.data.hf_tokenizer) against transformers itself,
 on locally built tokenizer folders (byte-level BPE + Qwen2-style ChatML / Llama-3-style
 templates), and chat rows read from JSONL and from an HF ``save_to_disk`` folder."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, DataConfig
-from megarl.rollout.data import PromptRecord, RolloutError, load_prompts
-from megarl.rollout.hf_tokenizer import HFTokenizer
+from megarl.data.hf_tokenizer import HFTokenizer
+from megarl.data.prompts import PromptRecord, RolloutError, load_prompts
 from tests.helpers import tiny_hf_tokenizer
 
 ROWS = [
@@ -236,8 +236,8 @@ def test_sentencepiece_tokenizer_model_folder(tmp_path: Path) -> None:
 
 def test_tokenizer_setting_picks_the_model_folders_own(folder: Path, tmp_path: Path) -> None:
     from megarl.config import ConfigError, RunConfig
-    from megarl.rollout.hf_tokenizer import open_tokenizer
-    from megarl.rollout.tokenizer import Tokenizer
+    from megarl.data.hf_tokenizer import open_tokenizer
+    from megarl.data.tokenizer import Tokenizer
 
     cfg = RunConfig()
     cfg.train.run_dir = str(tmp_path / "run")
@@ -265,8 +265,8 @@ def test_builtin_tokenizer_exports_as_transformers_reads_it(tmp_path: Path) -> N
     from transformers import AutoTokenizer
 
     from megarl.config import RunConfig
-    from megarl.rollout.hf_tokenizer import open_tokenizer
-    from megarl.rollout.tokenizer import Tokenizer, export_tokenizer_files, train_tokenizer
+    from megarl.data.hf_tokenizer import open_tokenizer
+    from megarl.data.tokenizer import Tokenizer, export_tokenizer_files, train_tokenizer
 
     rng = random.Random(0)
     words = "the cat sat on a mat what is plus minus times answer seven eleven apples".split()
@@ -306,7 +306,7 @@ def test_auto_without_tokenizer_files_warns_and_an_untrainable_builtin_names_the
     import logging
 
     from megarl.config import ConfigError, RunConfig
-    from megarl.rollout.hf_tokenizer import open_tokenizer
+    from megarl.data.hf_tokenizer import open_tokenizer
 
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -330,7 +330,7 @@ def test_decode_many_equals_one_decode_each(folder: Path, tmp_path: Path) -> Non
     empty responses and ids past the text included)."""
     import random
 
-    from megarl.rollout.tokenizer import train_tokenizer
+    from megarl.data.tokenizer import train_tokenizer
 
     corpus = [f"{a}+{b}={a + b} and {a}-{b}={a - b}" for a in range(30) for b in range(30)]
     for tok in (HFTokenizer(folder, "auto"), train_tokenizer(corpus, tmp_path / "sp")):

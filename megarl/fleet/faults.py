@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megarl.engine.client import EngineClient
+    from megarl.fleet.client import EngineClient
 
 log = logging.getLogger("megarl.fleet")
 

@@ -47,12 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from megarl.engine import routes
-from megarl.engine.client import EngineClient, free_port
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, make_staging_dir, new_token
 from megarl.errors import EngineDead, RolloutError
-from megarl.rollout import faults
-from megarl.rollout.fleet_restarts import Restarts
-from megarl.rollout.fleet_updates import WeightUpdates, concurrently
+from megarl.fleet import faults
+from megarl.fleet.client import EngineClient, free_port
+from megarl.fleet.restarts import Restarts
+from megarl.fleet.updates import WeightUpdates, concurrently
 
 log = logging.getLogger("megarl.fleet")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, RewardConfig, RunConfig
+from megarl.errors import RolloutError
 from megarl.prelaunch import check_run
-from megarl.rollout.data import RolloutError
-from megarl.rollout.reward_runner import RewardRunner, RewardSample, check_reward_config
-from megarl.rollout.rewards import last_boxed, math
+from megarl.rewards.builtin import last_boxed, math
+from megarl.rewards.runner import RewardRunner, RewardSample, check_reward_config
 
 REWARDS = '''
 import json, os, time

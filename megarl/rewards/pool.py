@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
-from megarl.rollout.data import RolloutError
+from megarl.errors import RolloutError
 
 log = logging.getLogger("megarl.rewards")
 

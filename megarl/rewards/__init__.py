@@ -1,0 +1,4 @@
+"""Rewards: the built-ins (``builtin``), the user's rewards as ``reward.fn`` names them,
+checked before launch and scored (``runner``), and the worker processes that isolate them
+(``pool``: timeouts, crashes, leaks). Environments for multi-turn episodes will live here.
+"""
