@@ -1,16 +1,15 @@
-"""Turn prompts into a :class:`RolloutBatch`: sample on the fleet, score, pack, broadcast.
+"""Turn prompts into a :class:`RolloutBatch`: sample on the fleet, score, pack.
 
-Rank 0 talks to the fleet and scores rewards; :func:`broadcast_batch` then ships the packed
-tensors (no Python objects) to every trainer rank.
+Rank 0 talks to the fleet and scores rewards; :func:`megarl.rollout.batch.broadcast_batch`
+then ships the packed tensors (no Python objects) to every trainer rank.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megarl import algo
 from megarl.config import RunConfig
@@ -260,58 +259,3 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
         "rollout/sequence_tokens": float((batch.mask.argmax(dim=1) + 1 + lens).sum()),
         "rollout/policy_version": float(batch.version),
     }
-
-
-_BATCH_FIELDS = ("tokens", "mask", "engine_logprobs", "rewards", "group_ids", "response_lens", "truncated", "versions")
-_PER_TOKEN = ("tokens", "mask", "engine_logprobs")  # (B, S); the other fields are (B,)
-
-
-def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
-    """Every tensor of ``batch`` in one float64 vector (exact: ids < 2**53, float32 values);
-    ``versions`` travels filled in (each sample's policy version), ``engine_logprobs`` only
-    when present."""
-    tensors = {f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
-    if not tensors <= set(_BATCH_FIELDS):  # a new tensor field must travel too
-        raise TypeError(f"RolloutBatch tensors {sorted(tensors)} are not all in the broadcast's {_BATCH_FIELDS}")
-    values = {f: getattr(batch, f) for f in _BATCH_FIELDS} | {"versions": batch.sample_versions()}
-    return torch.cat([v.reshape(-1).to(torch.float64) for v in values.values() if v is not None])
-
-
-def _flat_sizes(B: int, S: int, has_logprobs: bool) -> dict[str, int]:
-    """Elements of each field in :func:`batch_to_flat`'s vector, in order."""
-    sizes = {f: B * S if f in _PER_TOKEN else B for f in _BATCH_FIELDS}
-    if not has_logprobs:
-        del sizes["engine_logprobs"]
-    return sizes
-
-
-def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int, has_logprobs: bool = True) -> RolloutBatch:
-    """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
-    dtypes = {"tokens": torch.long, "group_ids": torch.long, "response_lens": torch.long, "truncated": torch.bool}
-    dtypes["versions"] = torch.long
-    sizes = _flat_sizes(B, S, has_logprobs)
-    parts = flat.split(list(sizes.values()))
-    tensors = {
-        f: p.reshape((B, S) if f in _PER_TOKEN else (B,)).to(dtypes.get(f, torch.float32)) for f, p in zip(sizes, parts)
-    }
-    return RolloutBatch(**{"engine_logprobs": None, **tensors}, version=version)
-
-
-def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
-    """Ship rank 0's batch to all trainer ranks as tensors: its shape, then every tensor in
-    one buffer (two collectives, whatever the number of fields)."""
-    rank = dist.get_rank()
-    meta = torch.zeros(4, dtype=torch.long)
-    if rank == src:
-        assert batch is not None
-        has = batch.engine_logprobs is not None
-        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version, int(has)])
-    dist.broadcast(meta, src=src)
-    B, S, version, has_logprobs = (int(x) for x in meta)
-    if rank == src:
-        assert batch is not None
-        dist.broadcast(batch_to_flat(batch), src=src)
-        return batch
-    flat = torch.empty(sum(_flat_sizes(B, S, bool(has_logprobs)).values()), dtype=torch.float64)
-    dist.broadcast(flat, src=src)
-    return batch_from_flat(flat, B, S, version, bool(has_logprobs))

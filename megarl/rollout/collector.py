@@ -30,11 +30,11 @@ from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
 from megarl.fleet.fleet import Fleet
 from megarl.rewards.runner import RewardReport, RewardRunner
+from megarl.rollout.batch import broadcast_batch
 from megarl.rollout.collect import (
     Group,
     PromptStats,
     batch_stats,
-    broadcast_batch,
     engine_logprobs_wanted,
     has_signal,
     overlong_summary,

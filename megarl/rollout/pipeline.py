@@ -30,8 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from megarl.rollout.batch import batch_from_dict, batch_to_dict
 from megarl.rollout.collector import RolloutCollector, RolloutJob
 from megarl.types import RolloutBatch
 
@@ -143,30 +142,3 @@ class RolloutPipeline:
             self.queue.append(_Pending(int(entry["step"]), result=result))
         if next_step is not None:
             self.next_step = int(next_step)
-
-
-# JSON round trip of a packed batch (the checkpoint's state.json): float32 → Python float is
-# exact, and so is its repr; integers and booleans stay what they are.
-_TENSORS = {
-    "tokens": torch.long,
-    "mask": torch.float32,
-    "engine_logprobs": torch.float32,
-    "rewards": torch.float32,
-    "group_ids": torch.long,
-    "response_lens": torch.long,
-    "truncated": torch.bool,
-    "versions": torch.long,
-}
-
-
-def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    """``engine_logprobs`` is None (JSON null) when the step did not ask the engines."""
-    out: dict[str, Any] = {k: getattr(batch, k) for k in _TENSORS if k != "versions"}
-    out = {k: v.tolist() if v is not None else None for k, v in out.items()}
-    out["versions"] = batch.sample_versions().tolist()
-    return {**out, "version": batch.version, "texts": list(batch.texts)}
-
-
-def batch_from_dict(d: dict[str, Any]) -> RolloutBatch:
-    tensors = {k: torch.tensor(d[k], dtype=dt) if d[k] is not None else None for k, dt in _TENSORS.items()}
-    return RolloutBatch(**tensors, version=int(d["version"]), texts=list(d["texts"]))  # type: ignore[arg-type]

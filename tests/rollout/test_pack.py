@@ -7,7 +7,8 @@ import random
 import torch
 
 from megarl.data.prompts import PromptRecord
-from megarl.rollout.collect import Group, batch_from_flat, batch_to_flat, pack_groups, pack_sequences
+from megarl.rollout.batch import batch_from_flat, batch_to_flat
+from megarl.rollout.collect import Group, pack_groups, pack_sequences
 
 
 def _reference(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ import torch
 from megarl.config import ConfigError, load_config, validate
 from megarl.loop import pipeline_metrics
 from megarl.planning import Planner
-from megarl.rollout.pipeline import RolloutPipeline, batch_from_dict, batch_to_dict
+from megarl.rollout.batch import batch_from_dict, batch_to_dict
+from megarl.rollout.pipeline import RolloutPipeline
 from megarl.types import RolloutBatch
 
 

@@ -1,0 +1,103 @@
+"""The wire forms of a :class:`~megarl.types.RolloutBatch`, from ONE field table.
+
+Two forms carry a packed batch: the flat float64 vector :func:`broadcast_batch` ships from
+rank 0 to every trainer rank (tensors only: ``texts`` stay on rank 0), and the JSON dict a
+checkpoint saves for the batches generated ahead (``rollout.max_staleness`` > 0; ``texts``
+included). Both read :data:`FIELDS`, so a tensor field added to ``RolloutBatch`` without a
+row here fails at once (:func:`check_fields`) instead of being dropped by one form.
+
+Exactness: ids < 2**53 and float32 values are exact in float64; float32 → Python float (and
+its JSON repr) is exact too. ``versions`` travels filled in (each sample's policy version).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.types import RolloutBatch
+
+FIELDS: dict[str, tuple[torch.dtype, bool]] = {
+    "tokens": (torch.long, True),
+    "mask": (torch.float32, True),
+    "engine_logprobs": (torch.float32, True),
+    "rewards": (torch.float32, False),
+    "group_ids": (torch.long, False),
+    "response_lens": (torch.long, False),
+    "truncated": (torch.bool, False),
+    "versions": (torch.long, False),
+}
+"""Every tensor field of RolloutBatch, in wire order: name → (dtype, per token: (B, S) else (B,))."""
+
+
+def check_fields(batch: RolloutBatch) -> None:
+    """Raise if ``batch`` has a tensor field that :data:`FIELDS` does not carry."""
+    tensors = {f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+    if not tensors <= set(FIELDS):  # a new tensor field must travel too
+        raise TypeError(f"RolloutBatch tensors {sorted(tensors)} are not all in the wire forms' {tuple(FIELDS)}")
+
+
+def _values(batch: RolloutBatch) -> dict[str, torch.Tensor | None]:
+    check_fields(batch)
+    return {f: getattr(batch, f) for f in FIELDS} | {"versions": batch.sample_versions()}
+
+
+# ---------------------------------------------------------------- the broadcast's flat vector
+
+
+def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
+    """Every tensor of ``batch`` in one float64 vector; ``engine_logprobs`` only when present."""
+    return torch.cat([v.reshape(-1).to(torch.float64) for v in _values(batch).values() if v is not None])
+
+
+def flat_sizes(B: int, S: int, has_logprobs: bool) -> dict[str, int]:
+    """Elements of each field in :func:`batch_to_flat`'s vector, in order."""
+    sizes = {f: B * S if per_token else B for f, (_, per_token) in FIELDS.items()}
+    if not has_logprobs:
+        del sizes["engine_logprobs"]
+    return sizes
+
+
+def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int, has_logprobs: bool = True) -> RolloutBatch:
+    """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
+    sizes = flat_sizes(B, S, has_logprobs)
+    parts = flat.split(list(sizes.values()))
+    tensors = {f: p.reshape((B, S) if FIELDS[f][1] else (B,)).to(FIELDS[f][0]) for f, p in zip(sizes, parts)}
+    return RolloutBatch(**{"engine_logprobs": None, **tensors}, version=version)
+
+
+def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
+    """Ship rank 0's batch to all trainer ranks as tensors: its shape, then every tensor in
+    one buffer (two collectives, whatever the number of fields)."""
+    rank = dist.get_rank()
+    meta = torch.zeros(4, dtype=torch.long)
+    if rank == src:
+        assert batch is not None
+        has = batch.engine_logprobs is not None
+        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version, int(has)])
+    dist.broadcast(meta, src=src)
+    B, S, version, has_logprobs = (int(x) for x in meta)
+    if rank == src:
+        assert batch is not None
+        dist.broadcast(batch_to_flat(batch), src=src)
+        return batch
+    flat = torch.empty(sum(flat_sizes(B, S, bool(has_logprobs)).values()), dtype=torch.float64)
+    dist.broadcast(flat, src=src)
+    return batch_from_flat(flat, B, S, version, bool(has_logprobs))
+
+
+# ---------------------------------------------------------------- the checkpoint's JSON dict
+
+
+def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
+    """``engine_logprobs`` is None (JSON null) when the step did not ask the engines."""
+    out = {k: v.tolist() if v is not None else None for k, v in _values(batch).items()}
+    return {**out, "version": batch.version, "texts": list(batch.texts)}
+
+
+def batch_from_dict(d: dict[str, Any]) -> RolloutBatch:
+    tensors = {k: torch.tensor(d[k], dtype=dt) if d[k] is not None else None for k, (dt, _) in FIELDS.items()}
+    return RolloutBatch(**tensors, version=int(d["version"]), texts=list(d["texts"]))  # type: ignore[arg-type]

@@ -1,0 +1,56 @@
+"""The batch record's wire forms read one field table: every field of ``RolloutBatch`` is in
+it (or is one of the two plain fields), and both forms — the broadcast's flat vector and the
+checkpoint's JSON dict — give back every field exactly, with its dtype and shape."""
+
+import json
+from dataclasses import fields
+
+import pytest
+import torch
+
+from megarl.rollout.batch import FIELDS, batch_from_dict, batch_from_flat, batch_to_dict, batch_to_flat
+from megarl.types import RolloutBatch
+
+B, S = 3, 5
+
+
+def _full_batch() -> RolloutBatch:
+    """Every field set to values no default could produce."""
+    g = torch.Generator().manual_seed(0)
+    return RolloutBatch(
+        tokens=torch.randint(0, 2**40, (B, S), generator=g),  # ids past float32's exact range
+        mask=(torch.rand(B, S, generator=g) > 0.5).float(),
+        engine_logprobs=-torch.rand(B, S, generator=g),
+        rewards=torch.randn(B, generator=g),
+        group_ids=torch.tensor([0, 0, 1]),
+        response_lens=torch.tensor([4, 1, 0]),
+        truncated=torch.tensor([True, False, True]),
+        version=7,
+        texts=["a", "bc", ""],
+        versions=torch.tensor([5, 6, 7]),
+    )
+
+
+def test_the_table_names_every_tensor_field() -> None:
+    assert {f.name for f in fields(RolloutBatch)} == set(FIELDS) | {"version", "texts"}
+
+
+def _flat(b: RolloutBatch) -> RolloutBatch:
+    return batch_from_flat(batch_to_flat(b), b.size, b.tokens.shape[1], b.version)
+
+
+def _json(b: RolloutBatch) -> RolloutBatch:
+    return batch_from_dict(json.loads(json.dumps(batch_to_dict(b))))
+
+
+@pytest.mark.parametrize("wire", [_flat, _json], ids=["broadcast", "checkpoint"])
+def test_every_field_round_trips(wire) -> None:
+    batch = _full_batch()
+    back = wire(batch)
+    for f in FIELDS:
+        a, b = getattr(batch, f), getattr(back, f)
+        assert b.dtype == a.dtype == FIELDS[f][0], f
+        assert b.shape == a.shape == ((B, S) if FIELDS[f][1] else (B,)), f
+        assert torch.equal(a, b), f
+    assert back.version == batch.version
+    assert back.texts == (batch.texts if wire is _json else [])  # the broadcast leaves texts on rank 0
