@@ -42,9 +42,9 @@ from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner
 from megarl.rewards.runner import RewardRunner
-from megarl.rollout.collect import integrity_sequence
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
+from megarl.rollout.sampling import integrity_sequence
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync

@@ -1,6 +1,6 @@
 """Supervised warm start: a few steps of token-mean NLL on the reference answers (+ EOS),
 so the policy knows the answer format before RL. Batches are packed like rollouts
-(``megarl.rollout.collect.pack_sequences``) and split over DP ranks like the RL update."""
+(``megarl.rollout.sampling.pack_sequences``) and split over DP ranks like the RL update."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
 from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
 from megarl.planning import lr_at
-from megarl.rollout.collect import pack_sequences
+from megarl.rollout.sampling import pack_sequences
 from megarl.update.rows import dp_rows
 
 log = logging.getLogger("megarl")

@@ -240,7 +240,7 @@ def check_process_groups(device_run: bool) -> tuple[str, str, dict[str, Any]]:
 
 
 CPU_COLLECTIVE_SITES = (
-    "rollout/collect.py (rollout batch broadcast), trainer.py (sample counts, timings, validation), "
+    "rollout/batch.py (rollout batch broadcast), trainer.py (sample counts, timings, validation), "
     "checkpoint/state.py (preemption flag), weight_sync/sync.py (integrity probe)"
 )
 """megarl code that runs collectives on CPU tensors over the default / DP group."""

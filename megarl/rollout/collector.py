@@ -31,7 +31,7 @@ from megarl.distributed import ParallelDims
 from megarl.fleet.fleet import Fleet
 from megarl.rewards.runner import RewardReport, RewardRunner
 from megarl.rollout.batch import broadcast_batch
-from megarl.rollout.collect import (
+from megarl.rollout.sampling import (
     Group,
     PromptStats,
     batch_stats,

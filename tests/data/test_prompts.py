@@ -11,7 +11,7 @@ import pytest
 from megarl.config import DataConfig, RunConfig
 from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
 from megarl.data.tokenizer import train_tokenizer
-from megarl.rollout.collect import PromptStats, overlong_summary, take_prompts
+from megarl.rollout.sampling import PromptStats, overlong_summary, take_prompts
 
 
 def _jsonl(path: Path, rows: list) -> Path:

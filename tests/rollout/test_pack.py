@@ -8,7 +8,7 @@ import torch
 
 from megarl.data.prompts import PromptRecord
 from megarl.rollout.batch import batch_from_flat, batch_to_flat
-from megarl.rollout.collect import Group, pack_groups, pack_sequences
+from megarl.rollout.sampling import Group, pack_groups, pack_sequences
 
 
 def _reference(groups: list[Group], pad_id: int) -> dict[str, torch.Tensor]:

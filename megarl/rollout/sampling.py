@@ -1,4 +1,5 @@
-"""Turn prompts into a :class:`RolloutBatch`: sample on the fleet, score, pack.
+"""One sampling round: prompts taken, responses sampled on the fleet, scored, packed into a
+:class:`RolloutBatch` (the phase-1 collector, :mod:`megarl.rollout.collector`, runs rounds).
 
 Rank 0 talks to the fleet and scores rewards; :func:`megarl.rollout.batch.broadcast_batch`
 then ships the packed tensors (no Python objects) to every trainer rank.
