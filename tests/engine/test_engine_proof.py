@@ -161,17 +161,18 @@ def test_hello_answers_only_a_well_formed_nonce() -> None:
 
 
 def test_strangers_holding_connections_time_out_and_cannot_exhaust_the_engine() -> None:
-    """Connections that send nothing, or half a request line, hold a slot for one read timeout;
-    beyond the connection cap a new one is closed at once; then the run's client gets through."""
+    """Connections that send nothing, or half a request line, hold an unproven slot until one
+    deadline from their accept; beyond the slots a new connection evicts the oldest (closed
+    unanswered); then the run's client gets through. (#41 A replaced the per-read timeout and the
+    refusal beyond the cap: tests/engine/test_connection_slots.py has the slow-header attack.)"""
     import time
 
     from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
     from tests.engine.test_keepalive import FakeEngine
 
     handler = make_handler(FakeEngine(), threading.Event(), TOKEN, Limits(1 << 20, 1 << 20), Lifeline(0, 0))  # type: ignore[arg-type]
-    quick = type("Quick", (handler,), {"timeout": 1.0})
     port = free_port()
-    httpd = EngineHTTPServer(("127.0.0.1", port), quick, max_connections=4)
+    httpd = EngineHTTPServer(("127.0.0.1", port), handler, max_pending=4, proof_deadline_s=1.0)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     strangers = []
     try:
@@ -180,18 +181,20 @@ def test_strangers_holding_connections_time_out_and_cannot_exhaust_the_engine() 
             if k % 2:
                 s.sendall(b"GET /health HT")  # half a request line
             strangers.append(s)
-        time.sleep(0.3)
+            time.sleep(0.05)  # accepted in this order
+        time.sleep(0.2)
         extra = socket.create_connection(("127.0.0.1", port))
-        extra.settimeout(5)
-        assert extra.recv(100) == b""  # over the cap: closed unanswered
-        extra.close()
+        strangers[0].settimeout(5)
+        assert strangers[0].recv(100) == b""  # the oldest was evicted by the newcomer, unanswered
         t0 = time.monotonic()
-        for s in strangers:
+        for s in [*strangers[1:], extra]:
             s.settimeout(5)
-            assert s.recv(100) == b""  # the server closed it after its read timeout, unanswered
-        assert time.monotonic() - t0 < 3
+            assert s.recv(100) == b""  # closed at the deadline, unanswered
+        assert time.monotonic() - t0 < 2.5
+        extra.close()
         e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
         assert e.info()["version"] == 7
+        assert httpd.counts()["evicted"] == 1 and httpd.counts()["expired"] == 4
     finally:
         for s in strangers:
             s.close()

@@ -28,11 +28,12 @@ def _publisher(sets: list[str], fleet: Any, monkeypatch: Any) -> tuple[PolicyPub
 
 
 def _checked_versions(sets: list[str], restart_before: set[int], pushes: int, monkeypatch: Any) -> list[int]:
-    fleet = SimpleNamespace(restarts=0)
+    fleet = SimpleNamespace(restarts=0, rejoins=0)
     pub, checked = _publisher(sets, fleet, monkeypatch)
     for v in range(1, pushes + 1):
         if v in restart_before:
             fleet.restarts += 1  # an engine was restarted since the last sync (or during this one)
+            fleet.rejoins += 1  # ... and serves again (the check follows it back into service)
         out = pub.push()
         assert ("sync/integrity_max_abs_diff" in out) == (checked[-1:] == [v])
     return checked
