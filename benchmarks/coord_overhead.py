@@ -8,7 +8,7 @@ each ``--prompts`` count (× 16 responses: 8 → 2 micro-batches a step, 32 → 
 with --code runs once per batch per repeat, interleaved (A B A B ...). Per step after --skip:
 
     probe     Σ coord/probe_s/<model>: the micro-batch norms and their collectives
-    plan      timing/step/plan: gathering the timings, the coordinator's observe and plan
+    plan      timing/step/observe (timing/step/plan before 2026-12-06): gathering the timings, the coordinator's observe and plan
     fraction  (probe + plan) / timing/step/total
 
     python benchmarks/coord_overhead.py --code /tmp/megarl_base --code . [--prompts 8,32] [--repeats 2] [--steps 12]
@@ -33,7 +33,7 @@ from benchmarks.common import step_metrics, table  # noqa: E402
 def cost(m: dict[str, float]) -> dict[str, float]:
     """One step's coordinator cost, seconds, and its fraction of the step."""
     probe = sum(v for k, v in m.items() if k.startswith("coord/probe_s/"))
-    plan = m["timing/step/plan"]
+    plan = m.get("timing/step/observe", m.get("timing/step/plan", 0.0))  # (older trees: "plan")
     total = m["timing/step/total"]
     return {"probe": probe, "plan": plan, "total": total, "fraction": (probe + plan) / total}
 

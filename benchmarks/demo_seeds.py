@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import ROOT, run_train, table  # noqa: E402
 
-PHASES = ("generate", "logprobs", "update", "sync", "plan")
+PHASES = ("generate", "logprobs", "update", "sync", "observe")
 
 
 def batch_path(records: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], float]:

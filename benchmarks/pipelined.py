@@ -12,7 +12,7 @@ Runs, all from one warm-started actor (made once, `model.init_from`), the demo t
   staleness 1   the engine generates step s+1 while the trainer updates on step s
 for --seeds seeds each. Per run (steps after the first two): step time; generate = the fleet's
 generation of one batch (k=0: `timing/step/generate`, k=1: `pipeline/batch_generate_s`);
-train = everything the trainer does itself (log-probs + advantages + update + sync + plan);
+train = everything the trainer does itself (log-probs + advantages + update + sync + observe);
 step / max(generate, train) (goal for k=1: ≤ 1.15); mean staleness; the fractions of the step
 the trainer and the fleet waited; validation reward at the start and the end.
 
@@ -95,7 +95,7 @@ def step_figures(run_dir: Path, k: int, skip: int = 2) -> dict[str, float]:
 
     t = "timing/step/"
     gen = mean(lambda r: r["pipeline/batch_generate_s"] if k else r[f"{t}generate"])
-    train = mean(lambda r: sum(r[f"{t}{p}"] for p in ("logprobs", "advantages", "update", "sync", "plan")))
+    train = mean(lambda r: sum(r[f"{t}{p}"] for p in ("logprobs", "advantages", "update", "sync", "observe")))
     step = mean(lambda r: r[f"{t}total"])
     return {
         "step_s": step,

@@ -11,7 +11,7 @@ times, and reads each run's metrics.jsonl. Engines time their own model forward
       requests       fleet/generate_s - fleet/engine_s: HTTP round trips, health checks, (de)serialisation
       vllm overhead  fleet/engine_s - fleet/model_s: scheduling, per-request sampling, output objects
       sync           the sync phase: gather, bucket write, begin/load/commit, vLLM reload, integrity check
-      other          advantages + plan + time between the phases
+      other          advantages + observe + time between the phases
 
 A tree without the fleet/* metrics (megarl before they existed) gets --untimed-model-s, or
 else the model seconds of the runs that have them (the samples are the same: seeded
@@ -49,7 +49,7 @@ def split(m: dict[str, float], model_s: float | None) -> dict[str, float]:
     out["compute"] = model + ph["logprobs"] + ph["update"]
     out["non_compute"] = ph["total"] - out["compute"]
     out["sync"] = ph["sync"]
-    out["other"] = ph["total"] - sum(v for k, v in ph.items() if k != "total") + ph["advantages"] + ph["plan"]
+    out["other"] = ph["total"] - sum(v for k, v in ph.items() if k != "total") + ph["advantages"] + ph.get("observe", ph.get("plan", 0.0))
     if have:
         out["rollout_host"] = ph["generate"] - m["fleet/generate_s"]
         out["requests"] = m["fleet/generate_s"] - m["fleet/engine_s"]

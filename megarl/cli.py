@@ -1,8 +1,8 @@
 """``megarl train|convert|report`` — parses, then calls; nothing else.
 
-``megarl train`` checks the config and reads every row of the data, then re-launches itself
-under torchrun (``megarl.launcher``) when it is not already a torchrun rank, with
-``parallel.tensor_parallel × pipeline_parallel × data_parallel`` processes.
+``megarl train`` loads and checks the config, then starts as the launcher (checkpoint choice,
+every row of the data, torchrun with ``parallel.tensor_parallel × pipeline_parallel ×
+data_parallel`` ranks) or, under torchrun, as a trainer rank: the two halves of ``megarl.start``.
 
 A failure the user can fix (:class:`megarl.errors.MegarlError`) ends as one line on stderr,
 ``megarl: <kind> error: <message>``, and exit code 2, printed once: by rank 0, or by the
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import os
 import sys
 import time
-from typing import Any
 
 EXIT_USER_ERROR = 2
 """Exit code of a failure the user can fix (bad config, data, checkpoint, engine address)."""
@@ -45,102 +43,21 @@ def _setup_logging() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Load and check the config, then start as the launcher or as a rank (``megarl.start``)."""
     from megarl.config import load_config
 
     cfg = load_config(args.config, args.set)
-    p = cfg.parallel
-    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
     if args.print_config:
         from megarl.config.docs import explain
 
         sys.stdout.write(explain(cfg) + "\n")
         return 0
     from megarl.prelaunch import check_run
+    from megarl.start import launch, rank
 
-    check_run(cfg, world)  # before any process group starts
-    if "RANK" not in os.environ:
-        # the launcher (or the whole run, world=1) picks the checkpoint: a bad explicit one
-        # fails here in one line; the ranks get the verified choice and do not read it again
-        from megarl.checkpoint.integrity import VERIFIED_ENV, CheckpointError, choose_resume
-
-        try:
-            found = choose_resume(cfg.train.run_dir, cfg.train.resume)
-        except CheckpointError as e:
-            sys.stderr.write(f"megarl: checkpoint error: {e}\n")
-            return 2
-        cfg.train.resume = "never" if found is None else str(found)
-        os.environ[VERIFIED_ENV] = cfg.train.resume
-    if "RANK" not in os.environ:  # the launcher: every row of the data, before any process starts
-        from megarl.prelaunch import check_data
-
-        counts = check_data(cfg)
-        logging.getLogger("megarl").info("data: %s", ", ".join(f"{k} {v}" for k, v in counts.items()))
-    if "RANK" not in os.environ and world > 1:
-        # torchrun as a child; SIGTERM / SIGINT / SIGUSR1 sent to this process are forwarded to
-        # the ranks (finish the step, checkpoint, exit) and this process exits with their status
-        from megarl.launcher import launch
-
-        cmd = [
-            sys.executable,
-            "-m",
-            "megarl.launcher",  # torchrun, quiet when a rank reported a one-line error
-            "--standalone",
-            f"--nproc-per-node={world}",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-            "-m",
-            "megarl.cli",
-            "train",
-        ]
-        if args.config:
-            cmd += ["--config", args.config]
-        for s in [*(args.set or []), f"train.resume={cfg.train.resume}"]:
-            cmd += ["--set", s]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return launch(cmd, env)  # supervised; a rank's one-line error is printed once, exit 2
-    # this process trains. First thing: a stop signal during start-up must not kill it (rank 0
-    # owns the engines and would leave them running); the run stops after its first step
-    from megarl.checkpoint.state import install_preemption_handlers
-
-    install_preemption_handlers()
-    if message := world_size_error(cfg):  # (python -m megarl.cli says it before its imports)
-        from megarl.config import ConfigError
-
-        raise ConfigError(message)
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from megarl.loop import train
-    from megarl.report import draw
-
-    summary = train(cfg, report=draw)
-    if int(os.environ.get("RANK", "0")) == 0:
-        logging.getLogger("megarl").info("summary %s", json.dumps(summary))
-    # leave together and tear the process groups down explicitly: a rank that exits while a
-    # peer still holds live gloo groups can abort in their destructors ("terminate called
-    # without an active exception", exit -6) and fail an otherwise finished run
-    import torch.distributed as dist
-
-    from megarl.distributed import shutdown
-
-    if dist.is_initialized():
-        dist.barrier()
-    shutdown()
-    return 0
-
-
-def world_size_error(cfg: Any) -> str | None:
-    """Under torchrun: why WORLD_SIZE is not the config's TP × PP × DP (None when it is, or
-    when this process is not a torchrun rank)."""
     p = cfg.parallel
-    world = p.tensor_parallel * p.pipeline_parallel * p.data_parallel
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == world:
-        return None
-    return (
-        f"this run has {os.environ.get('WORLD_SIZE')} ranks (WORLD_SIZE) but parallel.tensor_parallel="
-        f"{p.tensor_parallel} × pipeline_parallel={p.pipeline_parallel} × data_parallel={p.data_parallel} = "
-        f"{world}: start it with `megarl train` (it launches torchrun itself) or --nproc-per-node={world}"
-    )
+    check_run(cfg, p.tensor_parallel * p.pipeline_parallel * p.data_parallel)  # before any process group starts
+    return rank(cfg) if "RANK" in os.environ else launch(cfg, args.config, args.set or [])
 
 
 def _wrong_world_size(argv: list[str]) -> int | None:
@@ -163,6 +80,8 @@ def _wrong_world_size(argv: list[str]) -> int | None:
         cfg = load_config(args.config, args.set)
     except (SystemExit, MegarlError):
         return None
+    from megarl.start import world_size_error
+
     message = None if args.print_config else world_size_error(cfg)
     if message is None:
         return None

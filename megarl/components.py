@@ -1,15 +1,16 @@
-"""Set-up: everything one run needs, built once into a typed :class:`Components` bundle.
+"""Set-up: everything one run needs, built once and whole into a typed :class:`Components` bundle.
 
 Order matters and is kept here only: process groups (actor, and the critic's own layout) →
 data → tokenizer → model config (from the HF folder of ``model.init_from``) → the engines
 start (rank 0; they load while the trainer builds) → actor → planner (attaches grad probes),
-rollout collector, advantage estimator, weight sync and publisher. The frozen reference and
-the critic come later (:func:`add_reference_and_critic`): after the warm start, so the
-reference is the warm-started policy, or before a resume overwrites them.
+rollout collector, weight sync, publisher and the rollout source → the start: the checkpoint
+to resume from, or the warm start → the frozen reference and the critic (after the warm start,
+so the reference is the warm-started policy; a resume overwrites both) → the updater.
 
-Nothing here runs a step; the phases (``megarl.rollout.collector``, ``megarl.update``,
+Nothing here runs a step; the phases (``megarl.rollout``, ``megarl.update``,
 ``megarl.weight_sync.publisher``) take what they need from the bundle and ``loop.py`` wires
-them. :meth:`Components.stateful` is the mapping a checkpoint saves and restores.
+them. :meth:`Components.stateful` is the mapping a checkpoint saves and restores;
+:meth:`Components.close` stops what :func:`build` started.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint import state
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
+from megarl.checkpoint.state import Stateful
 from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
 from megarl.config.hf import check_hf_tensors, hf_dtype_name
@@ -45,17 +49,25 @@ from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.sampling import integrity_sequence
+from megarl.rollout.source import OnPolicy, RolloutSource
 from megarl.update import AdvantageEstimator, PolicyUpdater
+from megarl.warm_start import warm_start
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
 
 log = logging.getLogger("megarl")
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
+@dataclass
+class Start:
+    """How the run starts: from a checkpoint (``resume_from``), or fresh after the warm start."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    resume_from: Path | None
+    """The checkpoint the run resumes from (``train.resume``), None for a fresh run."""
+    warm_start_nll: float | None = None
+    """A fresh run's warm start: its last supervised NLL (None: no warm start)."""
+    warm_start_s: float | None = None
+    """Seconds the warm start took."""
 
 
 @dataclass
@@ -70,17 +82,22 @@ class Components:
     adapter: LlamaQwen2Adapter
     fleet: Fleet | None
     """Rank 0 only."""
+    rewards: RewardRunner | None
+    """Rank 0 only (the reward workers)."""
     actor: Model
+    ref: Model | None
+    """The frozen reference (``algo.kl_coef`` > 0): the warm-started policy."""
+    critic: Model | None
+    """PPO's critic, on its own layout."""
     planner: Planner
-    rollouts: RolloutCollector
+    collector: RolloutCollector
+    """Generation, scoring and validation over the fleet."""
+    rollouts: RolloutSource
+    """Where each step's batch comes from: on-policy, or generated ahead (``rollout.max_staleness``)."""
     advantages: AdvantageEstimator
+    updater: PolicyUpdater
     publisher: PolicyPublisher
-    ref: Model | None = None
-    critic: Model | None = None
-    updater: PolicyUpdater | None = None
-    """Set by :func:`add_reference_and_critic` (it needs the critic)."""
-    ahead: RolloutPipeline | None = None
-    """Batches generated ahead of their step (``rollout.max_staleness`` > 0), else None."""
+    start: Start
 
     def models(self) -> dict[str, Model]:
         """The checkpointed models by name."""
@@ -94,7 +111,7 @@ class Components:
     def stateful(self) -> dict[str, Stateful]:
         """The loop state a checkpoint carries besides the models, by name."""
         return {
-            "rollouts": self.ahead if self.ahead is not None else self.rollouts,  # + the batches ahead
+            "rollouts": self.rollouts,  # the sampler's position (+ the batches generated ahead)
             "planner": self.planner,
             "advantages": self.advantages,
             "publisher": self.publisher,
@@ -113,18 +130,26 @@ class Components:
             export_tokenizer_files(self.tok.files(), path)
 
     def close(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
-        if self.fleet is not None:
-            self.fleet.shutdown()
-        if self.rollouts.rewards is not None:
-            self.rollouts.rewards.close()
-        if self.dims.is_rank0:
-            self.publisher.sync.cleanup()
+        """Stop what :func:`build` started: the rollout worker, the engines, the reward workers,
+        the weight-sync staging."""
+        _close(self.rollouts, self.fleet, self.rewards, self.publisher.sync if self.dims.is_rank0 else None)
+
+
+def _close(rollouts: Any, fleet: Fleet | None, rewards: RewardRunner | None, sync: WeightSync | None) -> None:
+    if rollouts is not None:
+        rollouts.close()
+    if fleet is not None:
+        fleet.shutdown()
+    if rewards is not None:
+        rewards.close()
+    if sync is not None:
+        sync.cleanup()
 
 
 def build(cfg: RunConfig) -> Components:
-    """Process groups, data, tokenizer, engines (started, not awaited), actor and the phases."""
+    """Everything the run needs, whole: process groups, data, tokenizer, engines (started, not
+    awaited), actor, the phases; then the start (the checkpoint to resume from, or the warm
+    start), and the reference and critic. What was started is stopped if any of it fails."""
     p = cfg.parallel
     dims = init_distributed(p.tensor_parallel, p.pipeline_parallel, cfg.train.seed)
     if p.cpu_keep_freed_memory and not torch.cuda.is_available():
@@ -134,7 +159,7 @@ def build(cfg: RunConfig) -> Components:
         ctp, cpp, _ = cfg.critic_layout(dims.world_size)
         critic_dims = init_layout(dims, ctp, cpp)
     run_dir = Path(cfg.train.run_dir)
-    fleet, rewards = None, None
+    fleet, rewards, rollouts, sync = None, None, None, None
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     if dims.is_rank0 and not cfg.rollout.engine_addresses:
@@ -162,19 +187,20 @@ def build(cfg: RunConfig) -> Components:
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
+        collector = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         if fleet is not None:
             fleet.restart_in_background = (
                 cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
             )
         integrity_tokens = integrity_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
-        publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=rollouts.fleet_ready)
+        publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=collector.fleet_ready)
+        k = cfg.rollout.max_staleness
+        rollouts = RolloutPipeline(collector, k) if k else OnPolicy(collector, fleet)
+        start = _start(cfg, dims, actor, tok, train_rows)
+        ref, critic = _reference_and_critic(cfg, dims, critic_dims, actor, adapter, planner)
     except BaseException:
-        if fleet is not None:
-            fleet.shutdown()
-        if rewards is not None:
-            rewards.close()
+        _close(rollouts, fleet, rewards, sync if dims.is_rank0 else None)
         raise
     return Components(
         cfg=cfg,
@@ -184,27 +210,51 @@ def build(cfg: RunConfig) -> Components:
         tok=tok,
         adapter=adapter,
         fleet=fleet,
+        rewards=rewards,
         actor=actor,
+        ref=ref,
+        critic=critic,
         planner=planner,
+        collector=collector,
         rollouts=rollouts,
         advantages=AdvantageEstimator(cfg),
+        updater=PolicyUpdater(cfg, dims, actor, critic, planner),
         publisher=publisher,
-        ahead=RolloutPipeline(rollouts, cfg.rollout.max_staleness) if cfg.rollout.max_staleness else None,
+        start=start,
     )
 
 
-def add_reference_and_critic(c: Components) -> None:
+def _start(cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[Any]) -> Start:
+    """The checkpoint to resume from (collective: the same on every rank), or the warm start of
+    a fresh run (before the reference copies the actor)."""
+    start = Start(resume_from=state.find_resume(cfg.train.run_dir, cfg.train.resume))
+    if start.resume_from is None and cfg.warm_start.steps:
+        t0 = time.perf_counter()
+        start.warm_start_nll = warm_start(cfg, dims, actor, tok, rows)[-1]
+        start.warm_start_s = time.perf_counter() - t0
+    return start
+
+
+def _reference_and_critic(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    critic_dims: ParallelDims,
+    actor: Model,
+    adapter: LlamaQwen2Adapter,
+    planner: Planner,
+) -> tuple[Model | None, Model | None]:
     """Frozen reference = copy of the current actor (same layout: shards copy one to one);
     critic (PPO) = actor trunk + zero-initialised value head, own optimizer and LR, on its
     own layout (``critic.parallel``). Across layouts the trunk goes through full HF-named
-    tensors (the one Megatron⇄HF adapter), gathered from the actor's shards."""
-    cfg = c.cfg
+    tensors (the one Megatron⇄HF adapter), gathered from the actor's shards. A resumed run
+    overwrites both from its checkpoint."""
+    ref, critic = None, None
     if cfg.algo.kl_coef > 0:
-        c.ref = build_gpt(cfg.model, cfg.parallel, c.dims, trainable=False)
-        _copy_params(c.actor, c.ref)
+        ref = build_gpt(cfg.model, cfg.parallel, dims, trainable=False)
+        _copy_params(actor, ref)
     if cfg.algo.name == "ppo":
-        cd = c.critic_dims
-        c.critic = build_gpt(
+        cd = critic_dims
+        critic = build_gpt(
             dataclasses.replace(cfg.model, tie_embeddings=False),
             dataclasses.replace(cfg.parallel, tensor_parallel=cd.tp, pipeline_parallel=cd.pp, data_parallel=cd.dp),
             cd,
@@ -213,9 +263,9 @@ def add_reference_and_critic(c: Components) -> None:
             seed=cfg.train.seed,
         )
         if cfg.critic.init_from_actor:
-            copy_weights(c.actor, c.critic, c.adapter)
-        c.planner.attach_probe(c.critic)
-    c.updater = PolicyUpdater(cfg, c.dims, c.actor, c.critic, c.planner)
+            copy_weights(actor, critic, adapter)
+        planner.attach_probe(critic)
+    return ref, critic
 
 
 # ---------------------------------------------------------------------- helpers

@@ -29,7 +29,7 @@ COMMON = [
 RUNS = {
     "grpo": ("examples/grpo_cpu.yaml", []),
     "ppo": ("examples/ppo_cpu.yaml", []),
-    "pipelined": ("examples/grpo_cpu.yaml", ["rollout.max_staleness=1"]),
+    "pipelined": ("examples/grpo_cpu.yaml", ["rollout.max_staleness=1", "algo.tis_cap=2"]),
 }
 TIME_PARTS = ("timing", "_s/", "wait", "frac", "per_s", "throughput", "sync/", "probe_s", "time")
 """A key holding any of these measures time (it differs between any two runs)."""

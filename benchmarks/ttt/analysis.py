@@ -43,8 +43,8 @@ def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return statistics.median(xs) if xs else None
 
     step_s = _finite([r.get("timing/step/total") for r in steps])
-    overhead = _finite(  # the micro-batch probe (coord/probe_s/<model>) + the plan phase
-        [sum(v for k, v in r.items() if k.startswith("coord/probe_s/")) + r.get("timing/step/plan", 0.0) for r in steps]
+    overhead = _finite(  # the micro-batch probe (coord/probe_s/<model>) + the observe phase (named "plan" in older results)
+        [sum(v for k, v in r.items() if k.startswith("coord/probe_s/")) + r.get("timing/step/observe", r.get("timing/step/plan", 0.0)) for r in steps]
     )
     return {
         "model": m,

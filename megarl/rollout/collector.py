@@ -260,11 +260,6 @@ class RolloutCollector:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("ahead") and self.cfg.rollout.max_staleness == 0:
-            raise RolloutError(
-                f"the checkpoint holds {len(state['ahead'])} rollout batches generated ahead of their step "
-                "(saved with rollout.max_staleness > 0); resume with the same rollout.max_staleness"
-            )
         self.sampler.load_state_dict(state["sampler"])
         self.prompt_stats.skipped_overlong = int(state["skipped_overlong"])
         self.prompt_stats.truncated_overlong = int(state["truncated_overlong"])

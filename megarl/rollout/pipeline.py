@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl.rollout.batch import batch_from_dict, batch_to_dict
 from megarl.rollout.collector import RolloutCollector, RolloutJob
 from megarl.types import RolloutBatch
+
+if TYPE_CHECKING:  # (the plan is read, not built: the coordinator is a sibling layer)
+    from megarl.coordinator import StepPlan
 
 Result = tuple[RolloutBatch, dict[str, float]]
 
@@ -78,13 +82,29 @@ class RolloutPipeline:
         self.queue.append(pending)
         self.next_step = step + 1
 
-    def take(self, step: int) -> Result:
-        """Every rank: step ``step``'s batch (waits for it if it is still being generated)."""
+    # ------------------------------------------------------------------ the RolloutSource
+
+    def start(self, step: int, plan_ahead: Callable[[int], StepPlan]) -> None:
+        """Issue the batches of steps up to ``step + depth``, each with the plan made for its
+        step now (all of them at the first step, one a step afterwards)."""
+        for s in self.wanted(step):
+            plan = plan_ahead(s)
+            self.issue(s, plan.num_prompts, plan.samples_per_prompt)
+
+    def take(self, step: int, plan: StepPlan | None = None) -> Result:
+        """Every rank: step ``step``'s batch (waits for it if it is still being generated; its
+        plan was made when it was issued, so ``plan`` is not read)."""
         if not self.queue or self.queue[0].step != step:
             have = [p.step for p in self.queue]
             raise RuntimeError(f"step {step} has no rollout generated ahead (pending steps: {have})")
         head = self.queue.popleft()
         return self.collector.deliver(self._wait(head) if self.rank0 else None)
+
+    def fleet_idle(self, version: int) -> None:
+        pass  # the fleet generates the batches ahead meanwhile
+
+    def finish(self) -> None:
+        self.drain()
 
     def drain(self) -> None:
         """Wait until the fleet has generated everything issued (before a weight sync)."""
@@ -92,8 +112,9 @@ class RolloutPipeline:
             if self.rank0:
                 self._wait(p)
 
-    def fleet_busy_s(self, t0: float, t1: float) -> float:
-        """Rank 0: seconds of [t0, t1] (perf_counter) the fleet spent generating."""
+    def fleet_busy_s(self, t0: float, t1: float, generate_s: float = 0.0) -> float:
+        """Rank 0: seconds of [t0, t1] (perf_counter) the fleet spent generating (its worker's
+        spans; the trainer's own wait ``generate_s`` is not the measure here)."""
         self._busy = [(a, b) for a, b in self._busy if b > t0]
         return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self._busy)
 

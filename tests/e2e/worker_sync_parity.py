@@ -9,11 +9,10 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
-from megarl.components import add_reference_and_critic, build  # noqa: E402
+from megarl.components import build  # noqa: E402
 from megarl.config import load_config  # noqa: E402
 from megarl.loop import rl_step  # noqa: E402
 from megarl.model.forward import forward_logprobs, greedy_generate  # noqa: E402
-from megarl.warm_start import warm_start  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
@@ -25,15 +24,13 @@ cfg.rollout.engine_logprobs_every = 1  # the batch checked below carries the eng
 tr = build(cfg)
 result: dict = {}
 try:
-    warm_start(cfg, tr.dims, tr.actor, tr.tok, tr.rollouts.train_rows)
-    add_reference_and_critic(tr)
-    tr.publisher.push()
-    steps = [rl_step(tr, s) for s in range(cfg.train.steps)]
+    tr.publisher.push()  # (build warm-started the actor and copied the reference from it)
+    steps = [rl_step(tr, s).metrics for s in range(cfg.train.steps)]
     result["versions"] = [m.get("rollout/policy_version", -1.0) for m in steps]
     result["integrity"] = [m["sync/integrity_max_abs_diff"] for m in steps]
-    prompts = [tr.tok.encode(r.prompt) for r in tr.rollouts.val_rows[:8]]
+    prompts = [tr.tok.encode(r.prompt) for r in tr.collector.val_rows[:8]]
     # 1) engine samples + logprobs vs trainer logprobs of the same tokens
-    batch, _ = tr.rollouts.collect(999, 8, 4)
+    batch, _ = tr.collector.collect(999, 8, 4)
     lp = forward_logprobs(tr.actor, batch.tokens, micro_batch_size=cfg.parallel.micro_batch_size,
                           temperature=cfg.rollout.temperature)["logprobs"]
     m = batch.mask.bool()

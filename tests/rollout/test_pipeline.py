@@ -255,9 +255,9 @@ def test_checkpoint_with_batches_ahead_is_refused_without_pipelining() -> None:
     """Resuming a pipelined checkpoint with max_staleness=0 would silently skip the prompts of the
     batches generated ahead: refused, naming the setting."""
     from megarl.errors import RolloutError
-    from megarl.rollout.collector import RolloutCollector
+    from megarl.rollout.source import OnPolicy
 
-    collector = object.__new__(RolloutCollector)  # only the config is read before the refusal
-    collector.cfg = load_config(None, ["rollout.max_staleness=0"])
+    col = FleetStandIn()  # the on-policy source (max_staleness=0) refuses before its collector loads
     with pytest.raises(RolloutError, match="holds 1 rollout batches generated ahead .* rollout.max_staleness"):
-        collector.load_state_dict({"ahead": [{"step": 2}], "sampler": {}})
+        OnPolicy(col, None).load_state_dict({"ahead": [{"step": 2}], "sampler": {}})  # type: ignore[arg-type]
+    assert col.sampler_state == 0  # nothing was loaded

@@ -1,10 +1,10 @@
-"""The loop's stop rules and validation cadence (``megarl.loop.Progress``), on made-up
+"""The loop's stop rules and validation cadence (``megarl.metrics.progress.Progress``), on made-up
 validation curves: the run loop calls exactly these after every step."""
 
 import json
 
 from megarl.config import TrainConfig
-from megarl.loop import Progress
+from megarl.metrics.progress import Progress
 
 
 def _drive(t: TrainConfig, batches: list[int], vals: dict[int, float]) -> tuple[list[int], int | None, Progress]:
