@@ -48,7 +48,7 @@ from megarl.planning import Planner
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
-from megarl.rollout.sampling import integrity_sequence
+from megarl.rollout.sampling import CollectSettings, integrity_sequence
 from megarl.rollout.source import OnPolicy, RolloutSource
 from megarl.update import AdvantageEstimator, PolicyUpdater
 from megarl.warm_start import warm_start
@@ -187,13 +187,15 @@ def build(cfg: RunConfig) -> Components:
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        collector = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
+        collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         if fleet is not None:
             fleet.restart_in_background = (
                 cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
             )
-        integrity_tokens = integrity_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
+        integrity_tokens = integrity_sequence(
+            val_rows, tok, CollectSettings.of(cfg)
+        )  # the first validation sequence that fits
         publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=collector.fleet_ready)
         k = cfg.rollout.max_staleness
         rollouts = RolloutPipeline(collector, k) if k else OnPolicy(collector, fleet)

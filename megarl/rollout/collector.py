@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config import RunConfig
 from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
@@ -32,6 +31,7 @@ from megarl.fleet.fleet import Fleet
 from megarl.rewards.runner import RewardReport, RewardRunner
 from megarl.rollout.batch import broadcast_batch
 from megarl.rollout.sampling import (
+    CollectSettings,
     Group,
     PromptStats,
     batch_stats,
@@ -67,7 +67,7 @@ def failed_steps_check(report: RewardReport, failed_steps: int, limit: int, step
 class RolloutCollector:
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: CollectSettings,
         dims: ParallelDims,
         tok: PromptTokenizer,
         fleet: Fleet | None,
@@ -79,7 +79,7 @@ class RolloutCollector:
         self.train_rows, self.val_rows = train_rows, val_rows
         self.rewards = rewards
         """Rank 0 only (the reward workers live there)."""
-        self.sampler = PromptSampler(len(train_rows), cfg.train.seed, cfg.data.shuffle)
+        self.sampler = PromptSampler(len(train_rows), cfg.seed, cfg.data.shuffle)
         self.prompt_stats = PromptStats()
         self.engine_wait_s = 0.0
         """Seconds rank 0 waited for engines spawned at start-up to become healthy."""
@@ -188,7 +188,7 @@ class RolloutCollector:
             prompts,
             self.cfg,
             self.rewards,
-            seed=self.cfg.train.seed + 7919 * step + rnd.count,
+            seed=self.cfg.seed + 7919 * step + rnd.count,
             samples=samples,
             logprobs=engine_logprobs_wanted(self.cfg, step),
         )
@@ -206,7 +206,7 @@ class RolloutCollector:
 
     def _dump(self, step: int, groups: list[Group]) -> None:
         """Rank 0: the exact ids sent to and returned by the engines (``rollout.dump_rollouts``)."""
-        with (Path(self.cfg.train.run_dir) / "rollouts.jsonl").open("a") as fh:
+        with (Path(self.cfg.run_dir) / "rollouts.jsonl").open("a") as fh:
             for g in groups:
                 row = {
                     "step": step + 1,  # numbered as in metrics.jsonl

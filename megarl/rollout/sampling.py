@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl import algo
-from megarl.config import RunConfig
+from megarl.config import AlgoConfig, DataConfig, RewardConfig, RolloutConfig, RunConfig
 from megarl.data.prompts import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.fleet.fleet import Fleet
@@ -21,6 +21,26 @@ from megarl.rewards.runner import RewardReport, RewardRunner, RewardSample
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """What collection reads of the run's config: its sections, not the whole run."""
+
+    rollout: RolloutConfig
+    algo: AlgoConfig
+    """Dynamic sampling, the overlong reward buffer, whether the loss reads engine log-probs."""
+    reward: RewardConfig
+    data: DataConfig
+    """The overlong-prompt rule and the sampler's shuffle."""
+    seed: int
+    """``train.seed``: the prompt sampler's and each round's sampling seed."""
+    run_dir: str
+    """``train.run_dir`` (``rollout.dump_rollouts`` writes there)."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> CollectSettings:
+        return cls(cfg.rollout, cfg.algo, cfg.reward, cfg.data, cfg.train.seed, cfg.train.run_dir)
 
 
 @dataclass
@@ -40,7 +60,7 @@ def take_prompts(
     records: list[PromptRecord],
     tok: PromptTokenizer,
     k: int,
-    cfg: RunConfig,
+    cfg: CollectSettings,
     stats: PromptStats,
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted;
@@ -66,7 +86,7 @@ def take_prompts(
     return out
 
 
-def overlong_summary(recent: list[str], cfg: RunConfig) -> str:
+def overlong_summary(recent: list[str], cfg: CollectSettings) -> str:
     """One log line for the overlong prompts of a step ('' if none): the count and two examples."""
     if not recent:
         return ""
@@ -79,7 +99,7 @@ def overlong_summary(recent: list[str], cfg: RunConfig) -> str:
 
 
 def validation_prompts(
-    records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig
+    records: list[PromptRecord], tok: PromptTokenizer, cfg: CollectSettings
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Validation prompts under the same ``data.overlong_prompt`` rule as training (one log line
     for those skipped): a prompt past the model's context would fail the engine."""
@@ -96,7 +116,7 @@ def validation_prompts(
     return rows
 
 
-def integrity_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: RunConfig) -> list[int]:
+def integrity_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: CollectSettings) -> list[int]:
     """The weight-sync integrity check's fixed sequence: the first validation prompt + answer that fits
     rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""
     limit = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
@@ -117,7 +137,7 @@ class Group:
     """Policy version the engines served when they sampled this group (-1: not recorded)."""
 
 
-def engine_logprobs_wanted(cfg: RunConfig, step: int) -> bool:
+def engine_logprobs_wanted(cfg: CollectSettings, step: int) -> bool:
     """Does step ``step`` (0-based) ask the engines for the sampled tokens' log-probs? Always when
     the loss reads them (TIS, off-policy batches); else on every ``rollout.engine_logprobs_every``-th
     step from the first, for the train/inference mismatch metrics."""
@@ -131,7 +151,7 @@ def sample_groups(
     fleet: Fleet,
     tok: PromptTokenizer,
     prompts: list[tuple[PromptRecord, list[int]]],
-    cfg: RunConfig,
+    cfg: CollectSettings,
     rewards: RewardRunner,
     seed: int,
     samples: int,

@@ -252,10 +252,10 @@ def test_engine_threads_auto_leaves_cuda_engines_to_vllm(monkeypatch: pytest.Mon
 def test_engine_logprobs_on_the_steps_that_read_them() -> None:
     """Every k-th step from the first for the mismatch metrics; every step when the loss reads
     them (TIS, off-policy batches); never with k = 0 and an on-policy loss."""
-    from megarl.rollout.sampling import engine_logprobs_wanted
+    from megarl.rollout.sampling import CollectSettings, engine_logprobs_wanted
 
     def steps(**sections: dict) -> list[int]:
-        return [s for s in range(12) if engine_logprobs_wanted(_cfg(**sections), s)]
+        return [s for s in range(12) if engine_logprobs_wanted(CollectSettings.of(_cfg(**sections)), s)]
 
     assert RunConfig().rollout.engine_logprobs_every == 10 and steps() == [0, 10]
     assert steps(rollout={"engine_logprobs_every": 3}) == [0, 3, 6, 9]

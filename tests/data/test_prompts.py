@@ -11,7 +11,7 @@ import pytest
 from megarl.config import DataConfig, RunConfig
 from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
 from megarl.data.tokenizer import train_tokenizer
-from megarl.rollout.sampling import PromptStats, overlong_summary, take_prompts
+from megarl.rollout.sampling import CollectSettings, PromptStats, overlong_summary, take_prompts
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -116,7 +116,7 @@ def test_overlong_prompts_are_counted(tmp_path: Path, mode: str) -> None:
     cfg.rollout.max_prompt_len = 8
     cfg.data.overlong_prompt = mode  # type: ignore[assignment]
     stats = PromptStats()
-    out = take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, cfg, stats)
+    out = take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, CollectSettings.of(cfg), stats)
     assert len(out) == 10 and all(len(ids) <= 8 for _, ids in out)
     if mode == "skip":
         assert stats.skipped_overlong == 5 and stats.truncated_overlong == 0
@@ -153,8 +153,8 @@ def test_overlong_prompts_summarised_not_logged_each(tmp_path: Path, caplog: pyt
     cfg.rollout.max_prompt_len = 8
     stats = PromptStats()
     with caplog.at_level("WARNING"):
-        take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, cfg, stats)
+        take_prompts(PromptSampler(len(records), 0, shuffle=False), records, tok, 10, CollectSettings.of(cfg), stats)
     assert caplog.records == [] and stats.skipped_overlong == 3
-    line = overlong_summary(stats.drain(), cfg)
+    line = overlong_summary(stats.drain(), CollectSettings.of(cfg))
     assert line.startswith("skipped 3 prompts longer than rollout.max_prompt_len=8: f.jsonl:1 (")
     assert line.endswith("and 1 more") and stats.drain() == []

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megarl.config import load_config
 from megarl.data.prompts import PromptRecord
 from megarl.rollout.collector import RewardReport, RolloutCollector
+from megarl.rollout.sampling import CollectSettings
 
 SAMPLES = 2
 
@@ -97,7 +98,7 @@ def _collector(rounds: int, dynamic: bool = True) -> tuple[RolloutCollector, _Fl
     )
     rows = [PromptRecord(f"q{i}", "right", f"rows:{i}") for i in range(40)]
     fleet = _Fleet()
-    col = RolloutCollector(cfg, _Dims(), _Tok(), fleet, rows, rows[:2], _Rewards())  # type: ignore[arg-type]
+    col = RolloutCollector(CollectSettings.of(cfg), _Dims(), _Tok(), fleet, rows, rows[:2], _Rewards())  # type: ignore[arg-type]
     return col, fleet
 
 
