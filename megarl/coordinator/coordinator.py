@@ -15,12 +15,12 @@ turns them into:
    geometric grid (m = `mini_batches`: McCandlish's model is per optimizer step, and a step
    trains on B/m of the rollout's B responses) (`goodput.py`, Pollux OSDI'21): a first jump straight to the argmax once the
    estimate has `min_dof` degrees of freedom, then a hold while the batch lies inside the
-   band of optima of the B_noise band (`policy.py`). With several models the smallest
+   band of optima of the B_noise band (`decisions.py`). With several models the smallest
    B_noise decides (the most batch-sensitive model);
 4. a learning rate per model from its reference (b_ref = `lr_reference_batch`, lr_ref) and
    the planned batch (`lr_rules.py`, batches per optimizer step), clipped to [lr_min, lr_max],
    and on a batch change the factor for Adam's second moments: the change of the post-clip
-   squared norm the optimizer is handed (`policy.adam_v_scale`, from the raw estimate and the
+   squared norm the optimizer is handed (`decisions.adam_v_scale`, from the raw estimate and the
    recent pre-clip norms);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
    (responses/s), so that ranks finish together.
@@ -42,10 +42,10 @@ from typing import Any
 
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun, grid, validate
+from megarl.coordinator.decisions import adam_v_scale, hold_or_move, jump, limit_move
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
 from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
-from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
@@ -370,7 +370,7 @@ class Coordinator:
         return self._b_noise_responses(model, est.b_simple if est is not None else None, calibrated)
 
     def _adam_v_scale(self, model: str, old: int, new: int) -> float:
-        """Rule 3 of `policy` for a change old -> new rollout responses: per optimizer step
+        """Rule 3 of `decisions` for a change old -> new rollout responses: per optimizer step
         (B/m), from the *raw* noise scale (``noise_calibration`` corrects the batch decision,
         not E|g_B|²) and the model's recent pre-clip norms under the run's clip."""
         m = self.run.mini_batches
