@@ -45,9 +45,10 @@ import time
 from pathlib import Path
 
 from megarl.compat.startup import startup
+from megarl.engine.connections import EngineHTTPServer
 from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
-from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
 from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
 from megarl.errors import CredentialError
