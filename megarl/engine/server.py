@@ -29,8 +29,9 @@ Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; 
   POST /shutdown   {}
 (records: ``megarl.engine.wire``; workers: ``megarl.engine.worker_ext``.)
 
-The engine itself (generation, staging, commit, sleep) is ``megarl.engine.vllm_engine``;
-this module parses the command line, checks the credential and staging folder, and serves.
+The engine itself (generation, sleep) is ``megarl.engine.vllm_engine``, its weight updates
+(staging, commit) ``megarl.engine.updates``; this module parses the command line, checks the
+credential and staging folder, and serves.
 """
 
 from __future__ import annotations
