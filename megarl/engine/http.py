@@ -115,8 +115,9 @@ class Served:
     lifeline: Lifeline
 
 
-def serve(engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline) -> Served:
-    """The route table over ``engine``; it must cover ``routes.ROUTES`` exactly."""
+def route_table(engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline) -> Served:
+    """What a handler serves for ``engine``: its route table, which must cover ``routes.ROUTES``
+    exactly."""
     post: dict[str, Callable[[dict[str, Any]], dict[str, Any] | bytes]] = {
         routes.GENERATE: engine.generate,
         routes.LOGPROBS: engine.logprobs,
@@ -308,6 +309,6 @@ def make_handler(
     """A handler class serving ``engine`` (for ``EngineHTTPServer``)."""
 
     class Handler(EngineHandler):
-        served = serve(engine, stop, token, limits, lifeline)
+        served = route_table(engine, stop, token, limits, lifeline)
 
     return Handler
