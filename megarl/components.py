@@ -177,7 +177,7 @@ def build(cfg: RunConfig) -> Components:
             if cfg.rollout.engine_addresses:  # engines started elsewhere wait for the folder
                 r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
                 fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
-            rewards = RewardRunner(cfg)  # reward workers start (and import the rewards) meanwhile too
+            rewards = RewardRunner(cfg.reward, cfg.data)  # reward workers start (and import the rewards) meanwhile too
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)

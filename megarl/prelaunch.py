@@ -12,7 +12,7 @@ from megarl.config import RunConfig, validate
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts, tokenizer_corpus
 from megarl.errors import ConfigError, DataError
-from megarl.rewards.runner import check_reward_config
+from megarl.rewards.specs import check_reward_config
 
 
 def check_run(cfg: RunConfig, world_size: int) -> None:

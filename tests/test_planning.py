@@ -77,7 +77,7 @@ def test_a_batch_change_is_logged_with_its_reason_and_the_predicted_step_times(c
     """The coordinator fed a synthetic trainer whose optimum lies far above 8 prompts: the
     planner's plan moves, and the log says from where to where, at which LR, why, and the step
     times the move was planned on; steps that keep the batch log nothing."""
-    from tests.coordinator.test_policy import PartsTrainer
+    from tests.coordinator.test_decisions import PartsTrainer
 
     planner = _planner()
     assert planner.coord is not None
@@ -110,7 +110,7 @@ def test_the_coordinator_is_told_the_clip_and_the_optimizer_steps_per_rollout() 
 
 def _scheduled(planner: Planner, steps: int, start: int = 0, trainer=None) -> list[tuple[int, float]]:  # type: ignore[no-untyped-def]
     """(responses, schedule factor) of each plan: the plan's LR over the coordinator's own."""
-    from tests.coordinator.test_policy import PartsTrainer
+    from tests.coordinator.test_decisions import PartsTrainer
 
     assert planner.coord is not None
     trainer = trainer or PartsTrainer(1, parts=16, b_noise=4000.0)
@@ -152,7 +152,7 @@ def test_the_schedule_resumes_where_it_was() -> None:
     batch change: the schedule's progress in samples is part of the state."""
     import json
 
-    from tests.coordinator.test_policy import PartsTrainer
+    from tests.coordinator.test_decisions import PartsTrainer
 
     overrides = ("optim.warmup_steps=40", "optim.schedule=cosine", "train.steps=80")
     trainer = PartsTrainer(2, parts=16, b_noise=4000.0)

@@ -8,6 +8,7 @@ rates and per-DP-rank shares. See each module's docstring for formulas and sourc
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun
 from megarl.coordinator.coordinator import Coordinator
+from megarl.coordinator.decisions import adam_v_scale, hold_or_move, jump, limit_move, optimum_band
 from megarl.coordinator.goodput import (
     BatchChoice,
     BatchGrid,
@@ -34,7 +35,6 @@ from megarl.coordinator.noise import (
     parts_dof,
     two_batch_estimates,
 )
-from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move, optimum_band
 from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
 

@@ -15,12 +15,12 @@ turns them into:
    geometric grid (m = `mini_batches`: McCandlish's model is per optimizer step, and a step
    trains on B/m of the rollout's B responses) (`goodput.py`, Pollux OSDI'21): a first jump straight to the argmax once the
    estimate has `min_dof` degrees of freedom, then a hold while the batch lies inside the
-   band of optima of the B_noise band (`policy.py`). With several models the smallest
+   band of optima of the B_noise band (`decisions.py`). With several models the smallest
    B_noise decides (the most batch-sensitive model);
 4. a learning rate per model from its reference (b_ref = `lr_reference_batch`, lr_ref) and
    the planned batch (`lr_rules.py`, batches per optimizer step), clipped to [lr_min, lr_max],
    and on a batch change the factor for Adam's second moments: the change of the post-clip
-   squared norm the optimizer is handed (`policy.adam_v_scale`, from the raw estimate and the
+   squared norm the optimizer is handed (`decisions.adam_v_scale`, from the raw estimate and the
    recent pre-clip norms);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
    (responses/s), so that ranks finish together.
@@ -29,7 +29,8 @@ Protocol: `observe(step, ...)` after step `step` finished; `next_plan()` returns
 step `last observed + 1` (step 0 before any observation). The plan is cached per step, so
 repeated calls return the same object, and the coordinator assumes the plan is executed.
 
-Records live in `records.py`, settings in `config.py`.
+Records live in `records.py`, settings in `config.py`, the per-model estimates (and the
+checks a step's reports pass before they are kept) in `estimates.py`.
 
 Invariants: pure Python, single process, deterministic. `state_dict()` holds only JSON
 types, and a coordinator restored from it produces identical plans for identical inputs.
@@ -42,11 +43,12 @@ from typing import Any
 
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.config import CoordinatorRun, grid, validate
+from megarl.coordinator.decisions import adam_v_scale, hold_or_move, jump, limit_move
+from megarl.coordinator.estimates import ModelEstimates, check_grad_norms, grad_updates, rank_throughputs
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
-from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
-from megarl.coordinator.policy import adam_v_scale, hold_or_move, jump, limit_move
-from megarl.coordinator.records import BatchUnit, ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator.noise import NoiseScaleEstimator
+from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats", "StepPlan", "StepTimings"]
@@ -54,13 +56,6 @@ __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats
 STATE_VERSION = 2
 """2: degrees-of-freedom weighted noise EMAs, log-prob time model, signal fraction (and,
 optional in it, the recent pre-clip grad norms)."""
-
-NORM_WINDOW = 32
-"""Pre-clip grad norms kept per model (the latest optimizer steps) for Adam's rescale: recent,
-since the norm drifts over training (1.2-10.9 in one demo run), and enough for a mean."""
-
-_GradUpdate = tuple[str, BatchUnit, tuple[float, float], float, float]
-"""(model, batch unit, (|G|², tr Σ), degrees of freedom, signal fraction)."""
 
 
 class Coordinator:
@@ -76,16 +71,12 @@ class Coordinator:
         self._prompts = run.initial_prompts
         self._last_switch_step: int | None = None
         self._settled = False  # the first decision (jump to the argmax) was taken
-        self._noise: dict[str, NoiseScaleEstimator] = {}
-        self._signal: dict[str, Ema] = {}  # per model: fraction of responses its parts count
-        self._units: dict[str, BatchUnit] = {}
-        self._norms: dict[str, list[tuple[float, float]]] = {}
-        """Per model: (rollout responses, pre-clip |g|²) of its latest optimizer steps."""
         self._time = StepTimeModel(
             window=config.time_window,
             prior_fixed_fraction=config.prior_fixed_fraction,
             ema_beta=config.ema_beta,
         )
+        self._est = ModelEstimates(config, run.mini_batches, self._time)
         self._rank_tput = [Ema(config.ema_beta) for _ in range(run.dp_size)]
         self._plan: StepPlan | None = None
 
@@ -106,25 +97,13 @@ class Coordinator:
         """
         if step <= self._last_step:
             raise ValueError(f"observe(step={step}) after step {self._last_step}: steps must increase")
-        updates = self._grad_updates(grads)
+        updates = grad_updates(grads, self.run.lr_ref, self._est.units)
         timings.validate()
-        rank_tput = self._rank_throughputs(step, timings)
+        planned = self._plan.dp_shares if self._plan and self._plan.step == step else None
+        rank_tput = rank_throughputs(timings, self.run.dp_size, planned)
         norms = grad_norms or {}
-        for model, values in norms.items():
-            if model not in self.run.lr_ref:
-                raise ValueError(
-                    f"grad_norms names model {model!r}, which has no lr_ref (known: {sorted(self.run.lr_ref)})"
-                )
-            if not all(v >= 0 and math.isfinite(v) for v in values):
-                raise ValueError(f"grad_norms[{model!r}]={values} must be finite and >= 0")
-        for model, values in norms.items():
-            kept = self._norms.setdefault(model, [])
-            kept.extend((float(timings.rollout_responses), v * v) for v in values)
-            del kept[:-NORM_WINDOW]
-        for model, unit, plain, dof, signal in updates:
-            self._units[model] = unit
-            self._estimator(model).update(*plain, dof=dof)
-            self._signal.setdefault(model, Ema(self.config.ema_beta)).update(signal)
+        check_grad_norms(norms, self.run.lr_ref)
+        self._est.record(updates, norms, timings.rollout_responses)
         self._time.observe(
             responses=timings.rollout_responses,
             tokens=timings.rollout_tokens,
@@ -141,110 +120,23 @@ class Coordinator:
         self._last_step = step
         self._observed += 1
 
-    def _estimator(self, model: str) -> NoiseScaleEstimator:
-        if model not in self._noise:
-            self._noise[model] = NoiseScaleEstimator(self.config.ema_beta, self.config.band_z, self.config.ema_dof)
-        return self._noise[model]
-
-    def _grad_updates(self, grads: list[ModelGradStats]) -> list[_GradUpdate]:
-        """Per model: (name, unit, (|G|², tr Σ), degrees of freedom, signal fraction); no mutation."""
-        out: list[_GradUpdate] = []
-        seen: set[str] = set()
-        for g in grads:
-            if g.model not in self.run.lr_ref:
-                raise ValueError(
-                    f"model {g.model!r} has no lr_ref in CoordinatorRun (known: {sorted(self.run.lr_ref)})"
-                )
-            if g.model in seen:
-                raise ValueError(f"model {g.model!r} appears twice in one step's grads")
-            seen.add(g.model)
-            if g.batch_unit not in ("responses", "tokens"):
-                raise ValueError(f"model {g.model!r}: batch_unit={g.batch_unit!r} must be 'responses' or 'tokens'")
-            if self._units.get(g.model, g.batch_unit) != g.batch_unit:
-                raise ValueError(
-                    f"model {g.model!r} reported batch_unit={g.batch_unit!r} but earlier steps "
-                    f"used {self._units[g.model]!r}"
-                )
-            if g.source not in ("dp", "microbatch"):
-                raise ValueError(f"model {g.model!r}: source={g.source!r} must be 'dp' or 'microbatch'")
-            estimate = dp_estimates if g.source == "dp" else microbatch_estimates
-            plain = estimate(g.local_sq_norms, g.local_batches, g.global_sq_norm, grad_average=g.grad_average)
-            dof = parts_dof(len(g.local_sq_norms)) if g.dof is None else g.dof
-            if not (dof > 0 and math.isfinite(dof)):
-                raise ValueError(f"model {g.model!r}: dof={g.dof} must be finite and > 0")
-            for name, value in (("|G|^2", plain[0]), ("tr(Sigma)", plain[1])):
-                if not math.isfinite(value):
-                    raise ValueError(f"model {g.model!r}: non-finite {name} estimate {value}")
-            signal = 1.0 if g.signal_fraction is None else g.signal_fraction
-            if not 0.0 < signal <= 1.0:
-                raise ValueError(f"model {g.model!r}: signal_fraction={g.signal_fraction} must be in (0, 1]")
-            out.append((g.model, g.batch_unit, plain, dof, signal))
-        return out
-
-    def _rank_throughputs(self, step: int, t: StepTimings) -> list[float]:
-        """Per-rank responses/s of this step (empty when rank timings were not reported)."""
-        if t.rank_train_s is None:
-            return []
-        d = self.run.dp_size
-        if len(t.rank_train_s) != d:
-            raise ValueError(f"rank_train_s has {len(t.rank_train_s)} entries, dp_size={d}")
-        if t.rank_train_samples is not None:
-            samples = list(t.rank_train_samples)
-            if len(samples) != d:
-                raise ValueError(f"rank_train_samples has {len(samples)} entries, dp_size={d}")
-        else:
-            shares = self._plan.dp_shares if self._plan and self._plan.step == step else None
-            shares = shares or [1.0 / d] * d
-            samples = [s * t.rollout_responses for s in shares]
-        out = []
-        for r, (n, sec) in enumerate(zip(samples, t.rank_train_s, strict=True)):
-            if not (sec > 0 and math.isfinite(sec)):
-                raise ValueError(f"rank_train_s[{r}]={sec} must be finite and > 0 seconds")
-            if not n >= 0:
-                raise ValueError(f"rank_train_samples[{r}]={n} must be >= 0")
-            out.append(n / sec)
-        return out
-
     def noise_estimator(self, model: str) -> NoiseScaleEstimator | None:
         """The raw estimator for `model` (in the model's batch unit, signal samples), if observed."""
-        return self._noise.get(model)
+        return self._est.noise.get(model)
 
     def signal_fraction(self, model: str) -> float:
         """Smoothed fraction of responses `model`'s parts count (1 before any step)."""
-        f = self._signal[model].value if model in self._signal else None
-        return 1.0 if f is None else f
+        return self._est.signal_fraction(model)
 
     # -------------------------------------------------------------------- plan
-    def _b_noise_responses(self, model: str, b: float | None, calibrated: bool = True) -> float | None:
-        """Batch-like quantity `b` of `model` (B_simple or a band end) in responses of the whole
-        rollout, times ``noise_calibration`` unless ``calibrated`` is False (None while
-        unresolved; inf stays inf)."""
-        if b is None:
-            return None
-        r = self._to_responses(model, b * (self.config.noise_calibration if calibrated else 1.0))
-        return None if r is None else r / self.signal_fraction(model)
-
-    def _per_rollout(self, b_noise: float | None) -> float | None:
-        """A per-sample noise scale as the rollout batch whose optimizer steps reach it: a step
-        trains on B/m of the rollout's B responses (m = mini_batches), and McCandlish's
-        efficiency is per step, (B_noise + B0/m)/(B_noise + B/m) = (m·B_noise + B0)/(m·B_noise + B),
-        so goodput over rollout batches takes m·B_noise."""
-        return None if b_noise is None else b_noise * self.run.mini_batches
-
-    def _to_responses(self, model: str, value: float) -> float | None:
-        """Convert a per-sample quantity in the model's unit (B or tr Σ) to responses."""
-        if self._units.get(model, "responses") == "responses":
-            return value
-        tpr = self._time.tokens_per_response
-        return None if not tpr else value / tpr
-
     def _decision_values(self) -> dict[str, float | None]:
-        """B_noise of each model that plans the batch, per rollout (`_per_rollout`); an observed
-        but unresolved one is inf with ``unresolved_as_infinite``, else None."""
-        models = self.run.batch_models or sorted(self._noise)
-        values = {m: self._per_rollout(self._model_b_noise(m)) for m in models}
+        """B_noise of each model that plans the batch, per rollout (`ModelEstimates.per_rollout`);
+        an observed but unresolved one is inf with ``unresolved_as_infinite``, else None."""
+        est = self._est
+        models = self.run.batch_models or sorted(est.noise)
+        values = {m: est.per_rollout(est.b_noise(m)) for m in models}
         if self.config.unresolved_as_infinite:
-            return {m: math.inf if v is None and m in self._noise else v for m, v in values.items()}
+            return {m: math.inf if v is None and m in est.noise else v for m, v in values.items()}
         return values
 
     def _decision(self) -> tuple[str, float] | None:
@@ -257,26 +149,15 @@ class Coordinator:
         model = min(known, key=lambda m: known[m])
         return model, known[model]
 
-    def _band_responses(self, model: str) -> tuple[float, float] | None:
-        band = self._noise[model].band() if model in self._noise else None
-        if band is None:
-            return None
-        lo, hi = (self._b_noise_responses(model, x) for x in band)
-        return None if lo is None or hi is None else (lo, hi)
-
-    def _band_per_rollout(self, model: str) -> tuple[float, float] | None:
-        band = self._band_responses(model)
-        return None if band is None else (band[0] * self.run.mini_batches, band[1] * self.run.mini_batches)
-
     def _lr(self, model: str, b: int) -> float:
         cfg = self.config
         lr_ref = self.run.lr_ref[model]
         if not cfg.adapt:
             return lr_ref
-        est = self._noise.get(model)
+        est = self._est.noise.get(model)
         g2 = est.g2 if est is not None else None
         tr = est.tr_sigma if est is not None else None
-        tr_resp = None if tr is None else self._b_noise_responses(model, tr)
+        tr_resp = None if tr is None else self._est.b_noise_responses(model, tr)
         m = self.run.mini_batches  # the rules are about the optimizer step's batch
         inputs = LrInputs(
             b=b / m,
@@ -284,7 +165,7 @@ class Coordinator:
             lr_ref=lr_ref,
             g2=g2 if tr_resp is not None else None,
             tr_sigma=tr_resp,
-            b_noise=self._b_noise_responses(model, est.b_simple if est is not None else None),
+            b_noise=self._est.b_noise_responses(model, est.b_simple if est is not None else None),
         )
         return apply_lr_rule(cfg.lr_rule, inputs, lr_min=cfg.lr_min, lr_max=cfg.lr_max)
 
@@ -313,7 +194,7 @@ class Coordinator:
             return cur, "keep: no timings yet"
         b0 = float(self.run.initial_batch)
         if not self._settled:
-            dof = self._noise[model].dof
+            dof = self._est.noise[model].dof
             if dof < cfg.min_dof:
                 return cur, f"keep: noise estimate has {dof:.3g} degrees of freedom < min_dof={cfg.min_dof:g}"
             self._settled = True
@@ -322,7 +203,7 @@ class Coordinator:
                 step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
                 return step_to, f"{d.reason}; |G|² not resolved: limited to {step_to} prompts"
         else:
-            band = self._band_per_rollout(model)
+            band = self._est.band_per_rollout(model)
             d = hold_or_move(
                 self.grid, b_noise, band, self._time, cur, min_gain=cfg.min_gain, b0=b0, band_ratio=cfg.band_ratio
             )
@@ -359,26 +240,22 @@ class Coordinator:
             lr={m: self._lr(m, b) for m in sorted(self.run.lr_ref)},
             dp_shares=self._dp_shares(),
             predicted_goodput=predicted,
-            b_noise={m: self._model_b_noise(m) for m in sorted(self._noise)},
+            b_noise={m: self._est.b_noise(m) for m in sorted(self._est.noise)},
             reason=reason,
             adam_v_scale=v_scale,
         )
         return self._plan
 
-    def _model_b_noise(self, model: str, calibrated: bool = True) -> float | None:
-        est = self._noise.get(model)
-        return self._b_noise_responses(model, est.b_simple if est is not None else None, calibrated)
-
     def _adam_v_scale(self, model: str, old: int, new: int) -> float:
-        """Rule 3 of `policy` for a change old -> new rollout responses: per optimizer step
+        """Rule 3 of `decisions` for a change old -> new rollout responses: per optimizer step
         (B/m), from the *raw* noise scale (``noise_calibration`` corrects the batch decision,
         not E|g_B|²) and the model's recent pre-clip norms under the run's clip."""
         m = self.run.mini_batches
         return adam_v_scale(
             old / m,
             new / m,
-            self._model_b_noise(model, calibrated=False),
-            sq_norms=[(b / m, sq) for b, sq in self._norms.get(model, [])],
+            self._est.b_noise(model, calibrated=False),
+            sq_norms=[(b / m, sq) for b, sq in self._est.norms.get(model, [])],
             clip=self.run.clip_grad,
         )
 
@@ -393,10 +270,10 @@ class Coordinator:
         """
         nan = math.nan
         out: dict[str, float] = {}
-        for m in sorted(self._noise):
-            est = self._noise[m]
-            bn = self._model_b_noise(m)
-            band = self._band_responses(m)
+        for m in sorted(self._est.noise):
+            est = self._est.noise[m]
+            bn = self._est.b_noise(m)
+            band = self._est.band_responses(m)
             out[f"coord/b_noise/{m}"] = nan if bn is None else bn
             out[f"coord/b_noise_low/{m}"] = nan if band is None else band[0]
             out[f"coord/b_noise_high/{m}"] = nan if band is None else band[1]
@@ -427,6 +304,7 @@ class Coordinator:
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (config excluded: pass the same config on resume)."""
+        est = self._est.state_dict()
         return {
             "version": STATE_VERSION,
             "last_step": self._last_step,
@@ -434,11 +312,11 @@ class Coordinator:
             "prompts": self._prompts,
             "last_switch_step": self._last_switch_step,
             "settled": self._settled,
-            "units": dict(self._units),
-            "noise": {m: e.state_dict() for m, e in self._noise.items()},
-            "signal": {m: e.state_dict() for m, e in self._signal.items()},
+            "units": est["units"],
+            "noise": est["noise"],
+            "signal": est["signal"],
             "time": self._time.state_dict(),
-            "grad_norms": {m: [list(x) for x in v] for m, v in self._norms.items()},
+            "grad_norms": est["grad_norms"],
             "rank_tput": [e.state_dict() for e in self._rank_tput],
             "plan": None if self._plan is None else self._plan.to_dict(),
         }
@@ -461,21 +339,8 @@ class Coordinator:
         lss = state["last_switch_step"]
         self._last_switch_step = None if lss is None else int(lss)
         self._settled = bool(state["settled"])
-        units: dict[str, BatchUnit] = {}
-        for m, u in state["units"].items():
-            if u not in ("responses", "tokens"):
-                raise ValueError(f"coordinator state: units[{m!r}]={u!r} is not a batch unit")
-            units[m] = "responses" if u == "responses" else "tokens"
-        self._units = units
-        self._noise = {}
-        for m, s in state["noise"].items():
-            self._estimator(m).load_state_dict(s)
-        self._signal = {}
-        for m, s in state["signal"].items():
-            self._signal.setdefault(m, Ema(self.config.ema_beta)).load_state_dict(s)
+        self._est.load_state_dict(state)  # units, noise, signal, grad_norms
         self._time.load_state_dict(state["time"])
-        # (absent from checkpoints written before the rescale followed clipping: none kept)
-        self._norms = {m: [(float(b), float(sq)) for b, sq in v] for m, v in state.get("grad_norms", {}).items()}
         for e, s in zip(self._rank_tput, state["rank_tput"], strict=True):
             e.load_state_dict(s)
         self._plan = None if state["plan"] is None else StepPlan.from_dict(state["plan"])

@@ -6,7 +6,7 @@ engine of its run before it sends the credential. Every other route, ``/health``
 needs the run's credential (``Authorization: Bearer``,
 ``megarl.engine.credentials``); a request without it gets 401 before its body is read, so
 a stranger can neither reach the engine nor make it buffer anything, and connections that
-have not shown the credential are few and short-lived (``EngineHTTPServer``). Bodies are bounded
+have not shown the credential are few and short-lived (``megarl.engine.connections``). Bodies are bounded
 (``Limits``): a weight bucket cannot be larger than the whole model at fp32 plus its
 safetensors header, a JSON request than ``max_json_bytes``; a larger ``Content-Length`` gets
 413 and the connection is closed unread. ``/health`` says only that the engine lives and
@@ -26,14 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from email.message import Message
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 from megarl.engine import routes
@@ -42,6 +41,7 @@ from megarl.engine.wire import GENERATION_TYPE
 from megarl.errors import EngineError, EngineUnhealthy
 
 if TYPE_CHECKING:
+    from megarl.engine.connections import EngineHTTPServer
     from megarl.engine.vllm_engine import VllmEngine
 
 log = logging.getLogger("megarl.engine")
@@ -99,106 +99,25 @@ class Lifeline:
         threading.Thread(target=run, name="lifeline", daemon=True).start()
 
 
-class EngineHTTPServer(ThreadingHTTPServer):
-    """A thread per connection; a stranger cannot hold the engine's connections.
+@dataclass(frozen=True)
+class Served:
+    """What a handler serves: the engine's routes by method, and what the checks around them need."""
 
-    A connection starts *unproven*. It holds one of ``max_pending`` slots and has
-    ``proof_deadline_s`` from its accept to send a request that carries the run's credential
-    (``/hello`` exchanges included): one deadline for all of it, not a per-read timeout, so a
-    client that trickles a header byte every few seconds loses its slot like one that sends
-    nothing. When every unproven slot is taken, a new connection evicts the *oldest* unproven
-    one instead of being refused: the trainer's own connection sends its credential within
-    milliseconds of connecting, so a stranger's pile of idle connections cannot shut it out.
-    Once a request on a connection carried the credential the connection is *trusted*: it
-    leaves the unproven pool, and each of its reads waits at most the handler's ``timeout``
-    (the run's kept-alive connections idle between steps). A client that hangs up mid-reply is
-    one log line; evictions and expiries are summarised at most once every 10 s."""
-
-    daemon_threads = True
-    request_queue_size = 128  # listen backlog: a burst of connections is not dropped (the stdlib's 5)
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler: type[BaseHTTPRequestHandler],
-        max_pending: int = 64,
-        proof_deadline_s: float = 10.0,
-    ):
-        self.max_pending, self.proof_deadline_s = max_pending, proof_deadline_s
-        self._lock = threading.Lock()
-        self._pending: dict[Any, float] = {}  # unproven socket -> deadline (insertion order: oldest first)
-        self._trusted: set[Any] = set()
-        self._cut: set[Any] = set()  # dropped, their handler not finished yet
-        self.dropped = {"evicted": 0, "expired": 0}
-        """Unproven connections closed so far: evicted by a newer one, or past their deadline."""
-        self._noted, self._noted_at = dict(self.dropped), 0.0
-        super().__init__(address, handler)
-        threading.Thread(target=self._reap, name="http-reaper", daemon=True).start()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            if len(self._pending) >= self.max_pending:
-                self._drop(next(iter(self._pending)), "evicted")
-            self._pending[request] = time.monotonic() + self.proof_deadline_s
-        super().process_request(request, client_address)
-
-    def trust(self, request: Any) -> None:
-        """``request``'s connection carried the run's credential: it is the run's from now on."""
-        with self._lock:
-            if self._pending.pop(request, None) is not None:
-                self._trusted.add(request)
-
-    def was_cut(self, request: Any) -> bool:
-        """True if the server closed ``request``'s connection (what was read is half a request)."""
-        with self._lock:
-            return request in self._cut
-
-    def counts(self) -> dict[str, int]:
-        """Open connections by kind, and unproven ones dropped so far."""
-        with self._lock:
-            return {"unproven": len(self._pending), "trusted": len(self._trusted), **self.dropped}
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._lock:  # out of the pools before its socket closes (_drop never sees a closed one)
-            self._pending.pop(request, None)
-            self._trusted.discard(request)
-            self._cut.discard(request)
-        super().shutdown_request(request)
-
-    def _drop(self, sock: Any, why: str) -> None:
-        """Close an unproven connection (lock held): its handler's read returns, its thread ends."""
-        del self._pending[sock]
-        self._cut.add(sock)
-        self.dropped[why] += 1
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def _reap(self, every_s: float = 0.2) -> None:
-        while True:
-            time.sleep(every_s)
-            now = time.monotonic()
-            with self._lock:
-                for sock in [s for s, deadline in self._pending.items() if deadline < now]:
-                    self._drop(sock, "expired")
-                if self.dropped != self._noted and now - self._noted_at >= 10.0:
-                    new = {k: v - self._noted[k] for k, v in self.dropped.items()}
-                    self._noted, self._noted_at = dict(self.dropped), now
-                    log.warning(
-                        "closed %d unproven connections (%d evicted by newer ones, %d without the credential "
-                        "after %.0fs); %d unproven open",
-                        sum(new.values()), new["evicted"], new["expired"], self.proof_deadline_s, len(self._pending),
-                    )  # fmt: skip
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        err = sys.exc_info()[1]
-        log.warning("connection from %s ended: %s: %s", client_address[0], type(err).__name__, err)
+    post: dict[str, Callable[[dict[str, Any]], dict[str, Any] | bytes]]
+    """JSON routes (``LOAD_BYTES`` and ``SHUTDOWN`` are the handler's own)."""
+    get: dict[str, Callable[[], dict[str, Any]]]
+    engine: VllmEngine
+    stop: threading.Event
+    """Set by ``/shutdown``."""
+    token: str
+    """The run's credential."""
+    limits: Limits
+    lifeline: Lifeline
 
 
-def make_handler(
-    engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
-) -> type[BaseHTTPRequestHandler]:
+def route_table(engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline) -> Served:
+    """What a handler serves for ``engine``: its route table, which must cover ``routes.ROUTES``
+    exactly."""
     post: dict[str, Callable[[dict[str, Any]], dict[str, Any] | bytes]] = {
         routes.GENERATE: engine.generate,
         routes.LOGPROBS: engine.logprobs,
@@ -234,136 +153,162 @@ def make_handler(
     special = {routes.LOAD_BYTES, routes.SHUTDOWN}
     served = {p: "GET" for p in get} | {p: "POST" for p in [*post, *special]}
     assert served == routes.ROUTES, f"route table and handlers disagree: {set(served) ^ set(routes.ROUTES)}"
+    return Served(post=post, get=get, engine=engine, stop=stop, token=token, limits=limits, lifeline=lifeline)
 
-    class Handler(BaseHTTPRequestHandler):
-        # Kept-alive connections (every reply has a Content-Length; refusals close theirs) and
-        # no Nagle delay between the header and body writes of a reply (~40 ms otherwise).
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True
-        timeout = 120  # seconds any one read of a trusted connection may wait (then it is closed)
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
-            log.debug(fmt, *args)
+def hello_reply(query: str, token: str, port: int) -> tuple[int, dict[str, Any]]:
+    """``/hello``: the engine's proof for the client's nonce (no credential needed, nothing
+    revealed); (status, body), 400 for a nonce that is not 16-128 letters or digits."""
+    nonce = parse_qs(query).get("nonce", [""])[0]
+    if not (16 <= len(nonce) <= 128 and nonce.isascii() and nonce.isalnum()):
+        return 400, {"error": "/hello needs ?nonce=<16-128 letters or digits>"}
+    return 200, {"port": port, "proof": engine_proof(token, nonce, port)}
 
-        def parse_request(self) -> bool:
-            """A connection the server cut (evicted, past its deadline) ends without a reply."""
-            was_cut = getattr(self.server, "was_cut", None)  # (a plain test server has no pools)
-            if was_cut is not None and was_cut(self.request):
-                self.close_connection = True
-                return False
-            return super().parse_request()
 
-        def _send(
-            self, code: int, body: dict[str, Any] | bytes, close: bool = False, extra: dict[str, str] | None = None
-        ) -> None:
-            # a bytes body is a generation frame (megarl.engine.wire); everything else is JSON
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", GENERATION_TYPE if isinstance(body, bytes) else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (extra or {}).items():
-                self.send_header(k, v)
-            if close:  # the request body (if any) was not read: this connection cannot be reused
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            self.wfile.write(data)
+def body_refusal(headers: Message, path: str, limits: Limits) -> tuple[int, str] | None:
+    """Why a request's body is not read, as (status, message); None when its declared length
+    is within the route's limit."""
+    if headers.get("Transfer-Encoding"):
+        return 411, "send a Content-Length, not Transfer-Encoding"
+    raw = headers.get("Content-Length", "0")
+    if not (raw.isascii() and raw.isdigit()):  # ("²".isdigit() is True, int("²") fails)
+        return 400, f"bad Content-Length {raw!r}"
+    limit = limits.max_weights_bytes if path == routes.LOAD_BYTES else limits.max_json_bytes
+    if int(raw) > limit:
+        return 413, f"{path}: body of {raw} bytes exceeds the limit of {limit}"
+    return None
 
-        def _route(self, method: str) -> str | None:
-            """Check the credential, then the route; the path, or None once refused."""
-            path = urlsplit(self.path).path
-            if not token_matches(self.headers.get("Authorization"), token):
-                log.warning("refused %s %r from %s: missing or wrong credential", method, path, self.client_address[0])
-                self._send(401, {"error": "missing or wrong credential"}, close=True,
-                           extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
-                return None
-            lifeline.touch()
-            trust = getattr(self.server, "trust", None)  # (a plain test server has no pools)
-            if trust is not None:
-                trust(self.request)
-            if routes.ROUTES.get(path) != method:
-                self._send(404, {"error": f"no route {method} {path}"}, close=True)
-                return None
-            return path
 
-        def _hello(self) -> None:
-            """The engine's proof for the client's nonce (no credential needed, nothing revealed)."""
-            nonce = parse_qs(urlsplit(self.path).query).get("nonce", [""])[0]
-            if not (16 <= len(nonce) <= 128 and nonce.isascii() and nonce.isalnum()):
-                self._send(400, {"error": "/hello needs ?nonce=<16-128 letters or digits>"}, close=True)
-                return
-            port = int(self.server.server_address[1])  # type: ignore[index]
-            self._send(200, {"port": port, "proof": engine_proof(token, nonce, port)})
+def load_bytes_version(headers: Message, query: str) -> int:
+    """The weight version of a ``/weights/load_bytes`` request; EngineError for a wrong
+    Content-Type or a missing ``?version=<int>``."""
+    ctype = headers.get("Content-Type", "")
+    if ctype != "application/octet-stream":
+        raise EngineError(f"{routes.LOAD_BYTES} expects Content-Type application/octet-stream, got {ctype!r}")
+    version = parse_qs(query).get("version", [""])[0]
+    if not version.lstrip("-").isdigit():
+        raise EngineError(f"{routes.LOAD_BYTES} needs ?version=<int>, got {query!r}")
+    return int(version)
 
-        def do_GET(self) -> None:  # noqa: N802
-            if urlsplit(self.path).path == routes.HELLO:
-                self._hello()
-                return
-            path = self._route("GET")
-            if path is not None:
-                self._call(get[path])
 
-        def do_POST(self) -> None:  # noqa: N802
-            path = self._route("POST")
-            if path is None:
-                return
-            try:
-                self._post(path)
-            finally:  # a long request counts until it ends (heartbeats also arrive meanwhile)
-                lifeline.touch()
+class EngineHandler(BaseHTTPRequestHandler):
+    """One connection's requests: ``/hello`` without the credential, every other route after
+    it (``_route``), bodies within their limit (``_body``), engine errors as status codes
+    (``_call``: 503 unhealthy, 409 refused, 500 failed). Served by ``EngineHTTPServer``."""
 
-        def _post(self, path: str) -> None:
-            body = self._body(path)
-            if body is None:
-                return
-            if path == routes.LOAD_BYTES:
-                self._call(lambda: self._load_bytes(body))
-                return
-            try:
-                req = json.loads(body or b"{}")
-            except json.JSONDecodeError as e:
-                self._send(400, {"error": f"bad JSON: {e}"})
-                return
-            if path == routes.SHUTDOWN:
-                self._send(200, {"ok": True})
-                stop.set()
-                return
-            self._call(lambda: post[path](req))
+    # Kept-alive connections (every reply has a Content-Length; refusals close theirs) and
+    # no Nagle delay between the header and body writes of a reply (~40 ms otherwise).
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    timeout = 120  # seconds any one read of a trusted connection may wait (then it is closed)
+    served: ClassVar[Served]
+    server: EngineHTTPServer
 
-        def _body(self, path: str) -> bytes | None:
-            """The request body, read only if its declared length is within the route's limit."""
-            if self.headers.get("Transfer-Encoding"):
-                self._send(411, {"error": "send a Content-Length, not Transfer-Encoding"}, close=True)
-                return None
-            raw = self.headers.get("Content-Length", "0")
-            if not (raw.isascii() and raw.isdigit()):  # ("²".isdigit() is True, int("²") fails)
-                self._send(400, {"error": f"bad Content-Length {raw!r}"}, close=True)
-                return None
-            limit = limits.max_weights_bytes if path == routes.LOAD_BYTES else limits.max_json_bytes
-            if int(raw) > limit:
-                self._send(413, {"error": f"{path}: body of {raw} bytes exceeds the limit of {limit}"}, close=True)
-                return None
-            return self.rfile.read(int(raw))
+    def log_message(self, fmt: str, *args: Any) -> None:  # quiet access log
+        log.debug(fmt, *args)
 
-        def _load_bytes(self, body: bytes) -> dict[str, Any]:
-            ctype = self.headers.get("Content-Type", "")
-            if ctype != "application/octet-stream":
-                raise EngineError(f"{routes.LOAD_BYTES} expects Content-Type application/octet-stream, got {ctype!r}")
+    def parse_request(self) -> bool:
+        """A connection the server cut (evicted, past its deadline) ends without a reply."""
+        if self.server.was_cut(self.request):
+            self.close_connection = True
+            return False
+        return super().parse_request()
+
+    def _send(
+        self, code: int, body: dict[str, Any] | bytes, close: bool = False, extra: dict[str, str] | None = None
+    ) -> None:
+        # a bytes body is a generation frame (megarl.engine.wire); everything else is JSON
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", GENERATION_TYPE if isinstance(body, bytes) else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        if close:  # the request body (if any) was not read: this connection cannot be reused
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _route(self, method: str) -> str | None:
+        """Check the credential, then the route; the path, or None once refused."""
+        path = urlsplit(self.path).path
+        if not token_matches(self.headers.get("Authorization"), self.served.token):
+            log.warning("refused %s %r from %s: missing or wrong credential", method, path, self.client_address[0])
+            self._send(401, {"error": "missing or wrong credential"}, close=True,
+                       extra={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return None
+        self.served.lifeline.touch()
+        self.server.trust(self.request)
+        if routes.ROUTES.get(path) != method:
+            self._send(404, {"error": f"no route {method} {path}"}, close=True)
+            return None
+        return path
+
+    def do_GET(self) -> None:  # noqa: N802
+        url = urlsplit(self.path)
+        if url.path == routes.HELLO:
+            code, body = hello_reply(url.query, self.served.token, int(self.server.server_address[1]))
+            self._send(code, body, close=code != 200)
+            return
+        path = self._route("GET")
+        if path is not None:
+            self._call(self.served.get[path])
+
+    def do_POST(self) -> None:  # noqa: N802
+        path = self._route("POST")
+        if path is None:
+            return
+        try:
+            self._post(path)
+        finally:  # a long request counts until it ends (heartbeats also arrive meanwhile)
+            self.served.lifeline.touch()
+
+    def _post(self, path: str) -> None:
+        body = self._body(path)
+        if body is None:
+            return
+        if path == routes.LOAD_BYTES:
             query = urlsplit(self.path).query
-            version = parse_qs(query).get("version", [""])[0]
-            if not version.lstrip("-").isdigit():
-                raise EngineError(f"{routes.LOAD_BYTES} needs ?version=<int>, got {query!r}")
-            return engine.load_bytes(int(version), body)
+            self._call(lambda: self.served.engine.load_bytes(load_bytes_version(self.headers, query), body))
+            return
+        try:
+            req = json.loads(body or b"{}")
+        except json.JSONDecodeError as e:
+            self._send(400, {"error": f"bad JSON: {e}"})
+            return
+        if path == routes.SHUTDOWN:
+            self._send(200, {"ok": True})
+            self.served.stop.set()
+            return
+        self._call(lambda: self.served.post[path](req))
 
-        def _call(self, fn: Callable[[], dict[str, Any] | bytes]) -> None:
-            try:
-                self._send(200, fn())
-            except EngineUnhealthy as e:
-                self._send(503, {"error": str(e)})
-            except EngineError as e:
-                self._send(409, {"error": str(e)})
-            except Exception as e:  # engine-side failure: report it, keep serving if alive
-                log.exception("request %s failed", self.path)
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+    def _body(self, path: str) -> bytes | None:
+        """The request body, read only if its declared length is within the route's limit."""
+        refusal = body_refusal(self.headers, path, self.served.limits)
+        if refusal is not None:
+            self._send(refusal[0], {"error": refusal[1]}, close=True)
+            return None
+        return self.rfile.read(int(self.headers.get("Content-Length", "0")))
+
+    def _call(self, fn: Callable[[], dict[str, Any] | bytes]) -> None:
+        try:
+            self._send(200, fn())
+        except EngineUnhealthy as e:
+            self._send(503, {"error": str(e)})
+        except EngineError as e:
+            self._send(409, {"error": str(e)})
+        except Exception as e:  # engine-side failure: report it, keep serving if alive
+            log.exception("request %s failed", self.path)
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+
+def make_handler(
+    engine: VllmEngine, stop: threading.Event, token: str, limits: Limits, lifeline: Lifeline
+) -> type[EngineHandler]:
+    """A handler class serving ``engine`` (for ``EngineHTTPServer``)."""
+
+    class Handler(EngineHandler):
+        served = route_table(engine, stop, token, limits, lifeline)
 
     return Handler

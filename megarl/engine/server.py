@@ -29,8 +29,9 @@ Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; 
   POST /shutdown   {}
 (records: ``megarl.engine.wire``; workers: ``megarl.engine.worker_ext``.)
 
-The engine itself (generation, staging, commit, sleep) is ``megarl.engine.vllm_engine``;
-this module parses the command line, checks the credential and staging folder, and serves.
+The engine itself (generation, sleep) is ``megarl.engine.vllm_engine``, its weight updates
+(staging, commit) ``megarl.engine.updates``; this module parses the command line, checks the
+credential and staging folder, and serves.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ import time
 from pathlib import Path
 
 from megarl.compat.startup import startup
+from megarl.engine.connections import EngineHTTPServer
 from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
-from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
 from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
 from megarl.errors import CredentialError
@@ -72,7 +74,8 @@ def _wait_for(path: Path, stop: threading.Event, timeout_s: float) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The engine's command line (see the module docstring for what it serves)."""
     ap = argparse.ArgumentParser(description="megarl vLLM engine server")
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
@@ -111,19 +114,28 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for --model's weights_manifest.json (written last by the trainer), "
         "importing vLLM meanwhile (0: it must exist now; inf: while --parent-pid lives)",
     )
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
+    return ap.parse_args(argv)
+
+
+def _credential() -> str:
+    """The run's credential, taken out of the environment ('' after logging why there is none)."""
     try:
         token = env_token()
     except CredentialError as e:
         log.error("%s", e)
-        return 2
+        return ""
     if not token:
         log.error(
             "no credential: set MEGARL_ENGINE_TOKEN_FILE (a 0600 file) or MEGARL_ENGINE_TOKEN; see README 'Security'"
         )
-        return 2
+        return ""
     os.environ.pop(TOKEN_ENV, None)  # vLLM's worker processes need not inherit it
+    return token
+
+
+def _staging_ok(args: argparse.Namespace) -> bool:
+    """False (logged) for a staging folder that is not private; one this node does not see
+    turns ``/weights/load`` off (``args.staging_dir`` = '')."""
     if args.staging_dir:
         problem = private_dir_problem(Path(args.staging_dir))
         if problem and not Path(args.staging_dir).exists():  # e.g. MEGARL_STAGING_DIR of another node
@@ -131,16 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             args.staging_dir = ""
         elif problem:
             log.error("%s", problem)
-            return 2
-    # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
-    # the trainer can checkpoint; the engine must keep serving while it finishes the step.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    if args.tp == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    lifeline = Lifeline(args.parent_pid, args.lease_s)
-    stop, lost = threading.Event(), list[str]()
-    lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
+            return False
+    return True
+
+
+def _start_engine(args: argparse.Namespace, stop: threading.Event) -> VllmEngine | int:
+    """Import vLLM, wait for the model folder if asked, build the engine; or the exit code
+    (3: the trainer went away meanwhile, 2: the folder never came)."""
     with startup():  # vLLM's heap, frozen: collections while the engine is built skip it
         import vllm  # noqa: F401  (seconds of imports, done while the trainer writes the folder)
     if args.wait_for_model > 0 and not _wait_for(Path(args.model) / MANIFEST, stop, args.wait_for_model):
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.wait_for_model,
             )
         return 3 if stop.is_set() else 2
-    engine = VllmEngine(
+    return VllmEngine(
         args.model,
         args.tp,
         args.kv_cache_gb,
@@ -163,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         args.cpu_gemm,
         args.cpu_sampler,
     )
-    if stop.is_set():
-        return 3
+
+
+def _serve(
+    args: argparse.Namespace, engine: VllmEngine, token: str, lifeline: Lifeline, stop: threading.Event, lost: list[str]
+) -> int:
+    """Serve until ``/shutdown`` or the lifeline stops it; the exit code (3: the trainer is gone)."""
     limits = Limits.for_manifest(engine.manifest, int(args.max_json_mb * (1 << 20)))
     server = EngineHTTPServer((args.host, args.port), make_handler(engine, stop, token, limits, lifeline))
     # a short poll: shutdown() waits up to one interval (the default 0.5 s, at every run's end)
@@ -177,6 +190,31 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_exit_after, args=(30.0, 3), daemon=True).start()
     engine.close()
     return 3 if lost else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 shut down, 2 refused to start (credential, staging folder, no model),
+    3 the trainer went away."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[engine:%(process)d] %(message)s")
+    token = _credential()
+    if not token or not _staging_ok(args):
+        return 2
+    # SLURM signals every process of a step (e.g. --signal=USR1 before the time limit) so
+    # the trainer can checkpoint; the engine must keep serving while it finishes the step.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if args.tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    lifeline = Lifeline(args.parent_pid, args.lease_s)
+    stop, lost = threading.Event(), list[str]()
+    lifeline.watch(stop, lost)  # from here on: a trainer that dies during the load ends the engine too
+    engine = _start_engine(args, stop)
+    if isinstance(engine, int):
+        return engine
+    if stop.is_set():
+        return 3
+    return _serve(args, engine, token, lifeline, stop, lost)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Adam's second moments through megatron's optimizer wrappers: scaled in place on a batch
 change, and read as the preconditioner of the Adam noise scale (:func:`adam_preconditioner`).
 
-The coordinator asks for it on a batch change (``megarl.coordinator.policy.adam_v_scale``:
+The coordinator asks for it on a batch change (``megarl.coordinator.decisions.adam_v_scale``:
 v tracks E[g²], which the batch change moves by a known factor). megatron-core 0.16 wraps a
 torch Adam in one of FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer
 (``.optimizer``), possibly inside a ChainedOptimizer (``.chained_optimizers``); the torch

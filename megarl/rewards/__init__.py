@@ -1,4 +1,5 @@
 """Rewards: the built-ins (``builtin``), the user's rewards as ``reward.fn`` names them,
-checked before launch and scored (``runner``), and the worker processes that isolate them
-(``pool``: timeouts, crashes, leaks). Environments for multi-turn episodes will live here.
+resolved and checked before launch (``specs``) and scored (``runner``), and the worker
+processes that isolate them (``pool``: timeouts, crashes, leaks). Environments for
+multi-turn episodes will live here.
 """

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 import pytest
 
 from megarl.engine import routes
-from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+from megarl.engine.connections import EngineHTTPServer
+from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.fleet.client import EngineClient, free_port
 from tests.engine.test_keepalive import TOKEN, FakeEngine
 

@@ -167,7 +167,8 @@ def test_strangers_holding_connections_time_out_and_cannot_exhaust_the_engine() 
     refusal beyond the cap: tests/engine/test_connection_slots.py has the slow-header attack.)"""
     import time
 
-    from megarl.engine.http import EngineHTTPServer, Lifeline, Limits, make_handler
+    from megarl.engine.connections import EngineHTTPServer
+    from megarl.engine.http import Lifeline, Limits, make_handler
     from tests.engine.test_keepalive import FakeEngine
 
     handler = make_handler(FakeEngine(), threading.Event(), TOKEN, Limits(1 << 20, 1 << 20), Lifeline(0, 0))  # type: ignore[arg-type]
@@ -245,12 +246,15 @@ def test_a_proof_on_a_connection_the_server_then_closes_is_not_trusted() -> None
 
 
 def test_a_failed_engine_answers_503_on_health() -> None:
+    from megarl.engine.connections import EngineHTTPServer
     from megarl.engine.http import Lifeline, Limits, make_handler
     from tests.engine.test_keepalive import FakeEngine
 
     engine = FakeEngine()
     handler = make_handler(engine, threading.Event(), TOKEN, Limits(1 << 20, 1 << 20), Lifeline(0, 0))  # type: ignore[arg-type]
-    httpd, port = _serve(handler)
+    port = free_port()
+    httpd = EngineHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         e = EngineClient("engine0", f"127.0.0.1:{port}", token=TOKEN)
         assert e.health(timeout=5) == {"ok": True, "version": 7}

@@ -11,12 +11,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from megarl.engine import routes
+from megarl.engine.connections import EngineHTTPServer
 from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.errors import EngineDead, RolloutError
 from megarl.fleet.client import EngineClient, free_port
@@ -44,8 +44,7 @@ class Server:
                 outer.accepted.append(self.request)
                 super().setup()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Counting)
-        self.httpd.daemon_threads = True
+        self.httpd = EngineHTTPServer(("127.0.0.1", port), Counting)
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def stop(self) -> None:

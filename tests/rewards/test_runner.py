@@ -14,7 +14,8 @@ from megarl.config import ConfigError, RewardConfig, RunConfig
 from megarl.errors import RolloutError
 from megarl.prelaunch import check_run
 from megarl.rewards.builtin import last_boxed, math
-from megarl.rewards.runner import RewardRunner, RewardSample, check_reward_config
+from megarl.rewards.runner import RewardRunner, RewardSample
+from megarl.rewards.specs import check_reward_config
 
 REWARDS = '''
 import json, os, time
@@ -88,7 +89,7 @@ def _module(tmp_path: Path, name: str = "user_rewards", text: str = REWARDS) -> 
 def _runner(fn: list[str], **kw: object) -> RewardRunner:
     cfg = RunConfig(reward=RewardConfig(fn=fn, **kw))  # type: ignore[arg-type]
     check_reward_config(cfg)
-    return RewardRunner(cfg)
+    return RewardRunner(cfg.reward, cfg.data)
 
 
 def _samples(responses: list[str], **kw: object) -> list[RewardSample]:
@@ -243,7 +244,7 @@ def test_deprecated_data_reward_alias(caplog: pytest.LogCaptureFixture) -> None:
     cfg = RunConfig()
     cfg.data.reward = "exact_match"
     check_reward_config(cfg)
-    runner = RewardRunner(cfg)
+    runner = RewardRunner(cfg.reward, cfg.data)
     assert runner.specs == ["exact_match"] and "data.reward is deprecated" in caplog.text
     cfg.reward.fn = ["math"]
     with pytest.raises(ConfigError, match="data.reward='exact_match' is a deprecated alias of reward.fn and conflicts"):

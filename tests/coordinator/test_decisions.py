@@ -1,6 +1,6 @@
-"""The coordinator's policy on a synthetic trainer with a known optimum: it jumps instead of
-walking, settles, holds inside its band instead of flipping, and plans with the log-prob
-phase, the reward-signal fraction and the LR anchor.
+"""The coordinator's decision rules (decisions.py) on a synthetic trainer with a known
+optimum: it jumps instead of walking, settles, holds inside its band instead of flipping, and
+plans with the log-prob phase, the reward-signal fraction and the LR anchor.
 
 The synthetic trainer reports K parts per step (micro-batches across DP ranks), each the mean
 gradient of B/K responses with per-sample noise of trace B_NOISE·|G|², and phase times
