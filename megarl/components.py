@@ -169,7 +169,15 @@ def build(cfg: RunConfig) -> Components:
                 cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
             )
         integrity_tokens = integrity_sequence(val_rows, tok, cfg)  # the first validation sequence that fits
-        publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=rollouts.fleet_ready)
+        publisher = PolicyPublisher(
+            cfg.weight_sync,
+            actor,
+            sync,
+            fleet,
+            integrity_tokens,
+            ready=rollouts.fleet_ready,
+            colocate=cfg.rollout.colocate,
+        )
     except BaseException:
         if fleet is not None:
             fleet.shutdown()
