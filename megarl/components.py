@@ -193,10 +193,16 @@ def build(cfg: RunConfig) -> Components:
             fleet.restart_in_background = (
                 cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
             )
-        integrity_tokens = integrity_sequence(
-            val_rows, tok, CollectSettings.of(cfg)
-        )  # the first validation sequence that fits
-        publisher = PolicyPublisher(cfg, actor, sync, fleet, integrity_tokens, ready=collector.fleet_ready)
+        integrity_tokens = integrity_sequence(val_rows, tok, CollectSettings.of(cfg))  # the first that fits
+        publisher = PolicyPublisher(
+            cfg.weight_sync,
+            actor,
+            sync,
+            fleet,
+            integrity_tokens,
+            ready=collector.fleet_ready,
+            colocate=cfg.rollout.colocate,
+        )
         k = cfg.rollout.max_staleness
         rollouts = RolloutPipeline(collector, k) if k else OnPolicy(collector, fleet)
         start = _start(cfg, dims, actor, tok, train_rows)

@@ -1,4 +1,4 @@
-"""How the fleet brings dead engines back (mixed into :class:`megarl.fleet.fleet.Fleet`).
+"""How the fleet brings dead engines back (a base of :class:`megarl.fleet.fleet.Fleet`).
 
 An engine is in one of three states::
 
@@ -13,13 +13,14 @@ while a thread respawns it (at low CPU priority, so that on a shared CPU the res
 slow the step) and waits until it answers. It then *joins* the next weight update like any
 other engine and serves from the version that update commits: no replay, no step waiting for
 it. Only when no serving engine is left does a step wait: a joining engine is given the
-current weights at once (the replay the transport registered, :meth:`set_replay`), and an
+current weights at once (the replay of the last committed update, ``Committed.replay``), and an
 engine still restarting is waited for.
 
 **Blocking** (``restart_in_background`` False, a fleet of one, or a transport that cannot
 bring a joining engine up to date): the dead engine is restarted and replayed before the
 fleet does anything else (the step waits; remote engines cannot be restarted at all).
 
+A restarted engine serves once it reports the committed version (:meth:`_at_committed`).
 Every spawn counts in ``restarts``; every engine that comes back into service in ``rejoins``
 (the publisher checks the fleet's integrity at the first sync after one). An engine that
 dies again while it starts is spawned again, up to ``attempts`` times; the error then quotes
@@ -31,15 +32,15 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.errors import EngineDead, RolloutError
 from megarl.fleet.client import EngineClient
+from megarl.fleet.lifecycle import EngineProcesses
+from megarl.fleet.protocol import Committed
 
 log = logging.getLogger("megarl.fleet")
 
@@ -75,16 +76,15 @@ def _renice(pid: int, nice: int) -> None:
             log.debug("renice %d (thread of %d) to %d: %s", tid, pid, nice, e)
 
 
-class Restarts:
-    engines: list[EngineClient]
-    start_timeout: float
-    version: int
-    down: set[str]
-    _replay: Callable[[list[EngineClient]], None] | None
-    _starting: bool
-    fresh_s: float
-
-    def _init_restarts(self) -> None:
+class Restarts(EngineProcesses):
+    def __init__(self, engines: list[EngineClient], request_timeout_s: float, start_timeout_s: float) -> None:
+        super().__init__(engines, request_timeout_s, start_timeout_s)
+        self.last_commit = Committed(-1)
+        """The last committed update: the version the engines serve and its replay."""
+        self.down: set[str] = set()
+        """Engines that failed at the connection level during the current update."""
+        self.fresh_s = 5.0
+        """Seconds an engine's last answer vouches for it (:meth:`recover` skips its /health)."""
         self.restarts = 0
         """Engine processes spawned again after a death."""
         self.rejoins = 0
@@ -97,6 +97,11 @@ class Restarts:
         self._restarts_lock = threading.Lock()
         self._closing = False  # set by shutdown: no more spawns
 
+    @property
+    def version(self) -> int:
+        """Version of the last committed update (-1: none yet): what a serving engine serves."""
+        return self.last_commit.version
+
     # ------------------------------------------------------------------ states
 
     def members(self) -> list[EngineClient]:
@@ -107,32 +112,25 @@ class Restarts:
         """Engines given prompts: those that serve the fleet's current weights."""
         return [e for e in self.members() if e.name not in self.joining]
 
-    def committed(self, e: EngineClient) -> None:
-        """``e`` applied an update: a joining engine serves from now on."""
+    def committed(self, e: EngineClient, version: int) -> None:
+        """``e`` applied update ``version``: a joining engine serves from now on."""
         if e.name in self.joining:
             self.joining.discard(e.name)
-            self._in_service(e)
+            self._in_service(e, version)
 
-    def _in_service(self, e: EngineClient) -> None:
+    def _in_service(self, e: EngineClient, version: int) -> None:
         self.rejoins += 1
         if e.proc is not None and self._nice != RESTART_NICE:
             _renice(e.proc.pid, self._nice)
-        log.warning("%s serves again at version %d (restart #%d)", e.name, self.version, self.restarts)
+        log.warning("%s serves again at version %d (restart #%d)", e.name, version, self.restarts)
+
+    def _at_committed(self, e: EngineClient) -> tuple[bool, object]:
+        """After a replay: whether ``e`` lives and serves the committed version (and what it
+        says it serves)."""
+        served = (e.health(timeout=30) or {}).get("version")
+        return e.name not in self.down and served == self.version, served
 
     # ------------------------------------------------------------------ processes
-
-    def _spawn(self, e: EngineClient) -> None:
-        e.close()  # connections kept to an earlier process of this engine
-        env = dict(os.environ)
-        env.update(e.env)
-        assert e.log_path is not None
-        e.log_start = e.log_path.stat().st_size if e.log_path.exists() else 0
-        fh = open(e.log_path, "ab")  # noqa: SIM115 (handed to the child)
-        e.proc = subprocess.Popen(e.launch, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        fh.close()
-
-    def wait_healthy(self, engines: list[EngineClient] | None = None) -> None:
-        raise NotImplementedError  # Fleet.wait_healthy
 
     def _respawn(self, e: EngineClient, nice: int | None = None) -> None:
         """Kill what is left of ``e``'s process and start a new one (counted in ``restarts``)."""
@@ -151,6 +149,11 @@ class Restarts:
         """No engine is spawned from now on (the fleet shuts down; restarts under way end)."""
         with self._restarts_lock:
             self._closing = True
+
+    def shutdown(self) -> None:
+        """No more restarts, then the engines stop (:meth:`EngineProcesses.shutdown`)."""
+        self.stop_restarts()
+        super().shutdown()
 
     def _start_again(self, e: EngineClient, attempts: int, nice: int | None = None) -> None:
         """Respawn ``e`` until it answers /health; it may die again while it starts."""
@@ -179,17 +182,17 @@ class Restarts:
             self.down.discard(e.name)
             try:
                 self.wait_healthy([e])
-                if self._replay is not None:
-                    self._replay([e])
+                if self.last_commit.replay is not None:
+                    self.last_commit.replay([e])
             except RolloutError as err:  # EngineDead included: e.g. a request to a process that just died
                 if e.alive() and not isinstance(err, EngineDead):
                     raise
                 log.warning("%s died again while restarting (attempt %d): %s", e.name, attempt, err)
                 continue
-            served = (e.health(timeout=30) or {}).get("version")
-            if e.name not in self.down and served == self.version:
+            current, served = self._at_committed(e)
+            if current:
                 self.joining.discard(e.name)
-                self._in_service(e)
+                self._in_service(e, self.version)
                 return
             log.warning(
                 "%s not at version %d after restart attempt %d (serves %s)", e.name, self.version, attempt, served
@@ -286,17 +289,13 @@ class Restarts:
                 self.restart(e)  # (replays too)
                 continue
             try:
-                if self._replay is not None:
-                    self._replay([e])
+                if self.last_commit.replay is not None:
+                    self.last_commit.replay([e])
             except EngineDead:
                 pass
-            served = (e.health(timeout=30) or {}).get("version")
-            if e.name in self.down or served != self.version:  # it died meanwhile: now it waits
+            if not self._at_committed(e)[0]:  # it died meanwhile: now it waits
                 self.joining.discard(e.name)
                 self.restart(e)
                 continue
-            self.committed(e)  # (a no-op when the replay's commit already said so)
+            self.committed(e, self.version)  # (a no-op when the replay's commit already said so)
         return back
-
-    def ready(self) -> float:
-        raise NotImplementedError  # Fleet.ready

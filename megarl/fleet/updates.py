@@ -1,11 +1,13 @@
-"""The fleet's weight-update primitives (mixed into :class:`megarl.fleet.fleet.Fleet`).
+"""The fleet's side of the weight-update protocol (``megarl.fleet.protocol``: the phases and
+their invariants); a base of :class:`megarl.fleet.fleet.Fleet`, built on its restarts.
 
 Weight updates go to every engine as begin → load (all engines) → commit (all engines); a
 load rejected by any engine aborts the update everywhere, so the whole fleet keeps serving
 the previous version (``WeightSyncError``). An engine that does not answer at all during an
-update is marked down and left out of the rest of it; ``Fleet.recover`` restarts it and the
-replay registered by the transport (:meth:`set_replay`) brings it to the committed version.
-The weight-sync transports (``megarl.weight_sync.transports``) drive these primitives.
+update is marked down and left out of the rest of it; ``recover`` restarts it and the replay
+recorded with the committed update (:meth:`close_update`) brings it to that version.
+:meth:`update_weights` is the whole sequence from safetensors files; the weight-sync
+transports (``megarl.weight_sync.transports``) drive the phases one by one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from megarl.engine import routes
 from megarl.errors import EngineDead, RolloutError, WeightSyncError
 from megarl.fleet import faults
 from megarl.fleet.client import EngineClient
+from megarl.fleet.protocol import Committed, Replay
+from megarl.fleet.restarts import Restarts
 
 log = logging.getLogger("megarl.fleet")
 
@@ -36,33 +40,45 @@ def concurrently(fn: Callable[[T], R], items: list[T]) -> list[R]:
         return list(pool.map(fn, items))
 
 
-class WeightUpdates:
-    engines: list[EngineClient]
-    timeout: float
-    down: set[str]
-    _replay: Callable[[list[EngineClient]], None] | None
-
-    def recover(self) -> None:
-        raise NotImplementedError  # Fleet.recover (megarl.fleet.restarts)
-
-    def members(self) -> list[EngineClient]:
-        raise NotImplementedError  # the engines an update goes to (megarl.fleet.restarts)
-
-    def committed(self, e: EngineClient) -> None:
-        raise NotImplementedError  # e applied an update (megarl.fleet.restarts)
+class WeightUpdates(Restarts):
+    """Implements :class:`megarl.fleet.protocol.WeightUpdateProtocol`."""
 
     def update_weights(self, version: int, files: list[str]) -> dict[str, float]:
         """begin → load(files) → commit on every engine; a restarted engine replays it."""
         t0 = time.perf_counter()
-        self.recover()
+        self.open_update(version, begin=False)  # the load request opens the update
         try:
             self.update_engines(self.members(), version, files)
         except WeightSyncError:
             self.recover()  # engines that died meanwhile come back at the previous version
             raise
-        self.set_replay(lambda engines: self.update_engines(engines, version, files))
-        self.recover()  # engines that died during the update come back at this version
+
+        def replay(engines: list[EngineClient]) -> None:
+            self.update_engines(engines, version, files)
+
+        self.close_update(version, replay, commit=False)  # (update_engines committed)
         return {"fleet_update_s": time.perf_counter() - t0}
+
+    def open_update(self, version: int, begin: bool = True) -> None:
+        """Engines found dead are restarted at the previous version, then (``begin``) every
+        member opens update ``version``."""
+        self.recover()
+        if begin:
+            self.begin_update(version)
+
+    def close_update(self, version: int, replay: Replay | None, commit: bool = True) -> None:
+        """(``commit``) every member applies what it staged; the fleet now serves ``version``,
+        which ``replay`` gives to a restarted engine; engines that died during the update come
+        back at it."""
+        if commit:
+            self.commit_update(version)
+        self.last_commit = Committed(version, replay)
+        self.recover()
+
+    def cancel_update(self) -> None:
+        """Every member drops what it staged; engines that died come back at the previous version."""
+        self.abort_update()
+        self.recover()
 
     def update_engines(self, engines: list[EngineClient], version: int, files: list[str]) -> None:
         try:
@@ -72,10 +88,6 @@ class WeightUpdates:
             raise
         if not done:
             self.commit_update(version, engines)
-
-    def set_replay(self, replay: Callable[[list[EngineClient]], None] | None) -> None:
-        """How to bring a restarted engine to the current weights (registered by the transport)."""
-        self._replay = replay
 
     def post_all(
         self, path: str, body: dict[str, Any] | bytes, version: int, engines: list[EngineClient] | None = None
@@ -142,8 +154,7 @@ class WeightUpdates:
                     f"{targets[0].name} did not commit version {version} with its load (answered {answer}): "
                     "an engine from another megarl version?"
                 )
-            self.version = version
-            self.committed(targets[0])
+            self.committed(targets[0], version)
         return True
 
     def load_bytes(self, version: int, data: bytes, engines: list[EngineClient] | None = None) -> None:
@@ -165,8 +176,7 @@ class WeightUpdates:
             except RolloutError as err:
                 self.abort_update(engines)  # engines not reached yet drop their staged tensors
                 raise WeightSyncError(f"commit of version {version} failed on {e.name}: {err}") from err
-            self.version = version
-            self.committed(e)
+            self.committed(e, version)
 
     def abort_update(self, engines: list[EngineClient] | None = None) -> None:
         """Drop whatever is staged (best effort: an engine that is down has nothing staged)."""

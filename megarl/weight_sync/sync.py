@@ -7,11 +7,10 @@ Flow (all trainer ranks call :meth:`WeightSync.push`):
    (q/k/v and gate/up stay together).
 3. A transport (``megarl.weight_sync.transports``: shm, http, nccl, cuda_ipc — one interface)
    moves the buckets: rank 0 opens the update on every engine (begin), the stage owners send,
-   rank 0 has the engines stage and validate (load), then commit. A bucket rejected by any
-   engine aborts the update everywhere (old version keeps serving) and raises
-   ``WeightSyncError`` naming the tensor, on every rank. An engine that *dies* (connection
-   lost) does not fail the update: the fleet restarts it and it replays the committed
-   version (``Fleet.recover``, called by the transport's begin / commit / abort).
+   rank 0 has the engines stage and validate (load), then commit. On the fleet's side these
+   are the phases of the weight-update protocol (``megarl.fleet.protocol``: all or nothing, a
+   dead engine restarted and replayed); here every rank learns rank 0's verdict, so a bucket
+   rejected by any engine raises the same ``WeightSyncError`` naming the tensor on every rank.
 4. Optional integrity check: engine vs trainer log-probs on a fixed sequence.
 """
 

@@ -53,6 +53,12 @@ def _max_diff(a: list, b: list) -> float:
     return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
 
 
+def _generation(f: Fleet, seeded: bool = True) -> tuple[list, int]:
+    """Three samples of every prompt in PROMPTS, prompt i seeded with i (or the engines' RNG)."""
+    return f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
+                      seeds=list(range(len(PROMPTS))) if seeded else None)
+
+
 def test_two_engines_serve_the_same_weights(fleet) -> None:
     f, _, _, _ = fleet
     assert f.versions() == [1, 1]
@@ -61,16 +67,14 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
     assert len(per_engine) == 2
     a, b = (torch.tensor(x[0]) for x in per_engine)
     assert a.shape == (6,) and torch.allclose(a, b, atol=1e-6)
-    outs, version = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
-                               seeds=list(range(len(PROMPTS))))
+    outs, version = _generation(f)
     assert version == 1 and len(outs) == len(PROMPTS) and all(len(g) == 3 for g in outs)
     # same seeds -> same samples, whichever engine served each prompt (load balancing is invisible)
-    again, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2],
-                          seeds=list(range(len(PROMPTS))))
+    again, _ = _generation(f)
     assert [[s["token_ids"] for s in g] for g in outs] == [[s["token_ids"] for s in g] for g in again]
     # unseeded (rollout.seeded=false): the engines' RNG, so two calls differ
-    u1, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
-    u2, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2])
+    u1, _ = _generation(f, seeded=False)
+    u2, _ = _generation(f, seeded=False)
     assert [[s["token_ids"] for s in g] for g in u1] != [[s["token_ids"] for s in g] for g in u2]
     # min_tokens: EOS (id 2, stop token here) is suppressed until 5 tokens, so every response has 5
     eos_stop, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2, 7],
@@ -271,7 +275,7 @@ def test_http_push_from_pp2_trainer_matches_shm(fleet, tmp_path: Path, monkeypat
     monkeypatch.setenv(TOKEN_ENV, f.engines[0].token)
     monkeypatch.setenv(STAGING_ENV, str(f.staging_dir))
     try:
-        torchrun(ROOT / "tests/fleet/worker_http_sync.py", 2,
+        torchrun(ROOT / "tests/weight_sync/worker_http_sync.py", 2,
                  ["--hf", str(folder), "--addresses", ",".join(e.address for e in f.engines), "--version", "10",
                   "--out", str(out)], timeout=600)
         res = json.loads(out.read_text())

@@ -21,8 +21,9 @@ class _Sync:
 def _publisher(sets: list[str], fleet: Any, monkeypatch: Any) -> tuple[PolicyPublisher, list[int]]:
     """A publisher whose integrity check records the version it ran at."""
     checked: list[int] = []
-    pub = PolicyPublisher(load_config(None, sets), actor=None, sync=_Sync(), fleet=fleet,  # type: ignore[arg-type]
-                          integrity_tokens=[1, 2], ready=lambda: None)  # fmt: skip
+    cfg = load_config(None, sets)
+    pub = PolicyPublisher(cfg.weight_sync, actor=None, sync=_Sync(), fleet=fleet,  # type: ignore[arg-type]
+                          integrity_tokens=[1, 2], ready=lambda: None, colocate=cfg.rollout.colocate)  # fmt: skip
     monkeypatch.setattr(publisher_mod, "check_integrity", lambda *a: checked.append(pub.version) or 0.0)
     return pub, checked
 

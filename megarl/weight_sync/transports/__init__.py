@@ -25,7 +25,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError
 from megarl.distributed import ParallelDims
-from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import WeightUpdateProtocol
 from megarl.weight_sync.transports.base import Bucket, Transport, bucket_bytes, is_local_address
 from megarl.weight_sync.transports.cuda_ipc import CudaIpcTransport
 from megarl.weight_sync.transports.http import HttpTransport
@@ -67,7 +67,7 @@ def resolve_transport(requested: str, addresses: list[str], started_locally: boo
 
 
 def make_transport(
-    name: str, fleet: Fleet | None, dims: ParallelDims, root: Path, master_address: str = ""
+    name: str, fleet: WeightUpdateProtocol | None, dims: ParallelDims, root: Path, master_address: str = ""
 ) -> Transport:
     """Build the named transport on every trainer rank (collective for http and nccl)."""
     if name == "shm":

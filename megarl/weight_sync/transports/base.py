@@ -1,13 +1,14 @@
 """What every weight-sync transport shares: the :class:`Transport` interface (the phases
-``WeightSync`` drives), the bucket type, and :class:`FleetPhases` — begin / commit / abort on
-the fleet, with engine recovery — that each transport builds on (one file per transport
-beside this one)."""
+``WeightSync`` drives), the bucket type, and :class:`FleetPhases` — each transport's begin /
+commit / abort, which are the fleet's open / close / cancel of the weight-update protocol
+(``megarl.fleet.protocol``, the one place its phases and invariants are written) — that each
+transport builds on (one file per transport beside this one)."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import torch
@@ -16,7 +17,7 @@ from megarl.config import ConfigError
 from megarl.engine import routes
 from megarl.errors import RolloutError
 from megarl.fleet.client import EngineClient
-from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import Replay, WeightUpdateProtocol
 
 Bucket = list[tuple[str, torch.Tensor]]
 """HF-named tensors sent together; a layer group (q/k/v, gate/up) never spans two buckets."""
@@ -62,7 +63,7 @@ def bucket_bytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
-def cannot_replay(reason: str) -> Callable[[list[EngineClient]], None]:
+def cannot_replay(reason: str) -> Replay:
     def replay(engines: list[EngineClient]) -> None:
         names = ", ".join(e.name for e in engines)
         raise RolloutError(f"restarted {names} cannot be given the current weights: {reason}")
@@ -70,40 +71,34 @@ def cannot_replay(reason: str) -> Callable[[list[EngineClient]], None]:
     return replay
 
 
-class FleetPhases:
-    """begin / commit / abort shared by every transport (rank 0 holds the fleet).
+class FleetPhases(ABC):
+    """begin / commit / abort shared by every transport (rank 0 holds the fleet; elsewhere
+    ``fleet`` is None and they do nothing): the protocol's open / close / cancel.
 
     Engine deaths: one found dead before the update is restarted at the previous version
-    (``Fleet.recover`` in begin); one that dies during it is left out of the rest of it and
+    (``recover`` in open); one that dies during it is left out of the rest of it and
     restarted after commit, replaying this version (or after abort, the previous one)."""
 
-    fleet: Fleet | None
+    fleet: WeightUpdateProtocol | None
     send_needs_begin = True
     updates_joining_engines = False
 
     def begin(self, version: int) -> None:
         if self.fleet is not None:
-            self.fleet.recover()
-            self.fleet.begin_update(version)
+            self.fleet.open_update(version)
 
     def commit(self, version: int) -> None:
         if self.fleet is not None:
-            self.commit_engines(version)
-            self.fleet.set_replay(self.replay(version))
-            self.fleet.recover()
-
-    def commit_engines(self, version: int) -> None:
-        """The engines apply what they staged (shm with one engine: its load request did)."""
-        assert self.fleet is not None
-        self.fleet.commit_update(version)
+            self.fleet.close_update(version, self.replay(version))
 
     def abort(self, version: int) -> None:
         if self.fleet is not None:
-            self.fleet.abort_update()
-            self.fleet.recover()
+            self.fleet.cancel_update()
 
-    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
-        return None
+    @abstractmethod
+    def replay(self, version: int) -> Replay:
+        """How a restarted engine gets the weights of ``version`` once it is committed (or the
+        error saying why it cannot)."""
 
 
 def need_cuda(name: str) -> None:
@@ -111,6 +106,6 @@ def need_cuda(name: str) -> None:
         raise ConfigError(f"weight_sync.transport={name!r} needs CUDA; use 'shm' or 'http' on CPU")
 
 
-def check_all(fleet: Fleet, version: int, records: list[dict[str, Any]]) -> None:
+def check_all(fleet: WeightUpdateProtocol, version: int, records: list[dict[str, Any]]) -> None:
     body = {"tensors": [{k: r[k] for k in ("name", "shape", "dtype")} for r in records]}
     fleet.post_all(routes.CHECK, body, version)

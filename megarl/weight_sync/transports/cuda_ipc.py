@@ -9,7 +9,7 @@ import torch
 
 from megarl.distributed import ParallelDims
 from megarl.engine import routes, wire
-from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import Replay, WeightUpdateProtocol
 from megarl.weight_sync.transports.base import Bucket, FleetPhases, cannot_replay, check_all, need_cuda
 
 
@@ -17,7 +17,7 @@ class CudaIpcTransport(FleetPhases):
     name = "cuda_ipc"
     device = "cuda"
 
-    def __init__(self, fleet: Fleet | None, dims: ParallelDims) -> None:
+    def __init__(self, fleet: WeightUpdateProtocol | None, dims: ParallelDims) -> None:
         need_cuda(self.name)
         self.fleet, self.dims = fleet, dims
         self._buffers: list[torch.Tensor] = []
@@ -39,7 +39,7 @@ class CudaIpcTransport(FleetPhases):
         for item in shared:
             self.fleet.post_all(routes.IPC_LOAD, {"version": version, **item}, version)
 
-    def replay(self, version: int) -> Any:
+    def replay(self, version: int) -> Replay:
         return cannot_replay("the cuda_ipc transport shares buffers only until commit (use shm)")
 
     def release(self, version: int, committed: bool) -> None:

@@ -3,7 +3,6 @@ engines anywhere the trainer can reach; the bytes are kept to replay into a rest
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from megarl.distributed import ParallelDims
 from megarl.fleet.client import EngineClient
 from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import Replay, WeightUpdateProtocol
 from megarl.weight_sync.transports.base import Bucket, FleetPhases, cannot_replay
 
 
@@ -23,7 +23,7 @@ class HttpTransport(FleetPhases):
     name = "http"
     device = "cpu"
 
-    def __init__(self, fleet: Fleet | None, dims: ParallelDims) -> None:
+    def __init__(self, fleet: WeightUpdateProtocol | None, dims: ParallelDims) -> None:
         self.dims = dims
         info: list[Any] = [None]
         if dims.is_rank0:
@@ -35,7 +35,7 @@ class HttpTransport(FleetPhases):
         if fleet is None and dims.is_stage_owner:  # a client of the same engines, no lifecycle
             engines = [EngineClient(f"engine{i}", a, token=token) for i, a in enumerate(addresses)]
             fleet = Fleet(engines, timeout, timeout)
-        self.poster = fleet
+        self.poster: WeightUpdateProtocol | None = fleet
         self.fleet = fleet if dims.is_rank0 else None
         # A restarted local engine replays the last update from these bytes (rank 0's stage).
         self._keep = dims.is_rank0 and fleet is not None and any(e.launch for e in fleet.engines)
@@ -58,7 +58,7 @@ class HttpTransport(FleetPhases):
     def load(self, version: int, receipts: list[Any]) -> None:
         """Nothing left to move: every stage owner already sent its buckets."""
 
-    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
+    def replay(self, version: int) -> Replay:
         if self.dims.pp > 1:
             return cannot_replay("with pipeline_parallel > 1 the http transport keeps only stage 0's bytes")
         fleet, blobs = self.fleet, self._kept

@@ -34,7 +34,7 @@ from megarl.distributed import ParallelDims
 from megarl.engine import routes, wire
 from megarl.errors import RolloutError, WeightSyncError
 from megarl.fleet.client import EngineClient, free_port
-from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import Replay, WeightUpdateProtocol
 from megarl.weight_sync.transports.base import (
     Bucket,
     FleetPhases,
@@ -49,7 +49,7 @@ class NcclTransport(FleetPhases):
     name = "nccl"
     device = "cuda"
 
-    def __init__(self, fleet: Fleet | None, dims: ParallelDims, master_address: str = "") -> None:
+    def __init__(self, fleet: WeightUpdateProtocol | None, dims: ParallelDims, master_address: str = "") -> None:
         need_cuda(self.name)
         self.fleet, self.dims = fleet, dims
         self.master_address = master_address
@@ -60,7 +60,7 @@ class NcclTransport(FleetPhases):
             self._join(self.fleet)
         super().begin(version)
 
-    def _join(self, fleet: Fleet) -> None:
+    def _join(self, fleet: WeightUpdateProtocol) -> None:
         """Form the broadcast group: rank 0 = this trainer rank, then each engine's workers."""
         from megarl.engine.worker_ext import nccl_group
 
@@ -119,7 +119,9 @@ class NcclTransport(FleetPhases):
         if error:
             raise WeightSyncError(error)
 
-    def _broadcast(self, fleet: Fleet, version: int, buf: torch.Tensor, records: list[dict[str, Any]]) -> None:
+    def _broadcast(
+        self, fleet: WeightUpdateProtocol, version: int, buf: torch.Tensor, records: list[dict[str, Any]]
+    ) -> None:
         body = {"version": version, "tensors": records, "nbytes": int(buf.numel())}
         with ThreadPoolExecutor(max_workers=1) as pool:
             # the engines' workers wait in the matching broadcast while this request runs
@@ -131,7 +133,7 @@ class NcclTransport(FleetPhases):
     def load(self, version: int, receipts: list[Any]) -> None:
         """Everything was broadcast during send."""
 
-    def replay(self, version: int) -> Any:
+    def replay(self, version: int) -> Replay:
         return cannot_replay("the nccl transport keeps no copy of the weights (use shm or http)")
 
     def release(self, version: int, committed: bool) -> None:

@@ -4,13 +4,11 @@ this host stage them by path (``/weights/load``)."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megarl.distributed import ParallelDims
-from megarl.fleet.client import EngineClient
-from megarl.fleet.fleet import Fleet
+from megarl.fleet.protocol import Replay, WeightUpdateProtocol
 from megarl.weight_sync.transports.base import Bucket, FleetPhases
 
 
@@ -24,7 +22,7 @@ class ShmTransport(FleetPhases):
     send_needs_begin = False  # files in the staging folder: the engines read them at load
     updates_joining_engines = True
 
-    def __init__(self, fleet: Fleet | None, dims: ParallelDims, root: Path) -> None:
+    def __init__(self, fleet: WeightUpdateProtocol | None, dims: ParallelDims, root: Path) -> None:
         self.fleet, self.dims, self.root = fleet, dims, root
         self._files: list[str] = []
         self._prev_dir: Path | None = None
@@ -34,7 +32,7 @@ class ShmTransport(FleetPhases):
     def begin(self, version: int) -> None:
         """Nothing to open before the files are written: the load request opens the update."""
         if self.fleet is not None:
-            self.fleet.recover()
+            self.fleet.open_update(version, begin=False)
 
     def send(self, version: int, buckets: list[Bucket]) -> list[str]:
         from safetensors.torch import save_file
@@ -56,11 +54,12 @@ class ShmTransport(FleetPhases):
             one = len(self.fleet.members()) == 1
             self._committed = self.fleet.load_files(version, self._files, begin=True, commit=one)
 
-    def commit_engines(self, version: int) -> None:
-        if not self._committed:
-            super().commit_engines(version)
+    def commit(self, version: int) -> None:
+        """The engines apply what they staged (with one engine its load request did)."""
+        if self.fleet is not None:
+            self.fleet.close_update(version, self.replay(version), commit=not self._committed)
 
-    def replay(self, version: int) -> Callable[[list[EngineClient]], None] | None:
+    def replay(self, version: int) -> Replay:
         fleet, files = self.fleet, list(self._files)
         assert fleet is not None
         return lambda engines: fleet.update_engines(engines, version, files)
