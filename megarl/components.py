@@ -45,7 +45,7 @@ from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.sampling import integrity_sequence
-from megarl.update import AdvantageEstimator, PolicyUpdater
+from megarl.update import AdvantageEstimator, PolicyUpdater, UpdateSettings
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
 
@@ -187,7 +187,7 @@ def build(cfg: RunConfig) -> Components:
         actor=actor,
         planner=planner,
         rollouts=rollouts,
-        advantages=AdvantageEstimator(cfg),
+        advantages=AdvantageEstimator(cfg.algo),
         publisher=publisher,
         ahead=RolloutPipeline(rollouts, cfg.rollout.max_staleness) if cfg.rollout.max_staleness else None,
     )
@@ -215,7 +215,7 @@ def add_reference_and_critic(c: Components) -> None:
         if cfg.critic.init_from_actor:
             copy_weights(c.actor, c.critic, c.adapter)
         c.planner.attach_probe(c.critic)
-    c.updater = PolicyUpdater(cfg, c.dims, c.actor, c.critic, c.planner)
+    c.updater = PolicyUpdater(UpdateSettings.of(cfg), c.dims, c.actor, c.critic, c.planner)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -52,7 +52,7 @@ def rl_step(c: Components, step: int) -> dict[str, float]:
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         if c.fleet is not None and c.ahead is None:  # test-only: an engine killed while idle (fleet/faults.py)
             faults.inject("logprobs", c.publisher.version, c.fleet.engines)
-        ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
+        ev = evaluate(c.cfg.algo, c.cfg.rollout, c.cfg.parallel, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))
     w1 = microbatch_s(c)
     with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)
