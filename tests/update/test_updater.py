@@ -1,7 +1,8 @@
 """``PolicyUpdater`` (phase 4) on a tiny real Megatron actor and critic, one gloo rank
 (``worker_updater.py``, run once for the module): the direction of one update, the number of
 optimizer steps of PPO epochs × mini-batches, the critic's warm-up, and the metrics — their
-keys in logging order and their values against numbers derived by hand from the batch."""
+keys in logging order and their values (sums as per-token means, maxima as maxima) against
+numbers derived by hand from the batch."""
 
 import json
 
@@ -38,8 +39,20 @@ def test_one_update_moves_log_probs_with_the_advantage(results: dict) -> None:
     assert m["train/loss"] == pytest.approx(expected_loss, abs=1e-6)
     assert m["train/clipfrac"] == 0.0  # one update: the ratio is exactly 1
     assert m["train/grad_norm"] > 0 and m["train/actor_updated"] == 1.0 and m["train/lr"] == LR
-    assert [k for k, _ in r["metrics"]] == ["train/lr", "train/actor_updated", *ACTOR_KEYS]
+    engine = ["train/engine_logprob_absdiff", "train/engine_prob_ratio_max"]
+    assert [k for k, _ in r["metrics"]] == ["train/lr", "train/actor_updated", *ACTOR_KEYS, *engine]
     assert r["actor_steps"] == 1 and r["actor_moved"]
+
+
+def test_engine_terms_are_a_per_token_mean_and_a_maximum(results: dict) -> None:
+    """log π_train − log π_engine is the known shift on every response token: the absolute
+    difference is its per-token mean over all micro-batches, the probability ratio its
+    maximum exp(shift) (a maximum, never averaged)."""
+    m, mask = dict(results["direction"]["metrics"]), torch.tensor(results["mask"], dtype=torch.float64)
+    shift = torch.tensor(results["shift"], dtype=torch.float64)
+    assert m["train/engine_logprob_absdiff"] == pytest.approx(float((shift.abs() * mask).sum() / mask.sum()), rel=1e-4)
+    assert m["train/engine_prob_ratio_max"] == pytest.approx(float(shift[mask.bool()].exp().max()), rel=1e-4)
+    assert m["train/engine_prob_ratio_max"] > 1.1
 
 
 def test_ppo_epochs_times_mini_batches_updates_each_model(results: dict) -> None:

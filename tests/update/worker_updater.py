@@ -5,8 +5,8 @@ Each scenario builds fresh models from the same HF folder, runs phases 2–4 the
 metrics (keys in order), the models' Adam step counts and what moved. Rank 0 writes
 ``--out``/result.json; ``test_updater.py`` asserts the numbers.
 
-- ``direction``: actor only, one update, advantages +1 on rows 0–3 and −0.5 on rows 4–7; the
-  per-token log-probs before and after.
+- ``direction``: actor only, one update, advantages +1 on rows 0–3 and −0.5 on rows 4–7, the
+  engines' log-probs the actor's minus a known shift; the per-token log-probs before and after.
 - ``counts``: actor + critic (GAE), ppo_epochs × mini_batches = 3 × 2.
 - ``warmup``: actor + critic at step 0 of critic.warmup_steps = 2 (the actor waits), and
   the critic's V_old and returns to check its terms by hand.
@@ -94,11 +94,21 @@ def moved(before: dict[str, torch.Tensor], model: Model) -> bool:
     return any(not torch.equal(before[n], p.detach()) for n, p in model.core.named_parameters())
 
 
-def run(cfg: RunConfig, critic: bool, step: int, adv: Advantages | None = None) -> dict:
+def run(
+    cfg: RunConfig, critic: bool, step: int, adv: Advantages | None = None, engine_shift: torch.Tensor | None = None
+) -> dict:
+    """``engine_shift``: the step asked the engines, whose log-probs are the actor's minus it."""
     actor, value = build(critic)
-    ev = evaluate(cfg.algo, cfg.rollout, cfg.parallel, batch, actor, None, value)
+
+    def lp() -> torch.Tensor:
+        return forward_logprobs(actor, tokens, micro_batch_size=MBS, temperature=cfg.rollout.temperature)["logprobs"]
+
+    before, w_actor = lp(), params(actor)
+    engine = None if engine_shift is None else (before - engine_shift) * mask
+    rollout = dataclasses.replace(batch, engine_logprobs=engine)
+    ev = evaluate(cfg.algo, cfg.rollout, cfg.parallel, rollout, actor, None, value)
     if adv is None:
-        adv, _ = AdvantageEstimator(cfg.algo)(batch, ev)
+        adv, _ = AdvantageEstimator(cfg.algo)(rollout, ev)
     plan = StepPlan(
         step=step,
         num_prompts=2,
@@ -112,12 +122,8 @@ def run(cfg: RunConfig, critic: bool, step: int, adv: Advantages | None = None) 
     planner = Planner(cfg, dims.dp, ["actor", "critic"] if critic else ["actor"])
     updater = PolicyUpdater(UpdateSettings.of(cfg), dims, actor, value, planner)
 
-    def lp() -> torch.Tensor:
-        return forward_logprobs(actor, tokens, micro_batch_size=MBS, temperature=cfg.rollout.temperature)["logprobs"]
-
-    before, w_actor = lp(), params(actor)
     w_critic = params(value) if value is not None else None
-    metrics = updater(batch, adv, ev, plan, step)
+    metrics = updater(rollout, adv, ev, plan, step)
     out = {
         "metrics": list(metrics.items()),
         "actor_steps": adam_steps(actor),
@@ -146,7 +152,9 @@ def config(**algo: object) -> RunConfig:
 
 result = {"mask": mask.tolist()}
 signs = torch.tensor([1.0] * 4 + [-0.5] * 4)
-result["direction"] = run(config(), critic=False, step=0, adv=Advantages(adv=signs, mask=mask))
+shift = 0.1 * torch.randn(B, S, generator=g)
+result["shift"] = shift.tolist()
+result["direction"] = run(config(), critic=False, step=0, adv=Advantages(adv=signs, mask=mask), engine_shift=shift)
 ppo = config(name="ppo", advantage="gae", ppo_epochs=3, mini_batches=2)
 result["counts"] = run(ppo, critic=True, step=0)
 warm = config(name="ppo", advantage="gae")
