@@ -80,6 +80,9 @@ class Learner:
 
 
 class PolicyUpdater:
+    """Phase 4 for one rollout: ``updater(batch, adv, ev, plan, step)`` runs the step's updates
+    and returns its metrics (``train/*`` actor, ``critic/*``, ``coord/probe_s/*``)."""
+
     def __init__(
         self, settings: UpdateSettings, dims: ParallelDims, actor: Model, critic: Model | None, planner: Planner
     ) -> None:
