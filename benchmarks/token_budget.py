@@ -69,8 +69,9 @@ def main() -> int:
     from megarl.config import ModelConfig, OptimConfig, ParallelConfig
     from megarl.distributed import init_distributed
     from megarl.model.builder import build_gpt
-    from megarl.model.forward import forward_logprobs, labels_of, train_step, vocab_parallel_logprobs
+    from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs
     from megarl.model.microbatch import padded_tokens, row_lengths, token_budget_split
+    from megarl.model.train import train_step
 
     dims = init_distributed(1, 1, seed=args.seed)
     h = args.hidden

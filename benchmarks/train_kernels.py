@@ -59,7 +59,8 @@ def main() -> int:
     from megarl.config import ModelConfig, OptimConfig, ParallelConfig
     from megarl.distributed import init_distributed
     from megarl.model.builder import build_gpt
-    from megarl.model.forward import forward_logprobs, labels_of, train_step, vocab_parallel_logprobs
+    from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs
+    from megarl.model.train import train_step
 
     if not args.glibc_defaults and not torch.cuda.is_available():
         from megarl.compat.cpu import keep_freed_memory

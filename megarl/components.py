@@ -50,7 +50,7 @@ from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.sampling import CollectSettings, integrity_sequence
 from megarl.rollout.source import OnPolicy, RolloutSource
-from megarl.update import AdvantageEstimator, PolicyUpdater
+from megarl.update import AdvantageEstimator, PolicyUpdater, UpdateSettings
 from megarl.warm_start import warm_start
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
@@ -225,8 +225,8 @@ def build(cfg: RunConfig) -> Components:
         planner=planner,
         collector=collector,
         rollouts=rollouts,
-        advantages=AdvantageEstimator(cfg),
-        updater=PolicyUpdater(cfg, dims, actor, critic, planner),
+        advantages=AdvantageEstimator(cfg.algo),
+        updater=PolicyUpdater(UpdateSettings.of(cfg), dims, actor, critic, planner),
         publisher=publisher,
         start=start,
     )

@@ -61,7 +61,7 @@ def rl_step(c: Components, step: int) -> StepResult:
     w0 = microbatch_s(c)
     with timer("logprobs"):  # 2. old-policy / reference log-probs, critic values (Megatron forward)
         c.rollouts.fleet_idle(c.publisher.version)
-        ev = evaluate(c.cfg, batch, c.actor, c.ref, c.critic)
+        ev = evaluate(c.cfg.algo, c.cfg.rollout, c.cfg.parallel, batch, c.actor, c.ref, c.critic)
         metrics.update(mismatch(batch, ev))
     w1 = microbatch_s(c)
     with timer("advantages"):  # 3. pure functions over rewards (+ KL penalty, values)

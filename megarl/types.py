@@ -1,4 +1,5 @@
-"""Typed records that flow between the phases of one RL step.
+"""Typed records that flow between the phases of one RL step, and inside the update (phase 4):
+the rows it trains on and the loss terms its loss functions report.
 
 Token layout is the one of ``megarl.model.forward``: per-token tensors are (B, S) and
 position t refers to the prediction of ``tokens[:, t+1]``.
@@ -6,7 +7,8 @@ position t refers to the prediction of ``tokens[:, t+1]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -52,11 +54,6 @@ class PolicyEval:
     ref_logprobs: torch.Tensor | None = None  # (B, S) log π_ref(a_t|s_t), the frozen reference
     old_values: torch.Tensor | None = None  # (B, S) V_old(s_t), the critic before the update
 
-    def rows(self) -> dict[str, torch.Tensor]:
-        """The present tensors by name (the loss functions' micro-batch keys)."""
-        named = {"old_logprobs": self.old_logprobs, "ref_logprobs": self.ref_logprobs, "old_values": self.old_values}
-        return {k: v for k, v in named.items() if v is not None}
-
 
 @dataclass
 class Advantages:
@@ -66,45 +63,141 @@ class Advantages:
     mask: torch.Tensor  # (B, S) response tokens that count (overlong-filtered rows zeroed)
     returns: torch.Tensor | None = None  # (B, S) value targets (critic), None without a critic
 
-    def rows(self) -> dict[str, torch.Tensor]:
-        out = {"adv": self.adv, "mask": self.mask}
-        if self.returns is not None:
-            out["returns"] = self.returns
-        return out
+
+@dataclass
+class UpdateRows:
+    """The rows phase 4 trains on: one rollout's tokens, its advantages and phase 2's passes.
+
+    The update cuts them by row — mini-batches, each DP rank's share, micro-batches — with
+    :meth:`select` and :meth:`narrow` (``megarl.model.rows.RowRecord``); every field is cut
+    alike, so row i of each tensor always belongs to the same sample. Optional fields are
+    None when the step did not compute them (and stay None through every cut)."""
+
+    tokens: torch.Tensor  # (n, S) long, prompt + response, right-padded
+    mask: torch.Tensor  # (n, S) float, response tokens that count (``Advantages.mask``)
+    adv: torch.Tensor  # (n, S) per-token advantages, or (n,) per-sequence (broadcast over the mask)
+    returns: torch.Tensor | None = None  # (n, S) value targets; with a critic
+    old_logprobs: torch.Tensor | None = None  # (n, S) log π_old(a_t|s_t); when phase 2 computed it
+    ref_logprobs: torch.Tensor | None = None  # (n, S) log π_ref(a_t|s_t); with a KL term
+    old_values: torch.Tensor | None = None  # (n, S) V_old(s_t); with a critic
+    engine_logprobs: torch.Tensor | None = None  # (n, S) log π_engine(a_t|s_t); steps that asked the engines
+
+    @classmethod
+    def of(cls, batch: RolloutBatch, adv: Advantages, ev: PolicyEval) -> UpdateRows:
+        return cls(
+            tokens=batch.tokens,
+            mask=adv.mask,
+            adv=adv.adv,
+            returns=adv.returns,
+            old_logprobs=ev.old_logprobs,
+            ref_logprobs=ev.ref_logprobs,
+            old_values=ev.old_values,
+            engine_logprobs=batch.engine_logprobs,
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def select(self, index: slice | torch.Tensor) -> UpdateRows:
+        """The rows ``index`` (a slice or a (k,) long tensor of row indices) of every field."""
+        return replace(self, **{name: v[index] for name, v in self._present()})
+
+    def narrow(self, width: int) -> UpdateRows:
+        """Per-token fields cut to their first ``width`` columns; per-row (n,) fields kept."""
+        return replace(self, **{name: v[:, :width] for name, v in self._present() if v.dim() >= 2})
+
+    def _present(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f.name, v) for f in fields(self) if (v := getattr(self, f.name)) is not None]
+
+    def critic_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old_values, returns): what the value loss needs, present whenever there is a critic."""
+        if self.old_values is None or self.returns is None:
+            raise ValueError(
+                "the critic's update needs old_values (phase 2) and returns (phase 3); "
+                f"got old_values={'set' if self.old_values is not None else None}, "
+                f"returns={'set' if self.returns is not None else None}"
+            )
+        return self.old_values, self.returns
+
+
+def maximum() -> Any:
+    """A :class:`LossTerms` field that reduces by its maximum (over micro-batches, DP ranks and
+    a step's updates); every other term is a sum."""
+    return field(default=None, metadata={"reduce": "max"})
+
+
+@dataclass
+class LossTerms:
+    """What a loss function reports about one micro-batch besides the loss it returns.
+
+    Each term is a SUM over the micro-batch's response tokens — so it reduces exactly over any
+    split of the rows and the step's per-token mean is Σ term / Σ tokens — except the fields
+    declared with :func:`maximum`. ``megarl.model.train.train_step`` reduces the terms of every
+    micro-batch and DP rank into the update's (the same record, each term then a () float64
+    tensor); :class:`LossStats` folds a step's updates. None: not computed this step."""
+
+    loss: torch.Tensor  # () the loss already divided by its global denominator (sums to the update's)
+    tokens: torch.Tensor  # () response tokens (mask sum) the sums run over
+
+    def present(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(field name, value, reduces by maximum) of every computed field, in field order."""
+        out = [(f.name, getattr(self, f.name), f.metadata.get("reduce") == "max") for f in fields(self)]
+        return [(name, v, is_max) for name, v, is_max in out if v is not None]
+
+    def extra(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """:meth:`present` without ``loss`` and ``tokens`` (the subclass's own terms)."""
+        return self.present()[len(fields(LossTerms)) :]
+
+
+@dataclass
+class PolicyTerms(LossTerms):
+    """The policy loss's terms; each field name is its logged metric (``train/<name>``)."""
+
+    clipfrac: torch.Tensor  # () Σ over tokens of the clipped fraction (its per-token mean is logged)
+    engine_logprob_absdiff: torch.Tensor | None = None  # () Σ |log π_train − log π_engine|; steps with engine log-probs
+    engine_prob_ratio_max: torch.Tensor | None = maximum()  # () max π_train/π_engine over tokens; as above
+    entropy: torch.Tensor | None = None  # () Σ entropy; with algo.entropy_coef > 0
+    kl: torch.Tensor | None = None  # () Σ KL(π‖π_ref) estimate; with algo.kl_mode loss
+
+
+@dataclass
+class ValueTerms(LossTerms):
+    """The value loss's terms; each field name is its logged metric (``critic/<name>``)."""
+
+    value_mean: torch.Tensor  # () Σ V(s_t) over tokens
+    value_mse: torch.Tensor  # () Σ (V(s_t) − R_t)² over tokens
 
 
 @dataclass
 class LossStats:
     """One model's loss statistics over a step's updates, reduced exactly: ``sums`` add up over
-    micro-batches, DP ranks and updates; ``maxima`` take the maximum."""
+    micro-batches, DP ranks and updates; ``maxima`` take the maximum (by :class:`LossTerms`
+    field name, which is the metric's)."""
 
     loss: float = 0.0  # sum over updates of each update's (globally normalised) loss
     grad_norm: float = 0.0  # sum over updates of the global gradient norm
     tokens: float = 0.0  # response tokens the sums are over
     updates: int = 0
     sums: dict[str, float] = field(default_factory=dict)  # e.g. clipfrac, kl, entropy (× tokens)
-    maxima: dict[str, float] = field(default_factory=dict)  # e.g. engine_prob_ratio
+    maxima: dict[str, float] = field(default_factory=dict)  # e.g. engine_prob_ratio_max
 
-    def add(self, stats: dict[str, float], grad_norm: float) -> None:
-        """Fold one update's reduced stats (``train_step``: ``*_max`` maxima, else sums) in."""
+    def add(self, terms: LossTerms, grad_norm: float) -> None:
+        """Fold one update's reduced terms (``train_step``'s) in."""
         self.updates += 1
         self.grad_norm += grad_norm
-        for k, v in stats.items():
-            if k == "loss":
-                self.loss += v
-            elif k == "tokens":
-                self.tokens += v
-            elif k.endswith("_max"):
-                name = k.removesuffix("_max")
-                self.maxima[name] = max(self.maxima.get(name, -float("inf")), v)
+        self.loss += float(terms.loss)
+        self.tokens += float(terms.tokens)
+        for name, v, is_max in terms.extra():
+            if is_max:
+                self.maxima[name] = max(self.maxima.get(name, -float("inf")), float(v))
             else:
-                name = k.removesuffix("_sum")
-                self.sums[name] = self.sums.get(name, 0.0) + v
+                self.sums[name] = self.sums.get(name, 0.0) + float(v)
 
     def means(self) -> dict[str, float]:
         """Per-token means of the sums, per-update means of loss and grad norm, and the maxima."""
         n, tok = max(self.updates, 1), max(self.tokens, 1.0)
         out = {"loss": self.loss / n, "grad_norm": self.grad_norm / n}
         out.update({k: v / tok for k, v in self.sums.items()})
-        out.update({f"{k}_max": v for k, v in self.maxima.items()})
+        out.update(self.maxima)
         return out

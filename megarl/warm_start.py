@@ -15,7 +15,8 @@ from megarl.data.prompts import PromptRecord
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model
-from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
+from megarl.model.forward import labels_of, vocab_parallel_logprobs
+from megarl.model.train import train_step
 from megarl.planning import lr_at
 from megarl.rollout.sampling import pack_sequences
 from megarl.update.rows import dp_rows

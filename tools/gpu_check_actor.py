@@ -7,8 +7,8 @@ file keyed by megatron parameter name (both build the same local layer spec), al
 to bf16 so the two runs start from exactly the same numbers.
 
 Everything here is megarl's real code path: ``build_gpt`` (megatron DDP + optimizer),
-``forward_logprobs``, ``objectives.policy_loss_fn``, ``algo.grpo_advantages`` /
-``global_denominator``, ``forward.train_step`` and the gradient probe.
+``forward_logprobs``, ``update.losses.policy_loss_fn``, ``algo.grpo_advantages`` /
+``global_denominator``, ``model.train.train_step`` and the gradient probe.
 """
 
 from __future__ import annotations
@@ -136,11 +136,13 @@ def grpo_batch(actor: Actor, rollout: dict[str, torch.Tensor]) -> tuple[dict[str
 
 
 def one_step(actor: Actor, batch: dict[str, torch.Tensor], denom: float) -> tuple[dict[str, float], float]:
-    from megarl.model.forward import train_step
-    from megarl.objectives import policy_loss_fn
+    from megarl.model.train import train_step
+    from megarl.types import UpdateRows
+    from megarl.update.losses import policy_loss_fn
 
-    loss_fn = policy_loss_fn(actor.cfg, actor.dims.tp_group, denom)
-    return train_step(actor.model, batch, loss_fn, micro_batch_size=MBS)  # type: ignore[no-any-return]
+    loss_fn = policy_loss_fn(actor.cfg.algo, actor.cfg.rollout.temperature, actor.dims.tp_group, denom)
+    terms, grad_norm = train_step(actor.model, UpdateRows(**batch), loss_fn, micro_batch_size=MBS)
+    return {name: float(v) for name, v, _ in terms.present()}, grad_norm
 
 
 def reference_step(actor: Actor, seed: int = 11) -> dict[str, Any]:

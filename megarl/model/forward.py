@@ -1,4 +1,7 @@
-"""Forward / backward passes of megatron models through megatron's pipeline schedules.
+"""Forward passes of megatron models through megatron's pipeline schedules: the schedule runner
+(:func:`run_schedule`, shared with the optimizer step of ``megarl.model.train``), the
+vocab-parallel log-prob / entropy math, and the forward-only passes (log-probs, values, greedy
+decoding).
 
 Token layout (all ranks agree): ``tokens (B, S)`` = prompt + response, right-padded.
 Position ``t`` of every per-token tensor refers to the prediction of ``tokens[:, t+1]``:
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -33,11 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.model.builder import Model
-from megarl.model.microbatch import MicroBatch, balance_rows, take, token_budget_split
+from megarl.model.microbatch import balance_rows, take, token_budget_split
 from megarl.model.packing import Packing, packings_of
-
-LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(micro_batch, logits_or_values) -> (loss already divided by its global denominator, stats)."""
+from megarl.model.rows import micro_batches, tokens_of
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -90,37 +91,32 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float, tp_group: A
     return logz - sum_ezz / sum_ez
 
 
-def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    n = batch["tokens"].shape[0]
-    if n % micro_batch_size:
-        raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size={micro_batch_size}")
-    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
-
-
-def _run_schedule(
+def run_schedule(
     model: Model,
-    mbs: list[dict[str, torch.Tensor]],
-    loss_fn: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[Any, ...]],
+    mbs: Sequence[Any],
+    loss_fn: Callable[[Any, torch.Tensor], tuple[Any, ...]],
     forward_only: bool,
     packings: list[Packing | None] | None = None,
     per_token: bool = False,
 ) -> list[Any]:
-    """Run ``mbs`` through megatron's schedule; ``packings[i]``: run micro-batch i packed. Its
-    output reaches ``loss_fn`` unpacked to (b, width, ...), or, when ``loss_fn`` works token by
-    token (``per_token``: forward-only log-probs, values), packed as it is, with the
-    micro-batch's per-token tensors packed alike (the caller unpacks the results)."""
+    """Run ``mbs`` (batches of rows, ``megarl.model.rows``) through megatron's schedule;
+    ``packings[i]``: run micro-batch i packed. Its output reaches ``loss_fn`` unpacked to
+    (b, width, ...), or, when ``loss_fn`` works token by token (``per_token``: forward-only
+    log-probs, values; dict micro-batches), packed as it is, with the micro-batch's per-token
+    tensors packed alike (the caller unpacks the results). Returns what ``loss_fn``'s third
+    element was for each micro-batch (on the last stage; megatron returns [] elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     dims = model.dims
     seen = [0]
 
-    def forward_step(data_iterator: Iterator[tuple[dict[str, torch.Tensor], Packing | None]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
+    def forward_step(data_iterator: Iterator[tuple[Any, Packing | None]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
         mb, packing = next(data_iterator)
         if seen[0] > 0 and model.probe is not None and not forward_only:
             model.probe.microbatch_boundary(module)  # the previous micro-batch's backward is done
         seen[0] += 1
-        tokens = mb["tokens"]
+        tokens = tokens_of(mb)
         if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
             params = packing.seq_params(tokens.device)
             out = module(packing.pack(tokens), packing.positions.to(tokens.device), None, packed_seq_params=params)
@@ -133,13 +129,13 @@ def _run_schedule(
         out = module(tokens, positions, None)
         return out, partial(loss_fn, mb)
 
-    seq_len = mbs[0]["tokens"].shape[1]
+    seq_len = tokens_of(mbs[0]).shape[1]
     packs = packings or [None] * len(mbs)
     # this model's groups, never megatron's globals (which describe the actor's layout)
     groups: dict[str, Any] = {"pg_collection": dims.pgs}
     if dims.pp > 1:
         config = model.config
-        if len({tuple(mb["tokens"].shape) for mb in mbs}) > 1 or any(p is not None for p in packs):
+        if len({tuple(tokens_of(mb).shape) for mb in mbs}) > 1 or any(p is not None for p in packs):
             # token-budget micro-batches differ in shape: megatron's p2p then sends each
             # tensor's shape before the tensor (``variable_seq_lengths``); only this call's
             # communicator sees the flag, the model's config stays as built
@@ -154,7 +150,7 @@ def _run_schedule(
         model=[model.module],
         num_microbatches=len(mbs),
         seq_length=seq_len,
-        micro_batch_size=mbs[0]["tokens"].shape[0],
+        micro_batch_size=tokens_of(mbs[0]).shape[0],
         forward_only=forward_only,
         **groups,
     )
@@ -250,7 +246,7 @@ def _forward_collect(
     mbs = micro_batches({"tokens": rows}, micro_batch_size)
     model.module.eval()
     with torch.no_grad():
-        store = _run_schedule(model, mbs, loss_fn, forward_only=True)
+        store = run_schedule(model, mbs, loss_fn, forward_only=True)
     result: dict[str, torch.Tensor] = {}
     for k in keys:
         if dims.is_last_stage:
@@ -296,7 +292,7 @@ def _forward_collect_budget(
 
     model.module.eval()
     with torch.no_grad():
-        store = _run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packs, per_token=True)
+        store = run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packs, per_token=True)
     most = max(int(p.numel()) for p in parts)  # all_gather needs equal shapes: pad each rank's rows
     result: dict[str, torch.Tensor] = {}
     for k in keys:
@@ -317,77 +313,6 @@ def _forward_collect_budget(
             full[mine] = t[: mine.numel()]
         result[k] = full * (torch.arange(S, device=full.device) < lengths.to(full.device)[:, None])
     return result
-
-
-def train_step(
-    model: Model,
-    batch: dict[str, torch.Tensor],
-    loss_fn: LossFn,
-    *,
-    micro_batch_size: int,
-    lr: float | None = None,
-    value_model: bool = False,
-    groups: list[MicroBatch] | None = None,
-) -> tuple[dict[str, float], float]:
-    """One optimizer step over ``batch`` (this DP rank's rows). Returns (stats, grad_norm).
-
-    Micro-batches: consecutive ``micro_batch_size`` rows at full width, or the given
-    ``groups`` (token-budget micro-batches, ``megarl.model.microbatch``), each cut to its width
-    (and run packed when the group carries its rows' lengths).
-
-    ``loss_fn`` returns a loss already divided by its global denominator; stats are summed
-    over micro-batches here and over DP ranks (all-reduce) — so stats must be sums too
-    (e.g. loss numerators) that the caller normalises.
-    """
-    dims = model.dims
-
-    def schedule_loss(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
-        loss, stats = loss_fn(mb, model_logits(model, out) if not value_model else out)
-        return loss, torch.tensor(1), {k: v.detach() for k, v in stats.items()}
-
-    mbs = micro_batches(batch, micro_batch_size) if groups is None else [take(batch, mb) for mb in groups]
-    model.module.train()
-    model.module.zero_grad_buffer()  # type: ignore[operator]
-    model.optimizer.zero_grad()
-    if lr is not None:
-        for group in model.optimizer.param_groups:
-            group["lr"] = lr
-    store = _run_schedule(model, mbs, schedule_loss, False, None if groups is None else packings_of(groups))
-    ok, grad_norm, _ = model.optimizer.step()
-    if not ok:
-        raise FloatingPointError("optimizer step skipped (non-finite gradients)")
-    keys = sorted(store[0].keys()) if store else []
-    # Stats live on the last stage: keys ending in "_max" are maxima, all others sums;
-    # reduce over micro-batches and DP, then share across the pipeline.
-    names = _broadcast_keys(keys, dims)
-    # on the model's device: NCCL groups (CUDA) refuse CPU tensors
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=dims.device)
-    maxes = torch.full((len(names) + 1,), -float("inf"), dtype=torch.float64, device=dims.device)
-    if dims.is_last_stage and store:
-        for d in store:
-            for i, k in enumerate(names):
-                v = d[k].double()
-                if k.endswith("_max"):
-                    maxes[i] = torch.maximum(maxes[i], v.max())
-                else:
-                    sums[i] += v.sum()
-    dist.all_reduce(sums, group=dims.dp_group)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dims.dp_group)
-    if dims.pp > 1:
-        src = dist.get_process_group_ranks(dims.pp_group)[-1]
-        dist.broadcast(sums, src=src, group=dims.pp_group)
-        dist.broadcast(maxes, src=src, group=dims.pp_group)
-    out = {k: float(maxes[i] if k.endswith("_max") else sums[i]) for i, k in enumerate(names)}
-    return out, float(grad_norm or 0.0)
-
-
-def _broadcast_keys(keys: list[str], dims: Any) -> list[str]:
-    if dims.pp == 1:
-        return keys
-    obj = [keys]
-    src = dist.get_process_group_ranks(dims.pp_group)[-1]
-    dist.broadcast_object_list(obj, src=src, group=dims.pp_group)
-    return list(obj[0])
 
 
 def _vocab_parallel_argmax(logits: torch.Tensor, tp_rank: int, tp_group: Any) -> torch.Tensor:
@@ -422,7 +347,7 @@ def greedy_generate(
             return torch.zeros(()), torch.tensor(1), {"argmax": am}
 
         model.module.eval()
-        store = _run_schedule(model, [{"tokens": tokens}], loss_fn, forward_only=True)
+        store = run_schedule(model, [{"tokens": tokens}], loss_fn, forward_only=True)
         am = store[0]["argmax"] if dims.is_last_stage else torch.empty(tokens.shape, dtype=torch.long)
         if dims.pp > 1:
             dist.broadcast(am, src=dist.get_process_group_ranks(dims.pp_group)[-1], group=dims.pp_group)

@@ -13,7 +13,7 @@ for the other (one-step-off-policy as in verl, AReaL's bounded staleness). One s
 Invariants:
 - step s's samples come from the policy pushed after update s-k-1: they lag the trainer by
   at most k versions (``RolloutBatch.versions`` records each response's; the loss corrects the
-  lag with the behaviour log-probs, ``megarl.objectives``);
+  lag with the behaviour log-probs, ``megarl.update.losses``);
 - one worker thread, jobs in issue order: the fleet runs one generation at a time;
 - at the end of every step nothing is in flight (drained before the sync), so validation,
   checkpoints and the weight sync see an idle fleet; the batches generated ahead are saved

@@ -2,13 +2,15 @@
 
 ``evaluate``: forward-only old-policy / reference log-probs and critic values (phase 2);
 ``advantages``: rewards (+ KL penalty) → advantages and returns (phase 3);
-``optimize``: PPO epochs × mini-batches of actor and critic updates, measured by the grad
-probes for the coordinator (phase 4), and the step's observation for the planner (phase 6).
+``optimize``: PPO epochs × mini-batches of actor and critic updates (``Learner`` records, typed
+``UpdateRows`` and loss terms), measured by the grad probes for the coordinator (phase 4), and
+the step's observation for the planner (phase 6); ``losses``: the policy and value loss
+functions it hands to the train step; ``rows``: which rows each DP rank trains on.
 """
 
 from megarl.update.advantages import AdvantageEstimator
 from megarl.update.evaluate import evaluate, mismatch
-from megarl.update.optimize import PolicyUpdater
+from megarl.update.optimize import Learner, PolicyUpdater, UpdateSettings
 from megarl.update.rows import dp_rows
 
-__all__ = ["AdvantageEstimator", "PolicyUpdater", "dp_rows", "evaluate", "mismatch"]
+__all__ = ["AdvantageEstimator", "Learner", "PolicyUpdater", "UpdateSettings", "dp_rows", "evaluate", "mismatch"]

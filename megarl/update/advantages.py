@@ -10,23 +10,24 @@ from typing import Any
 import torch
 
 from megarl import algo
-from megarl.config import AlgoConfig, RunConfig
+from megarl.config import AlgoConfig
 from megarl.types import Advantages, PolicyEval, RolloutBatch
 
 KLController = algo.FixedKLController | algo.AdaptiveKLController
 
 
 class AdvantageEstimator:
-    def __init__(self, cfg: RunConfig) -> None:
-        a = cfg.algo
-        self.cfg = cfg
+    """Phase 3 with its state (the KL controller), built from the ``algo`` section."""
+
+    def __init__(self, a: AlgoConfig) -> None:
+        self.algo = a
         self.kl_ctl = algo.make_kl_controller(
             a.kl_controller, kl_coef=a.kl_coef, target_kl=a.kl_target, horizon=int(a.kl_horizon)
         )
 
     def __call__(self, batch: RolloutBatch, ev: PolicyEval) -> tuple[Advantages, dict[str, float]]:
         """Advantages (and critic returns); see :func:`rollout_advantages`."""
-        return rollout_advantages(self.cfg.algo, self.kl_ctl, batch, ev)
+        return rollout_advantages(self.algo, self.kl_ctl, batch, ev)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.kl_ctl.state_dict())

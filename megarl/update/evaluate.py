@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import torch
 
-from megarl.config import RunConfig
+from megarl.config import AlgoConfig, ParallelConfig, RolloutConfig
 from megarl.model.builder import Model
 from megarl.model.forward import forward_logprobs, forward_values
 from megarl.model.microbatch import row_lengths
 from megarl.types import PolicyEval, RolloutBatch
 
 
-def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | None, critic: Model | None) -> PolicyEval:
+def evaluate(
+    a: AlgoConfig,
+    r: RolloutConfig,
+    p: ParallelConfig,
+    batch: RolloutBatch,
+    actor: Model,
+    ref: Model | None,
+    critic: Model | None,
+) -> PolicyEval:
     """What the step's losses need: π_old when the samples are reused (several updates), the
     KL is a reward penalty, there is a critic, or the samples come from an older policy
     (``rollout.max_staleness`` > 0: π_old is then decoupled PPO's proximal policy, the engine's
-    log-probs the behaviour policy); π_ref when KL is on; V_old with a critic."""
-    a, temp, p = cfg.algo, cfg.rollout.temperature, cfg.parallel
+    log-probs the behaviour policy); π_ref when KL is on; V_old with a critic. Log-probs are
+    taken at ``rollout.temperature``; micro-batches follow ``parallel``."""
+    temp = r.temperature
     lmbs = p.logprob_micro_batch_size
 
     def fwd_mbs(model: Model) -> int:  # bigger forward-only micro-batches when they divide the batch
@@ -34,7 +43,7 @@ def evaluate(cfg: RunConfig, batch: RolloutBatch, actor: Model, ref: Model | Non
             model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget, pack=pack
         )["logprobs"]
 
-    stale = cfg.rollout.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
+    stale = r.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
     if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale:
         out.old_logprobs = logprobs(actor)
     if a.kl_coef > 0:

@@ -13,7 +13,8 @@ from megarl.checkpoint.hf_io import load_hf_tensors, read_hf_folder
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig
 from megarl.distributed import ParallelDims
 from megarl.model.builder import Model, build_gpt
-from megarl.model.forward import labels_of, train_step, vocab_parallel_logprobs
+from megarl.model.forward import labels_of, vocab_parallel_logprobs
+from megarl.model.train import train_step
 
 B, S, MBS = 8, 16, 2
 

@@ -34,8 +34,9 @@ def _setup(impl: str, dtype: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
 def _both_ways(model: Any, tokens: torch.Tensor, mask: torch.Tensor) -> dict[str, dict[str, Any]]:
     """Log-probs, loss and gradients of the padded and the packed token-budget passes (lr = 0)."""
     from megarl import algo
-    from megarl.model.forward import forward_logprobs, labels_of, train_step, vocab_parallel_logprobs
+    from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs
     from megarl.model.microbatch import row_lengths, token_budget_split
+    from megarl.model.train import train_step
 
     lengths, budget = row_lengths(mask), 4 * tokens.shape[1]
     denom = algo.global_denominator("seq-mean-token-mean", mask)

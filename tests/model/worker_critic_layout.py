@@ -27,7 +27,8 @@ from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed, init_layout, layout_rng  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
-from megarl.model.forward import forward_values, train_step  # noqa: E402
+from megarl.model.forward import forward_values  # noqa: E402
+from megarl.model.train import train_step  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)

@@ -25,11 +25,11 @@ from megarl.model.forward import (  # noqa: E402
     forward_logprobs,
     forward_values,
     labels_of,
-    train_step,
     vocab_parallel_logprobs,
 )
 from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
 from megarl.model.microbatch import balance_rows, row_lengths, token_budget_split  # noqa: E402
+from megarl.model.train import train_step  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)

@@ -18,7 +18,7 @@ import torch
 from megarl import algo
 from megarl.algo.advantages import compute_advantages, kl_penalized_rewards
 from megarl.config import AlgoConfig
-from megarl.types import PolicyEval, RolloutBatch
+from megarl.types import Advantages, PolicyEval, RolloutBatch
 from megarl.update.advantages import rollout_advantages
 
 BETA = 0.5
@@ -68,7 +68,9 @@ def _batch(truncated: list[bool] | None = None) -> RolloutBatch:
     )
 
 
-def _run(advantage: str, beta: float, **algo_overrides: object) -> tuple[torch.Tensor, dict, dict[str, float], float]:
+def _run(
+    advantage: str, beta: float, **algo_overrides: object
+) -> tuple[torch.Tensor, Advantages, dict[str, float], float]:
     cfg = AlgoConfig(
         advantage=advantage,
         kl_mode="reward",
@@ -84,8 +86,7 @@ def _run(advantage: str, beta: float, **algo_overrides: object) -> tuple[torch.T
     if advantage == "gae":
         lps["old_values"] = torch.zeros_like(KL)
     adv, stats = rollout_advantages(cfg, ctl, _batch(), PolicyEval(**lps))
-    out = adv.rows()
-    return out["adv"], out, stats, ctl.value
+    return adv.adv, adv, stats, ctl.value
 
 
 def _per_seq(adv: list[float]) -> list[list[float]]:
@@ -134,7 +135,7 @@ def test_kl_in_reward_changes_every_estimator(name: str) -> None:
     assert stats["train/kl_reward"] == pytest.approx(0.35)
     assert stats["train/kl_coef"] == BETA
     if name == "gae":  # critic targets are the penalised returns (V = 0)
-        torch.testing.assert_close(out["returns"], torch.tensor(RTG_PENALISED), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out.returns, torch.tensor(RTG_PENALISED), atol=1e-6, rtol=1e-6)
 
 
 def test_adaptive_controller_sees_the_kl_that_acts() -> None:

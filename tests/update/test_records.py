@@ -1,20 +1,29 @@
-"""The update phase's pure pieces: how one model's loss statistics reduce over updates
-(``LossStats``) and which rows each DP rank trains on (``dp_rows``)."""
+"""The update phase's pure pieces: how one model's loss terms reduce over updates
+(``LossStats``), the rows an update trains on (``UpdateRows``) and which rows each DP rank
+trains on (``dp_rows``)."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megarl.types import Advantages, LossStats, PolicyEval
+from megarl.types import Advantages, LossStats, PolicyEval, PolicyTerms, RolloutBatch, UpdateRows
 from megarl.update.rows import dp_rows
+
+
+def _terms(loss: float, tokens: float, clipped: float, kl: float, ratio_max: float) -> PolicyTerms:
+    t = torch.tensor
+    return PolicyTerms(
+        loss=t(loss), tokens=t(tokens), clipfrac=t(clipped), kl=t(kl), engine_prob_ratio_max=t(ratio_max)
+    )
 
 
 def test_loss_stats_sums_maxima_and_means() -> None:
     s = LossStats()
-    s.add({"loss": 0.5, "tokens": 10.0, "clipfrac_sum": 2.0, "kl_sum": 1.0, "engine_prob_ratio_max": 1.02}, 3.0)
-    s.add({"loss": 0.25, "tokens": 30.0, "clipfrac_sum": 6.0, "kl_sum": 3.0, "engine_prob_ratio_max": 1.01}, 1.0)
+    s.add(_terms(loss=0.5, tokens=10.0, clipped=2.0, kl=1.0, ratio_max=1.02), 3.0)
+    s.add(_terms(loss=0.25, tokens=30.0, clipped=6.0, kl=3.0, ratio_max=1.01), 1.0)
     assert s.updates == 2 and s.tokens == 40.0
     m = s.means()
     assert m["loss"] == pytest.approx(0.375) and m["grad_norm"] == pytest.approx(2.0)
@@ -50,13 +59,46 @@ def test_dp_rows_fall_back_to_equal_when_a_share_is_below_one_micro_batch() -> N
     assert [sl.stop - sl.start for sl in every] == [16, 16]
 
 
+def _present(rows: UpdateRows) -> set[str]:
+    return {f.name for f in dataclasses.fields(rows) if getattr(rows, f.name) is not None}
+
+
+def _rollout(engine: torch.Tensor | None) -> RolloutBatch:
+    z = torch.zeros(2)
+    return RolloutBatch(
+        torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), engine, z, z.long(), z.long(), z.bool(), 0
+    )
+
+
 def test_records_expose_only_present_tensors() -> None:
     t = torch.zeros(2, 3)
-    assert set(PolicyEval(old_logprobs=t).rows()) == {"old_logprobs"}
-    assert set(PolicyEval(old_logprobs=t, ref_logprobs=t, old_values=t).rows()) == {
-        "old_logprobs", "ref_logprobs", "old_values"}
-    assert set(Advantages(adv=t, mask=t).rows()) == {"adv", "mask"}
-    assert set(Advantages(adv=t, mask=t, returns=t).rows()) == {"adv", "mask", "returns"}
+    batch = _rollout(None)
+    base = {"tokens", "adv", "mask"}
+    assert _present(UpdateRows.of(batch, Advantages(adv=t, mask=t), PolicyEval(old_logprobs=t))) == base | {
+        "old_logprobs"
+    }
+    assert _present(
+        UpdateRows.of(batch, Advantages(adv=t, mask=t), PolicyEval(old_logprobs=t, ref_logprobs=t, old_values=t))
+    ) == base | {"old_logprobs", "ref_logprobs", "old_values"}
+    assert _present(UpdateRows.of(batch, Advantages(adv=t, mask=t), PolicyEval())) == base
+    assert _present(UpdateRows.of(batch, Advantages(adv=t, mask=t, returns=t), PolicyEval())) == base | {"returns"}
+    assert _present(UpdateRows.of(_rollout(t), Advantages(adv=t, mask=t), PolicyEval())) == base | {"engine_logprobs"}
+
+
+def test_update_rows_cut_every_field_alike() -> None:
+    """select picks the same rows of every field (slices and index tensors), narrow cuts only
+    per-token fields, and absent fields stay absent."""
+    n, S = 4, 5
+    tokens = torch.arange(n * S).reshape(n, S)
+    rows = UpdateRows(tokens=tokens, mask=tokens.float() / 10, adv=torch.arange(n).float(), returns=tokens.float() * 2)
+    part = rows.select(torch.tensor([1, 3]))
+    assert part.tokens.tolist() == [tokens[1].tolist(), tokens[3].tolist()] and part.adv.tolist() == [1.0, 3.0]
+    assert torch.equal(part.returns, tokens[[1, 3]].float() * 2) and part.old_logprobs is None
+    assert rows.select(slice(2, 4)).adv.tolist() == [2.0, 3.0] and rows.select(slice(2, 4)).size == 2
+    cut = part.narrow(2)
+    assert cut.tokens.tolist() == [[5, 6], [15, 16]] and cut.mask.shape == (2, 2) and cut.adv.tolist() == [1.0, 3.0]
+    with pytest.raises(ValueError, match="old_values"):
+        rows.critic_targets()
 
 
 def test_update_rows_token_budget() -> None:
