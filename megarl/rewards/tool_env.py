@@ -1,0 +1,90 @@
+"""Built-in tool environments: the model calls tools until it answers without one.
+
+``calculator`` offers one tool, ``calculator(expression)`` (:mod:`megarl.rewards.calculator`).
+Each of the model's turns is read with the run's tool-call parser (``env.tool_parser``,
+:mod:`megarl.rewards.tool_calls`):
+
+* calls that read → each runs, and the observation is one ``tool`` message per call with its
+  result, or ``error: ...`` for a call that failed (an unknown tool, bad arguments, a refused
+  expression): the model sees its mistake and the episode goes on;
+* a turn whose tool-call blocks do not read (invalid JSON...) → one ``tool`` message
+  ``error: ...`` naming each problem;
+* a turn without a tool call → done: it is the answer, scored by ``reward.fn`` like a
+  single-turn response.
+
+Turn limits (``env.max_turns``, the context budget) are the collector's; ``info`` counts
+``tool_calls`` and ``tool_errors`` for the step's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megarl.rewards.calculator import CalculatorError, evaluate, format_value
+from megarl.rewards.env import Step
+from megarl.rewards.tool_calls import PARSERS, ToolCall, ToolParser
+
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 123*456"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+class ToolEnv:
+    """Runs the tools the model calls; the episode ends at a turn with no tool call."""
+
+    tools: list[dict[str, Any]] = []
+    """The tools' schemas, for the chat template."""
+    functions: dict[str, Callable[[dict[str, Any]], str]] = {}
+    """Each tool by name: its arguments → its result text (``error: ...`` when it fails)."""
+    parser: ToolParser = PARSERS["hermes"]()
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None  # the row's own prompt (and the tools, through the chat template)
+
+    def step(self, action: str) -> Step:
+        turn = self.parser.parse(action)
+        if turn.errors:
+            message = {"role": "tool", "content": "error: " + "; ".join(turn.errors)}
+            return Step([message], info={"tool_calls": 0, "tool_errors": len(turn.errors)})
+        if not turn.calls:
+            return Step("", done=True, info={"tool_calls": 0, "tool_errors": 0})
+        results = [self.call(c) for c in turn.calls]
+        errors = sum(r.startswith("error: ") for r in results)
+        messages = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(turn.calls, results, strict=True)]
+        return Step(messages, info={"tool_calls": len(turn.calls), "tool_errors": errors})
+
+    def call(self, call: ToolCall) -> str:
+        """One call's result text (``error: ...`` when it fails)."""
+        fn = self.functions.get(call.name)
+        if fn is None:
+            return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(self.functions))})"
+        return fn(call.arguments)
+
+
+def calculator(arguments: dict[str, Any]) -> str:
+    expression = arguments.get("expression")
+    if not isinstance(expression, str) or set(arguments) != {"expression"}:
+        return 'error: calculator takes one argument, "expression" (a string)'
+    try:
+        return format_value(evaluate(expression))
+    except CalculatorError as e:
+        return f"error: {e}"
+
+
+class CalculatorEnv(ToolEnv):
+    tools = [CALCULATOR]
+    functions = {"calculator": calculator}
+
+
+ENVS: dict[str, type] = {"calculator": CalculatorEnv}
+"""Built-in environments by the name ``env.fn`` gives."""
