@@ -135,6 +135,9 @@ class Group:
     rewards: list[float]
     version: int = -1
     """Policy version the engines served when they sampled this group (-1: not recorded)."""
+    trained: list[list[int]] | None = None
+    """Multi-turn episodes: per sample, 1 on each response id the engine generated and 0 on each
+    observation id (``megarl.rollout.episode``); None: every response id was generated."""
 
 
 def engine_logprobs_wanted(cfg: CollectSettings, step: int) -> bool:
@@ -247,6 +250,9 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
     plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
+    if any(g.trained is not None for g in groups):  # episodes: observation ids are not trained
+        trained = [m for g in groups for m in (g.trained or [[1] * len(ids) for ids, _, _ in g.samples])]
+        mask = mask * _ragged(trained, plen - 1, tokens.shape[1], 0.0, torch.float32)
     # engine log-probs sit under the mask: response token j's at column prompt_len - 1 + j
     elp = (
         _ragged([lp[: len(rr)] for _, rr, lp, _ in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
