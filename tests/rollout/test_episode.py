@@ -53,8 +53,8 @@ def test_multi_turn_mask_and_logprobs_follow_the_generated_ids() -> None:
             # the obvious reference, turn by turn: each generated id's position is where the model predicts it
             tokens, mask, lp = list(ep.prompt_ids), {}, {}
             for t in ep.turns:
-                for x, l in zip(t.ids, t.logprobs, strict=True):
-                    mask[len(tokens) - 1], lp[len(tokens) - 1] = 1.0, l
+                for x, logp in zip(t.ids, t.logprobs, strict=True):
+                    mask[len(tokens) - 1], lp[len(tokens) - 1] = 1.0, logp
                     tokens.append(x)
                 tokens.extend(t.observation)
             assert batch.tokens[b, : len(tokens)].tolist() == tokens == ep.context()
