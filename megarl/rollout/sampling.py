@@ -18,6 +18,7 @@ from megarl.data.prompts import DataError, PromptRecord, PromptSampler, RolloutE
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.fleet.fleet import Fleet
 from megarl.rewards.runner import RewardReport, RewardRunner, RewardSample
+from megarl.rollout.episode import Episode
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
@@ -135,9 +136,9 @@ class Group:
     rewards: list[float]
     version: int = -1
     """Policy version the engines served when they sampled this group (-1: not recorded)."""
-    trained: list[list[int]] | None = None
-    """Multi-turn episodes: per sample, 1 on each response id the engine generated and 0 on each
-    observation id (``megarl.rollout.episode``); None: every response id was generated."""
+    episodes: list[Episode] | None = None
+    """Multi-turn: each sample's episode (``samples[j]`` is ``episodes[j].sample()``), whose
+    observation ids are not trained; None: every response id was generated."""
 
 
 def engine_logprobs_wanted(cfg: CollectSettings, step: int) -> bool:
@@ -250,8 +251,8 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
     plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
-    if any(g.trained is not None for g in groups):  # episodes: observation ids are not trained
-        trained = [m for g in groups for m in (g.trained or [[1] * len(ids) for ids, _, _ in g.samples])]
+    if any(g.episodes is not None for g in groups):  # episodes: observation ids are not trained
+        trained = [m for g in groups for m in _trained(g)]
         mask = mask * _ragged(trained, plen - 1, tokens.shape[1], 0.0, torch.float32)
     # engine log-probs sit under the mask: response token j's at column prompt_len - 1 + j
     elp = (
@@ -271,6 +272,13 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
         texts=[t for g in groups for t in g.texts],
         versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
     )
+
+
+def _trained(g: Group) -> list[list[int]]:
+    """Per sample of ``g``: 1 on each generated response id, 0 on each observation id."""
+    if g.episodes is None:
+        return [[1] * len(ids) for ids, _, _ in g.samples]
+    return [e.trained() for e in g.episodes]
 
 
 def batch_stats(batch: RolloutBatch) -> dict[str, float]:

@@ -31,7 +31,7 @@ def test_one_turn_episode_packs_bitwise_as_a_sample() -> None:
         assert all(e.single_turn() for e in eps)
         plain = Group(REC, eps[0].prompt_ids, [e.sample() for e in eps], ["t"] * 3, [1.0, 0.0, 0.5])
         marked = Group(REC, eps[0].prompt_ids, [e.sample() for e in eps], ["t"] * 3, [1.0, 0.0, 0.5])
-        marked.trained = [e.trained() for e in eps]
+        marked.episodes = eps
         a, b = pack_groups([plain], 0, 1), pack_groups([marked], 0, 1)
         for name in ("tokens", "mask", "engine_logprobs", "response_lens", "truncated"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -47,7 +47,7 @@ def test_multi_turn_mask_and_logprobs_follow_the_generated_ids() -> None:
             ep.prompt_ids = g.prompt_ids
             eps.append(ep)
         g.samples, g.texts, g.rewards = [e.sample() for e in eps], ["t"] * len(eps), [0.0] * len(eps)
-        g.trained = [e.trained() for e in eps]
+        g.episodes = eps
         batch = pack_groups([g], 0, 1)
         for b, ep in enumerate(eps):
             # the obvious reference, turn by turn: each generated id's position is where the model predicts it
