@@ -27,17 +27,17 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+from megarl.checkpoint.hf_config import check_hf_tensors, hf_dtype_name
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
-from megarl.config.hf import check_hf_tensors, hf_dtype_name
-from megarl.config.rollout import cpu_engine_threads
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts, tokenizer_corpus
 from megarl.data.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
+from megarl.fleet.cpu_threads import cpu_engine_threads
 from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner

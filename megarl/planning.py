@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimConfig, RunConfig
-from megarl.config.checks import probe_min_batch, probe_part_rows
+from megarl.config.cross import probe_min_batch, probe_part_rows
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import adam_preconditioner

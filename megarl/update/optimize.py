@@ -14,7 +14,7 @@ from typing import cast
 
 from megarl import algo, objectives
 from megarl.config import RunConfig
-from megarl.config.checks import probe_part_rows
+from megarl.config.cross import probe_part_rows
 from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments

@@ -220,35 +220,6 @@ def test_explicit_head_dim_validates() -> None:
     assert _cfg().model.head_dim == 32
 
 
-@pytest.mark.parametrize(
-    ("rollout", "cores", "local_ranks", "threads"),
-    [
-        ({}, 2, 2, 2),  # staleness 0: the trainer waits while the engine generates
-        ({"num_engines": 2}, 2, 2, 1),
-        ({"num_engines": 3}, 8, 2, 2),
-        ({"max_staleness": 1}, 2, 2, 1),  # pipelined: both trainer ranks compute meanwhile, at least 1
-        ({"max_staleness": 1, "num_engines": 2}, 8, 2, 3),
-        ({"max_staleness": 1}, 16, 4, 12),
-        ({"engine_threads": 5}, 2, 2, 5),  # the user's number wins
-        ({"engine_tp": 2}, 8, 2, 0),  # vLLM binds TP workers itself
-    ],
-)
-def test_engine_threads_share_the_cores_the_trainer_leaves(rollout: dict, cores: int, local_ranks: int, threads: int) -> None:
-    from megarl.components import engine_threads
-
-    assert engine_threads(_cfg(rollout=rollout), cores, local_ranks) == threads
-
-
-def test_engine_threads_auto_leaves_cuda_engines_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    from megarl.components import engine_threads
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert engine_threads(_cfg(), 16, 8) == 0
-    assert engine_threads(_cfg(rollout={"engine_threads": 4}), 16, 8) == 4
-
-
 def test_engine_logprobs_on_the_steps_that_read_them() -> None:
     """Every k-th step from the first for the mismatch metrics; every step when the loss reads
     them (TIS, off-policy batches); never with k = 0 and an on-policy loss."""
@@ -293,7 +264,7 @@ def test_cpu_engine_head_dims_are_vllms_and_others_are_refused() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from megarl.config import ConfigError, validate
-    from megarl.config.checks import CPU_ENGINE_HEAD_DIMS
+    from megarl.config.cross import CPU_ENGINE_HEAD_DIMS
 
     assert list(CPU_ENGINE_HEAD_DIMS) == CPUAttentionBackend.get_supported_head_sizes()
     cfg = _cfg(model={"hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2})  # head_dim 16
