@@ -40,7 +40,7 @@ from megarl.engine.staging import MANIFEST
 from megarl.fleet.cpu_threads import cpu_engine_threads
 from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
-from megarl.planning import Planner
+from megarl.planning import Planner, PlanSettings
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
@@ -160,7 +160,7 @@ def build(cfg: RunConfig) -> Components:
             check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
             load_hf_tensors(actor, adapter, hf)
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
-        planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
+        planner = Planner(PlanSettings.of(cfg), dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
         rollouts = RolloutCollector(cfg, dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)

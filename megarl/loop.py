@@ -31,7 +31,7 @@ from megarl.coordinator import StepPlan
 from megarl.fleet import faults
 from megarl.metrics import MetricsLogger, Timer
 from megarl.update import evaluate, mismatch
-from megarl.warm_start import warm_start
+from megarl.warm_start import WarmStartSettings, warm_start
 
 log = logging.getLogger("megarl")
 
@@ -194,7 +194,8 @@ def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> dict[
                 state.rotate_metrics(Path(cfg.train.run_dir) / "metrics.jsonl")
             if cfg.warm_start.steps:
                 t_ws = time.perf_counter()
-                summary["warm_start/final_nll"] = warm_start(cfg, c.dims, c.actor, c.tok, c.rollouts.train_rows)[-1]
+                nll = warm_start(WarmStartSettings.of(cfg), c.dims, c.actor, c.tok, c.rollouts.train_rows)
+                summary["warm_start/final_nll"] = nll[-1]
                 summary["warm_start_s"] = time.perf_counter() - t_ws  # part of startup_s
             add_reference_and_critic(c)
         metrics_log = MetricsLogger.open(cfg.train, to_dict(cfg), enabled=rank0, resumed=resume is not None)

@@ -113,13 +113,13 @@ def probe_part_rows(cfg: RunConfig) -> int:
     return math.lcm(cfg.parallel.micro_batch_size, cfg.rollout.samples_per_prompt)
 
 
-def probe_min_batch(cfg: RunConfig, dp: int, critic_dp: int | None = None) -> int:
+def probe_min_batch(part_rows: int, mini_batches: int, dp: int, critic_dp: int | None = None) -> int:
     """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
-    parts are the measured mini-batch's whole-group runs of micro-batches (`probe_part_rows`),
-    and one part gives no estimate."""
+    parts are the measured mini-batch's whole-group runs of micro-batches (``part_rows``:
+    `probe_part_rows`, ``mini_batches``: algo.mini_batches), and one part gives no estimate."""
     if min(dp, critic_dp or dp) > 1:
         return 1  # parts are DP ranks (or their micro-batches): at least two
-    return 2 * probe_part_rows(cfg) * cfg.algo.mini_batches
+    return 2 * part_rows * mini_batches
 
 
 def _probe_parts(cfg: RunConfig, dp: int) -> None:
@@ -138,7 +138,7 @@ def _probe_parts(cfg: RunConfig, dp: int) -> None:
             "with coordinator.enabled: the noise probe's parts must hold whole GRPO groups (a split "
             "group's responses are negatively correlated, which biases B_noise high)",
         )
-    need = probe_min_batch(cfg, dp, _critic_dp(cfg, dp))
+    need = probe_min_batch(part, m, dp, _critic_dp(cfg, dp))
     if cfg.batch_size < need:
         size = f"parallel.micro_batch_size={p.micro_batch_size}"
         if part != p.micro_batch_size:  # micro-batches joined into whole groups

@@ -13,7 +13,7 @@ from megarl.components import add_reference_and_critic, build  # noqa: E402
 from megarl.config import load_config  # noqa: E402
 from megarl.loop import rl_step  # noqa: E402
 from megarl.model.forward import forward_logprobs, greedy_generate  # noqa: E402
-from megarl.warm_start import warm_start  # noqa: E402
+from megarl.warm_start import WarmStartSettings, warm_start  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
@@ -25,7 +25,7 @@ cfg.rollout.engine_logprobs_every = 1  # the batch checked below carries the eng
 tr = build(cfg)
 result: dict = {}
 try:
-    warm_start(cfg, tr.dims, tr.actor, tr.tok, tr.rollouts.train_rows)
+    warm_start(WarmStartSettings.of(cfg), tr.dims, tr.actor, tr.tok, tr.rollouts.train_rows)
     add_reference_and_critic(tr)
     tr.publisher.push()
     steps = [rl_step(tr, s) for s in range(cfg.train.steps)]
