@@ -3,9 +3,9 @@
 
 The order is the order errors are reported in (a config with two problems names the first):
 every field's generic rules (ints positive, floats finite: :mod:`megarl.config.rules`), then
-each section's own rules (its ``validate()``, beside its fields), then the rules across
-sections (:mod:`megarl.config.cross`), which check the model the run builds (``model.init_from``'s,
-when set).
+the sections' own rules (each section's ``validate()``, beside its fields) and the rules across
+sections (:mod:`megarl.config.cross`, which check the model the run builds: ``model.init_from``'s,
+when set), in the order :func:`validate` gives.
 """
 
 from __future__ import annotations
@@ -72,12 +72,17 @@ class RunConfig:
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Every rule, before any process group starts; the first broken one raises ConfigError
     naming the field, the value and the rule. (data, reward and weight_sync have no rules of
-    their own here: rewards are imported and checked by ``megarl.prelaunch``, transports with
-    what this machine runs by ``cross``.)"""
+    their own here: rewards are imported and checked by ``megarl.prelaunch``, transports against
+    what this machine runs by ``cross``.)
+
+    The order keeps the one it had as a single list of rules as closely as one ``validate()``
+    per section allows: the sections whose rules came first, then those the cross-section rules
+    rely on (the rollout's KV cache size, the model's shape, the algorithm's name), the cross
+    rules, and last coordinator and train, whose rules came last and nothing relies on."""
     positive_ints(cfg)
     finite_floats(cfg)
-    for section in (cfg.algo, cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout, cfg.parallel, cfg.coordinator):
+    for section in (cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout, cfg.model, cfg.parallel, cfg.algo):
         section.validate()
-    cfg.train.validate()  # before the model: run_dir is checked before init_from is read
-    cfg.model.validate()
     cross.check(cfg, resolved_model(cfg.model), world_size)
+    cfg.coordinator.validate()
+    cfg.train.validate()
