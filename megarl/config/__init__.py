@@ -4,7 +4,7 @@ section's own checks (its ``validate()``) beside its fields.
 ``load_config(path, overrides)`` (``load``) reads YAML, applies ``--set a.b=c`` overrides,
 rejects unknown keys and wrong types (naming the dotted field), and :func:`validate` (``run``)
 applies every rule before any process group starts: the generic ones (``rules``), each
-section's, then those across sections (``cross``). Sections: ``model``, ``parallel``, ``optim``,
+section's and those across sections (``cross``). Sections: ``model``, ``parallel``, ``optim``,
 ``data``, ``reward``, ``rollout``, ``algo``, ``critic`` (and ``critic.parallel``),
 ``warm_start``, ``weight_sync``, ``coordinator``, ``train`` and ``tracking`` (``train.tracking``);
 ``run`` holds :class:`RunConfig`, one of each. ``hf`` maps an HF ``config.json`` onto a

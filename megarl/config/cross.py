@@ -2,7 +2,8 @@
 ranks and the noise probe, the rollout against the model's context and the engines' KV cache,
 the algorithm against the rollout, the coordinator against the optimizer, and what this
 machine can run. Each section's rules about its own fields sit beside them (its ``validate()``);
-:func:`megarl.config.validate` runs those first, then :func:`check` (these, in this order).
+:func:`megarl.config.validate` runs :func:`check` (these, in this order) after the sections these
+rules rely on (rollout, model, algo) and before coordinator and train.
 
 The probe's part size (:func:`probe_part_rows`, :func:`probe_min_batch`) is defined here, not
 by its owner ``megarl.planning``: the config's check needs it at load time, and the config is
