@@ -2,7 +2,7 @@
 section's own checks (its ``validate()``) beside its fields.
 
 ``load_config(path, overrides)`` (``load``) reads YAML, applies ``--set a.b=c`` overrides,
-rejects unknown keys and wrong types (naming the dotted field), and :func:`validate` (``run``)
+rejects unknown keys and wrong types (naming the dotted field), and :func:`validate` (``cross``)
 applies every rule before any process group starts: the generic ones (``rules``), each
 section's and those across sections (``cross``). Sections: ``model``, ``parallel``, ``optim``,
 ``data``, ``reward``, ``rollout``, ``algo``, ``critic`` (and ``critic.parallel``),
@@ -16,6 +16,7 @@ the field, the value and the rule.
 from megarl.config.algo import AlgoConfig
 from megarl.config.coordinator import CoordinatorConfig
 from megarl.config.critic import CriticConfig, CriticParallelConfig
+from megarl.config.cross import validate
 from megarl.config.data import DataConfig
 from megarl.config.load import load_config, parse_override, to_dict
 from megarl.config.model import ModelConfig
@@ -23,7 +24,7 @@ from megarl.config.optim import OptimConfig
 from megarl.config.parallel import ParallelConfig
 from megarl.config.reward import RewardConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.config.run import RunConfig, validate
+from megarl.config.run import RunConfig
 from megarl.config.tracking import TrackingConfig
 from megarl.config.train import TrainConfig
 from megarl.config.warm_start import WarmStartConfig

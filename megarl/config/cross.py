@@ -1,9 +1,13 @@
-"""The rules that span sections: the model against the layouts, the batch against the DP
-ranks and the noise probe, the rollout against the model's context and the engines' KV cache,
-the algorithm against the rollout, the coordinator against the optimizer, and what this
-machine can run. Each section's rules about its own fields sit beside them (its ``validate()``);
-:func:`megarl.config.validate` runs :func:`check` (these, in this order) after the sections these
-rules rely on (rollout, model, algo) and before coordinator and train.
+"""The rules that span sections, and :func:`validate` (``megarl.config.validate``), which runs
+every rule of a run config in order. Across sections: the model against the layouts, the batch
+against the DP ranks and the noise probe, the rollout against the model's context and the
+engines' KV cache, the algorithm against the rollout, the coordinator against the optimizer,
+and what this machine can run (:func:`check`, in this order). Each section's rules about its
+own fields sit beside them, in its ``validate()``.
+
+The order of :func:`validate` is the order errors are reported in (a config with two problems
+names the first): every field's generic rules (ints positive, floats finite:
+:mod:`megarl.config.rules`), then the sections' own rules and these, as :func:`validate` lists them.
 
 The probe's part size (:func:`probe_part_rows`, :func:`probe_min_batch`) is defined here, not
 by its owner ``megarl.planning``: the config's check needs it at load time, and the config is
@@ -15,11 +19,35 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from megarl.config.rules import fail
+from megarl.config.hf import resolved_model
+from megarl.config.rules import fail, finite_floats, positive_ints
 
 if TYPE_CHECKING:
     from megarl.config.model import ModelConfig
     from megarl.config.run import RunConfig
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Every rule, before any process group starts; the first broken one raises ConfigError
+    naming the field, the value and the rule. (data, reward and weight_sync have no rules of
+    their own here: rewards are imported and checked by ``megarl.prelaunch``, transports against
+    what this machine runs by ``cross``.)
+
+    The order keeps the one it had as a single list of rules as closely as one ``validate()``
+    per section allows: the sections whose rules came first, then those the cross-section rules
+    rely on (the rollout's KV cache size, the model's shape, the algorithm's name), the cross
+    rules, and last coordinator and train, whose rules came last and nothing relies on."""
+    positive_ints(cfg)
+    finite_floats(cfg)
+    for section in (cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout):
+        section.validate()
+    m = resolved_model(cfg.model)  # (init_from checked first: a folder with config.json and weights)
+    m.validate()
+    cfg.parallel.validate()
+    cfg.algo.validate()
+    check(cfg, m, world_size)
+    cfg.coordinator.validate()
+    cfg.train.validate()
 
 
 def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:

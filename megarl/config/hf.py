@@ -151,9 +151,11 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
 
 
 def resolved_model(m: ModelConfig) -> ModelConfig:
-    """The model the run will build: ``m`` itself, or its shape from ``m.init_from``'s config.json."""
+    """The model the run will build: ``m`` itself, or its shape from ``m.init_from``'s config.json
+    (the folder checked first: it exists, holds a config.json and safetensors weights)."""
     if not m.init_from:
         return m
+    _check_hf_folder(m.init_from)
     cfg_file = Path(m.init_from) / "config.json"
     try:
         hf_cfg = json.loads(cfg_file.read_text())
@@ -165,3 +167,13 @@ def resolved_model(m: ModelConfig) -> ModelConfig:
         if type(e) is KeyError:  # a key the model's shape needs is absent
             reason = f"missing key {reason!r}"
         fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
+
+
+def _check_hf_folder(src: str) -> None:
+    folder = Path(src)
+    if not folder.is_dir():
+        fail("model.init_from", src, "does not exist (expected an HF model folder)")
+    if not (folder / "config.json").is_file():
+        fail("model.init_from", src, "has no config.json: not an HF model folder")
+    if not list(folder.glob("*.safetensors")):
+        fail("model.init_from", src, "has no *.safetensors weights")

@@ -1,14 +1,14 @@
 """The ``model`` section: the actor's (and reference's) architecture, or the HF folder it starts
-from (``init_from``), and its checks. With ``init_from`` the architecture checked is the one
-that folder's config.json describes (:func:`megarl.config.hf.resolved_model`), the one the run builds."""
+from (``init_from``), and its checks. With ``init_from`` the run checks the architecture that
+folder's config.json describes, the one it builds: ``megarl.config.validate`` calls
+:meth:`ModelConfig.validate` on :func:`megarl.config.hf.resolved_model`, which first checks the
+folder itself."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
-from megarl.config.hf import resolved_model
 from megarl.config.rules import fail
 
 
@@ -77,21 +77,8 @@ class ModelConfig:
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size")
 
     def validate(self) -> None:
-        """init_from is an HF model folder; the architecture (init_from's, when set) is one
-        megatron can build and the HF mapping can express."""
-        if self.init_from:
-            _check_hf_folder(self.init_from)
-        _check_architecture(resolved_model(self))
-
-
-def _check_hf_folder(src: str) -> None:
-    folder = Path(src)
-    if not folder.is_dir():
-        fail("model.init_from", src, "does not exist (expected an HF model folder)")
-    if not (folder / "config.json").is_file():
-        fail("model.init_from", src, "has no config.json: not an HF model folder")
-    if not list(folder.glob("*.safetensors")):
-        fail("model.init_from", src, "has no *.safetensors weights")
+        """The architecture is one megatron can build and the HF mapping can express."""
+        _check_architecture(self)
 
 
 def _check_architecture(m: ModelConfig) -> None:

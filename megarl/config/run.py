@@ -1,29 +1,21 @@
-"""The whole run config: :class:`RunConfig`, which holds one of each section, and
-:func:`validate`, every rule before any process group starts.
-
-The order is the order errors are reported in (a config with two problems names the first):
-every field's generic rules (ints positive, floats finite: :mod:`megarl.config.rules`), then
-the sections' own rules (each section's ``validate()``, beside its fields) and the rules across
-sections (:mod:`megarl.config.cross`, which check the model the run builds: ``model.init_from``'s,
-when set), in the order :func:`validate` gives.
+"""The whole run config: :class:`RunConfig`, which holds one of each section, and the sizes
+derived from several of them (the batch, the critic's layout). Its rules are run by
+:func:`megarl.config.cross.validate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.config import cross
 from megarl.config.algo import AlgoConfig
 from megarl.config.coordinator import CoordinatorConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
-from megarl.config.hf import resolved_model
 from megarl.config.model import ModelConfig
 from megarl.config.optim import OptimConfig
 from megarl.config.parallel import ParallelConfig
 from megarl.config.reward import RewardConfig
 from megarl.config.rollout import RolloutConfig
-from megarl.config.rules import finite_floats, positive_ints
 from megarl.config.train import TrainConfig
 from megarl.config.warm_start import WarmStartConfig
 from megarl.config.weight_sync import WeightSyncConfig
@@ -67,22 +59,3 @@ class RunConfig:
         tp = c.tensor_parallel or p.tensor_parallel
         pp = c.pipeline_parallel or p.pipeline_parallel
         return tp, pp, world_size // (tp * pp)
-
-
-def validate(cfg: RunConfig, world_size: int) -> None:
-    """Every rule, before any process group starts; the first broken one raises ConfigError
-    naming the field, the value and the rule. (data, reward and weight_sync have no rules of
-    their own here: rewards are imported and checked by ``megarl.prelaunch``, transports against
-    what this machine runs by ``cross``.)
-
-    The order keeps the one it had as a single list of rules as closely as one ``validate()``
-    per section allows: the sections whose rules came first, then those the cross-section rules
-    rely on (the rollout's KV cache size, the model's shape, the algorithm's name), the cross
-    rules, and last coordinator and train, whose rules came last and nothing relies on."""
-    positive_ints(cfg)
-    finite_floats(cfg)
-    for section in (cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout, cfg.model, cfg.parallel, cfg.algo):
-        section.validate()
-    cross.check(cfg, resolved_model(cfg.model), world_size)
-    cfg.coordinator.validate()
-    cfg.train.validate()
