@@ -317,3 +317,28 @@ def test_coordinator_start_the_probe_cannot_measure_is_refused() -> None:
                    rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 1)
     check_run(_cfg(coordinator={"enabled": True, "min_prompts": 2},  # DP = 2: the parts are ranks
                    rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 2)
+
+
+def test_only_the_ints_a_section_allows_may_be_zero() -> None:
+    """Every int setting must be > 0 except those its section lists in ZERO_ALLOWED (0 = off,
+    auto or none); each section names its own (before: one list of field-name suffixes)."""
+    from megarl.config.rules import positive_ints, walk
+
+    may_be_zero = []
+    for path, value in walk(RunConfig()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                positive_ints(load_config(None, [f"{path}=0"]))
+                may_be_zero.append(path)
+            except ConfigError as e:
+                assert str(e) == f"{path}=0 must be a positive integer"
+    assert may_be_zero == [
+        "model.kv_channels", "model.vocab_size", "parallel.logprob_micro_batch_size",
+        "parallel.max_tokens_per_micro_batch", "optim.warmup_steps", "reward.max_tasks_per_worker",
+        "reward.worker_memory_mb", "reward.stop_after_failed_steps", "rollout.min_response_len",
+        "rollout.engine_logprobs_every", "rollout.engine_threads", "rollout.max_staleness",
+        "algo.overlong_buffer_len", "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel",
+        "critic.warmup_steps", "warm_start.steps", "coordinator.warmup_steps", "coordinator.cooldown_steps",
+        "coordinator.lr_reference_batch", "train.steps", "train.eval_every", "train.eval_every_samples",
+        "train.max_samples", "train.save_every", "train.evals_past_target",
+    ]  # fmt: skip
