@@ -30,28 +30,28 @@ import torch.distributed as dist
 
 from megarl.checkpoint import state
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
+from megarl.checkpoint.hf_config import check_hf_tensors, hf_dtype_name
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.checkpoint.state import Stateful
 from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
-from megarl.config.hf import check_hf_tensors, hf_dtype_name
-from megarl.config.rollout import cpu_engine_threads
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts, tokenizer_corpus
 from megarl.data.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
 from megarl.engine.staging import MANIFEST
+from megarl.fleet.cpu_threads import cpu_engine_threads
 from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
-from megarl.planning import Planner
+from megarl.planning import Planner, PlanSettings
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.sampling import CollectSettings, integrity_sequence
 from megarl.rollout.source import OnPolicy, RolloutSource
 from megarl.update import AdvantageEstimator, PolicyUpdater, UpdateSettings
-from megarl.warm_start import warm_start
+from megarl.warm_start import WarmStartSettings, warm_start
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
 
@@ -185,7 +185,7 @@ def build(cfg: RunConfig) -> Components:
             check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
             load_hf_tensors(actor, adapter, hf)
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
-        planner = Planner(cfg, dims.dp, models, critic_dp=critic_dims.dp)
+        planner = Planner(PlanSettings.of(cfg), dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
         collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
@@ -238,7 +238,7 @@ def _start(cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenize
     start = Start(resume_from=state.find_resume(cfg.train.run_dir, cfg.train.resume))
     if start.resume_from is None and cfg.warm_start.steps:
         t0 = time.perf_counter()
-        start.warm_start_nll = warm_start(cfg, dims, actor, tok, rows)[-1]
+        start.warm_start_nll = warm_start(WarmStartSettings.of(cfg), dims, actor, tok, rows)[-1]
         start.warm_start_s = time.perf_counter() - t0
     return start
 

@@ -10,7 +10,7 @@ and tokenizer files travel inside it. ``megarl-to-hf`` writes ``model.safetensor
 ``config.json`` + ``generation_config.json`` (+ tokenizer files) that transformers and vLLM
 load, in the source model's dtype unless ``--dtype`` says otherwise. An HF model megarl would
 not reproduce exactly (RoPE type, activation, bias layout, unexpected tensors: see
-:mod:`megarl.config.hf`) is refused in one line naming the config key and value,
+:mod:`megarl.config.hf`, :mod:`megarl.checkpoint.hf_config`) is refused in one line naming the key and value,
 before any process starts. ``--tp/--pp`` give the layout the model is built in; the
 checkpoint itself reshards, so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
 itself under torchrun with TP×PP processes.
@@ -214,9 +214,10 @@ def _check_hf_model(hf_dir: Path, tp: int, pp: int) -> None:
     """Fail with one line, before any process starts, when megarl would not reproduce the HF
     model exactly (config key and value named) or the layout cannot split it."""
     from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
+    from megarl.checkpoint.hf_config import check_hf_tensors
     from megarl.config import ModelConfig
-    from megarl.config.hf import UnsupportedHFModel, check_hf_tensors, model_config_from_hf
-    from megarl.errors import ConvertError
+    from megarl.config.hf import model_config_from_hf
+    from megarl.errors import ConvertError, UnsupportedHFModel
 
     cfg_file = hf_dir / "config.json"
     if not cfg_file.is_file():
@@ -278,7 +279,7 @@ def _export_dtype(flag: str, ckpt: Path, model_dtype: str) -> str:
     """``--dtype``, or auto: the source HF model's dtype (recorded at import), else the checkpoint's."""
     if flag != "auto":
         return flag
-    from megarl.config.hf import hf_dtype_name
+    from megarl.checkpoint.hf_config import hf_dtype_name
 
     state = ckpt / "state.json"
     recorded = json.loads(state.read_text()).get(SOURCE_DTYPE) if state.is_file() else None

@@ -10,7 +10,8 @@ of every DP rank (PP = 1) or the DP ranks, counting only responses with reward s
 policy loss (docs/COORDINATOR.md §1). The LR schedule
 (:func:`schedule_lr`: warm-up, cosine) multiplies the planned LR, so the two compose; its
 progress is counted in responses trained, not steps, so a batch change does not stretch or
-shrink the warm-up and the decay (issue #41 D.5).
+shrink the warm-up and the decay (issue #41 D.5). The planner reads the run config as a
+:class:`PlanSettings` (``PlanSettings.of(cfg)``), not the whole of it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config import OptimConfig, RunConfig
-from megarl.config.checks import probe_min_batch, probe_part_rows
+from megarl.config import CoordinatorConfig, OptimConfig, RunConfig
+from megarl.config.cross import probe_min_batch, probe_part_rows
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import adam_preconditioner
@@ -61,13 +62,65 @@ def lr_at(step: int, ocfg: OptimConfig, total_steps: int, base_lr: float | None 
     return schedule_lr(step, 1, ocfg, 1, total_steps, base_lr)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """What the :class:`Planner` reads of the run config, derived once by :meth:`of`: the
+    coordinator's section, the actor's optimizer section (its LR schedule) and a few facts of
+    the other sections."""
+
+    coordinator: CoordinatorConfig
+    """The coordinator's settings (``coordinator``)."""
+    optim: OptimConfig
+    """The actor's optimizer: peak LR and the schedule every planned LR follows (``optim``)."""
+    critic_lr: float
+    """The critic's peak LR (``critic.lr``)."""
+    num_prompts: int
+    """Prompts per step at the start (``rollout.num_prompts``)."""
+    samples_per_prompt: int
+    """Responses per prompt, the GRPO group size (``rollout.samples_per_prompt``)."""
+    mini_batches: int
+    """Optimizer steps per rollout and epoch (``algo.mini_batches``)."""
+    loss_agg: str
+    """What the loss averages over (``algo.loss_agg``)."""
+    micro_batch_size: int
+    """Rows per micro-batch on one DP rank (``parallel.micro_batch_size``)."""
+    max_tokens_per_micro_batch: int
+    """The token budget of a micro-batch, tokens; 0 = off (``parallel.max_tokens_per_micro_batch``)."""
+    steps: int
+    """RL steps of the run, which the LR schedule spans (``train.steps``)."""
+    part_rows: int
+    """Rows of the grad probe's smallest part (``megarl.config.cross.probe_part_rows``)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step at the start."""
+        return self.num_prompts * self.samples_per_prompt
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> PlanSettings:
+        return cls(
+            coordinator=cfg.coordinator,
+            optim=cfg.optim,
+            critic_lr=cfg.critic.lr,
+            num_prompts=cfg.rollout.num_prompts,
+            samples_per_prompt=cfg.rollout.samples_per_prompt,
+            mini_batches=cfg.algo.mini_batches,
+            loss_agg=cfg.algo.loss_agg,
+            micro_batch_size=cfg.parallel.micro_batch_size,
+            max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
+            steps=cfg.train.steps,
+            part_rows=probe_part_rows(cfg),
+        )
+
+
 class Planner:
-    def __init__(self, cfg: RunConfig, dp: int, models: list[str], critic_dp: int | None = None) -> None:
-        """``dp``: the actor's DP size (the plan's per-rank shares are the actor's);
+    def __init__(self, cfg: PlanSettings, dp: int, models: list[str], critic_dp: int | None = None) -> None:
+        """``cfg``: the run config as the planner reads it (``PlanSettings.of(run_config)``);
+        ``dp``: the actor's DP size (the plan's per-rank shares are the actor's);
         ``critic_dp``: the critic's, when it has its own layout (batches must split over both)."""
         self.cfg = cfg
-        c, r = cfg.coordinator, cfg.rollout
-        self.lr_ref = {"actor": cfg.optim.lr, "critic": cfg.critic.lr}
+        c = cfg.coordinator
+        self.lr_ref = {"actor": cfg.optim.lr, "critic": cfg.critic_lr}
         self.coord: Coordinator | None = None
         self.dp = dp
         self._grads: list[ModelGradStats] = []  # measured in this step's update, observed after it
@@ -80,19 +133,19 @@ class Planner:
         """Responses planned before the next plan is made (plans are made once per step, in step
         order): the LR schedule's progress. None until the first plan, or a resume from a
         checkpoint without it: then step × the configured batch (exact at a fixed batch)."""
-        self.unit = "tokens" if cfg.algo.loss_agg == "token-mean" else "responses"
+        self.unit = "tokens" if cfg.loss_agg == "token-mean" else "responses"
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
             run = CoordinatorRun(
-                samples_per_prompt=r.samples_per_prompt,
-                initial_prompts=r.num_prompts,
+                samples_per_prompt=cfg.samples_per_prompt,
+                initial_prompts=cfg.num_prompts,
                 # every DP rank's share of the measured mini-batch: whole probe parts (whole groups)
-                batch_divisor=math.lcm(dp, critic_dp or dp) * probe_part_rows(cfg) * cfg.algo.mini_batches,
+                batch_divisor=math.lcm(dp, critic_dp or dp) * cfg.part_rows * cfg.mini_batches,
                 dp_size=dp,
                 lr_ref={m: self.lr_ref[m] for m in models},
                 b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
-                min_batch=probe_min_batch(cfg, dp, critic_dp),
-                mini_batches=cfg.algo.mini_batches,
+                min_batch=probe_min_batch(cfg.part_rows, cfg.mini_batches, dp, critic_dp),
+                mini_batches=cfg.mini_batches,
                 clip_grad=cfg.optim.clip_grad,  # (the critic's optimizer clips alike)
             )
             self.coord = Coordinator(c, run)
@@ -111,15 +164,14 @@ class Planner:
         return self._ahead[step]
 
     def _make(self, step: int) -> StepPlan:
-        r = self.cfg.rollout
         if self._samples is None:
             self._samples = step * self.cfg.batch_size
         if self.coord is None:
             schedule = self._schedule(self.cfg.batch_size)
             return StepPlan(
                 step=step,
-                num_prompts=r.num_prompts,
-                samples_per_prompt=r.samples_per_prompt,
+                num_prompts=self.cfg.num_prompts,
+                samples_per_prompt=self.cfg.samples_per_prompt,
                 lr={m: v * schedule for m, v in self.lr_ref.items()},
                 dp_shares=None,
                 predicted_goodput=None,
@@ -146,7 +198,7 @@ class Planner:
         """The warm-up / cosine factor of the next plan, which trains ``batch`` responses."""
         assert self._samples is not None
         o = self.cfg.optim
-        factor = schedule_lr(self._samples, batch, o, self.cfg.batch_size, self.cfg.train.steps) / o.lr
+        factor = schedule_lr(self._samples, batch, o, self.cfg.batch_size, self.cfg.steps) / o.lr
         self._samples += batch
         return factor
 
@@ -165,7 +217,7 @@ class Planner:
                 "coordinator.enabled needs data_parallel > 1 or pipeline_parallel = 1 "
                 "(the micro-batch noise estimator needs PP = 1)"
             )
-        budget = bool(self.cfg.parallel.max_tokens_per_micro_batch)
+        budget = bool(self.cfg.max_tokens_per_micro_batch)
         if dims.dp == 1 and budget:
             raise ValueError(
                 "coordinator.enabled with parallel.max_tokens_per_micro_batch needs data_parallel > 1: "
@@ -176,7 +228,7 @@ class Planner:
         model.probe = GradProbe(
             dims,
             microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts),
-            microbatches_per_part=probe_part_rows(self.cfg) // self.cfg.parallel.micro_batch_size,
+            microbatches_per_part=self.cfg.part_rows // self.cfg.micro_batch_size,
         )
 
     def start_probe(self, model: Model, update_index: int) -> bool:

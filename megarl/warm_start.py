@@ -1,6 +1,8 @@
 """Supervised warm start: a few steps of token-mean NLL on the reference answers (+ EOS),
 so the policy knows the answer format before RL. Batches are packed like rollouts
-(``megarl.rollout.sampling.pack_sequences``) and split over DP ranks like the RL update."""
+(``megarl.rollout.sampling.pack_sequences``) and split over DP ranks like the RL update. It reads
+its own section (``warm_start``), the optimizer's schedule shape (``optim``), the micro-batch
+size and the seed (:class:`WarmStartSettings`), not the whole run config."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import random
 
 import torch
 
-from megarl.config import RunConfig
+from megarl.config import OptimConfig, RunConfig, WarmStartConfig
 from megarl.data.prompts import PromptRecord
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.distributed import ParallelDims
@@ -24,19 +26,43 @@ from megarl.update.rows import dp_rows
 log = logging.getLogger("megarl")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmStartSettings:
+    """What the warm start reads of the run config (:meth:`of`)."""
+
+    warm_start: WarmStartConfig
+    """Its own section: steps, LR, batch size."""
+    optim: OptimConfig
+    """The actor's optimizer section: the LR schedule's shape (constant or cosine, its floor)."""
+    seed: int
+    """``train.seed``; the warm start's batches draw from seed + 17."""
+    micro_batch_size: int
+    """``parallel.micro_batch_size``, rows."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> WarmStartSettings:
+        return cls(
+            warm_start=cfg.warm_start,
+            optim=cfg.optim,
+            seed=cfg.train.seed,
+            micro_batch_size=cfg.parallel.micro_batch_size,
+        )
+
+
 def warm_start(
-    cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[PromptRecord]
+    cfg: WarmStartSettings, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[PromptRecord]
 ) -> list[float]:
-    """``warm_start.steps`` supervised steps; returns the NLL per token of each step."""
-    ws = cfg.warm_start
-    rng = random.Random(cfg.train.seed + 17)
+    """``warm_start.steps`` supervised steps at ``warm_start.lr`` (the optimizer's schedule, at most
+    10 warm-up steps); returns the NLL per token of each step."""
+    ws, micro_batch_size = cfg.warm_start, cfg.micro_batch_size
+    rng = random.Random(cfg.seed + 17)
     losses = []
     for step in range(ws.steps):
         picked = [rows[rng.randrange(len(rows))] for _ in range(ws.batch_size)]
         seqs = [(tok.encode_prompt(r), tok.encode_answer(r)) for r in picked]
         tokens, mask = pack_sequences(seqs, tok.pad_id)
         denom = float(mask.sum())
-        mine, _ = dp_rows(tokens.shape[0], cfg.parallel.micro_batch_size, dims)
+        mine, _ = dp_rows(tokens.shape[0], micro_batch_size, dims)
 
         def loss_fn(
             mb: dict[str, torch.Tensor], logits: torch.Tensor, denom: float = denom
@@ -50,7 +76,7 @@ def warm_start(
             actor,
             {"tokens": tokens[mine], "mask": mask[mine]},
             loss_fn,
-            micro_batch_size=cfg.parallel.micro_batch_size,
+            micro_batch_size=micro_batch_size,
             lr=lr,
         )
         losses.append(stats["nll"] / denom)

@@ -23,7 +23,7 @@ if [[ "${SLURM_GPUS_ON_NODE:-0}" -gt 0 ]]; then
     export CUDA_VISIBLE_DEVICES
 fi
 # CPU engines (no GPUs on the node, engine_tp 1): torch threads by megarl's one rule
-# (megarl.config.rollout.cpu_engine_threads: rollout.engine_threads, or the node's CPUs shared by
+# (megarl.fleet.cpu_threads.cpu_engine_threads: rollout.engine_threads, or the node's CPUs shared by
 # its engines, less its trainer ranks with pipelined rollouts), when automatic at most the CPUs
 # this task may run on. Without this an engine inherits the trainer ranks' OMP_NUM_THREADS
 # (common.sh:megarl_set_omp), and vLLM's CPU worker keeps whatever it starts with.
@@ -33,7 +33,7 @@ if [[ "${SLURM_GPUS_ON_NODE:-0}" -eq 0 && "$MEGARL_ENGINE_TP" -eq 1 ]]; then
 import os
 import sys
 
-from megarl.config.rollout import cpu_engine_threads
+from megarl.fleet.cpu_threads import cpu_engine_threads
 
 threads, staleness, cpus, engines, ranks = map(int, sys.argv[1:])
 mine = len(os.sched_getaffinity(0))

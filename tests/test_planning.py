@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.planning import Planner, _chunks, grad_stats
+from megarl.planning import Planner, PlanSettings, _chunks, grad_stats
 
 
 def _planner(*overrides: str) -> Planner:
@@ -26,7 +26,7 @@ def _planner(*overrides: str) -> Planner:
             *overrides,
         ],
     )
-    return Planner(cfg, dp=1, models=["actor"])
+    return Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
 
 
 def test_lr_is_anchored_at_the_reference_batch() -> None:
@@ -176,7 +176,7 @@ def test_probe_parts_are_whole_groups_of_micro_batches() -> None:
 
     cfg = load_config(None, ["coordinator.enabled=true", "coordinator.min_prompts=2", "rollout.num_prompts=8",
                              "rollout.samples_per_prompt=8", "parallel.micro_batch_size=4"])  # fmt: skip
-    planner = Planner(cfg, dp=1, models=["actor"])
+    planner = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
     assert planner.coord is not None
     assert (planner.coord.run.batch_divisor, planner.coord.run.min_batch) == (8, 16)
     model = SimpleNamespace(dims=_dims(), probe=None)

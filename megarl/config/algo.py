@@ -1,10 +1,13 @@
-"""Run config sections for the RL algorithm: losses and advantages, the PPO critic (and
-its own layout), the supervised warm start."""
+"""The ``algo`` section: the RL algorithm (advantage estimator, PPO clip, KL, loss aggregation,
+DAPO filters, TIS) and its own checks. The rules it shares with the rollout (group size,
+response length, staleness) are :mod:`megarl.config.cross`'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from megarl.config.rules import fail
 
 
 @dataclass(kw_only=True)
@@ -57,35 +60,28 @@ class AlgoConfig:
     overlong_filter: bool = False
     """Mask truncated responses out of the loss (DAPO overlong filtering)."""
 
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("overlong_buffer_len",)
 
-@dataclass(kw_only=True)
-class CriticParallelConfig:
-    tensor_parallel: int = 0
-    """Critic tensor-parallel size (0 = parallel.tensor_parallel, the actor's)."""
-    pipeline_parallel: int = 0
-    """Critic pipeline stages (0 = parallel.pipeline_parallel). The critic's data-parallel size
-    follows: trainer world size / (critic TP × PP)."""
+    def validate(self) -> None:
+        """Signs and ranges of the coefficients; known estimators and aggregation modes; PPO's
+        critic and GAE go together."""
+        for name in ("clip_high", "kl_coef", "entropy_coef", "kl_target", "kl_horizon"):
+            if getattr(self, name) < 0:
+                fail(f"algo.{name}", getattr(self, name), "must be >= 0")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                fail(f"algo.{name}", getattr(self, name), "must be in [0, 1]")
+        if self.clip_low >= 1 or self.clip_low < 0:
+            fail("algo.clip_low", self.clip_low, "must be in [0, 1)")
+        if self.name == "ppo" and self.advantage != "gae":
+            fail("algo.advantage", self.advantage, "must be 'gae' when algo.name='ppo' (critic)")
+        if self.name == "grpo" and self.advantage == "gae":
+            fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
+        from megarl.algo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
 
-
-@dataclass(kw_only=True)
-class CriticConfig:
-    parallel: CriticParallelConfig = field(default_factory=CriticParallelConfig)
-    """The critic's own layout over the trainer ranks (unset = the actor's)."""
-    lr: float = 1e-4
-    """Critic peak learning rate (own optimizer)."""
-    warmup_steps: int = 0
-    """Critic-only RL steps before the actor starts updating."""
-    value_clip: float = 0.2
-    """Clip of new values around old values (0 = off)."""
-    init_from_actor: bool = True
-    """Initialise the critic trunk from the (warm-started) actor; the value head starts at 0."""
-
-
-@dataclass(kw_only=True)
-class WarmStartConfig:
-    steps: int = 0
-    """Supervised steps on the task's reference answers before RL (0 = none)."""
-    lr: float = 1e-3
-    """SFT learning rate."""
-    batch_size: int = 64
-    """SFT sequences per step."""
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            fail("algo.advantage", self.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            fail("algo.loss_agg", self.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
+        if self.dual_clip and self.dual_clip <= 1:
+            fail("algo.dual_clip", self.dual_clip, "must be > 1 (or 0 = off)")

@@ -14,19 +14,25 @@ other, Qwen3 ``attention_bias``, sliding-window layers, a Qwen2 ``head_dim`` tha
 ignore, quantized checkpoints. Keys that only matter for training regularisation or generation
 (dropout, ``use_cache``, token ids) are not refused.
 
-:func:`check_hf_tensors` then compares the checkpoint's tensor names and shapes with the ones
-the model consumes (``LlamaQwen2Adapter.hf_shapes``): a missing, unexpected or misshapen
-tensor is refused, so no source tensor is silently left out.
+This is config's side because the config's own checks need it at load time
+(:func:`resolved_model`: ``megarl.config.validate`` checks the model ``init_from`` describes,
+before any process starts). The checkpoint's side, its tensors and dtype, is
+:mod:`megarl.checkpoint.hf_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from megarl.config.model import ModelConfig
+from megarl.config.rules import fail
 from megarl.errors import UnsupportedHFModel
+
+if TYPE_CHECKING:
+    from megarl.config.model import ModelConfig
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_TYPE_KEYS = ("rope_type", "type")
@@ -144,44 +150,30 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     )
 
 
-def _ignorable(name: str, tied: bool) -> bool:
-    # derived buffers some exporters store; with tied embeddings transformers ignores lm_head too
-    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+def resolved_model(m: ModelConfig) -> ModelConfig:
+    """The model the run will build: ``m`` itself, or its shape from ``m.init_from``'s config.json
+    (the folder checked first: it exists, holds a config.json and safetensors weights)."""
+    if not m.init_from:
+        return m
+    _check_hf_folder(m.init_from)
+    cfg_file = Path(m.init_from) / "config.json"
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+        return model_config_from_hf(hf_cfg, m)
+    except json.JSONDecodeError as e:
+        fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
+    except (KeyError, ValueError) as e:  # AdapterError, UnsupportedHFModel: the key and value named
+        reason = e.args[0] if len(e.args) == 1 else e
+        if type(e) is KeyError:  # a key the model's shape needs is absent
+            reason = f"missing key {reason!r}"
+        fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
 
 
-def check_hf_tensors(
-    expected: Mapping[str, Sequence[int]],  # name -> shape the model consumes (adapter.hf_shapes())
-    found: Mapping[str, Sequence[int]],  # name -> shape in the checkpoint's safetensors files
-    *,
-    tied: bool,
-    where: str,
-) -> None:
-    """Refuse a checkpoint whose tensors are not exactly the ones the model consumes."""
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(n for n in found if n not in expected and not _ignorable(n, tied))
-    wrong = [n for n in sorted(expected) if n in found and list(found[n]) != list(expected[n])]
-    more = {k: len(v) - 1 for k, v in (("missing", missing), ("extra", extra), ("wrong", wrong))}
-    if extra:
-        n = extra[0]
-        raise UnsupportedHFModel(
-            f"{where}: tensor '{n}' {list(found[n])} is not part of the model its config.json describes "
-            f"(and {more['extra']} more unexpected tensor(s)); megarl would drop it"
-        )
-    if missing:
-        n = missing[0]
-        raise UnsupportedHFModel(
-            f"{where}: tensor '{n}' {list(expected[n])} is missing (and {more['missing']} more); "
-            "its config.json describes a model that has it"
-        )
-    if wrong:
-        n = wrong[0]
-        raise UnsupportedHFModel(
-            f"{where}: tensor '{n}' has shape {list(found[n])}, its config.json implies {list(expected[n])} "
-            f"(and {more['wrong']} more)"
-        )
-
-
-def hf_dtype_name(hf_cfg: Mapping[str, Any]) -> str | None:
-    """The ``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5) an HF config records."""
-    value = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
-    return str(value) if value else None
+def _check_hf_folder(src: str) -> None:
+    folder = Path(src)
+    if not folder.is_dir():
+        fail("model.init_from", src, "does not exist (expected an HF model folder)")
+    if not (folder / "config.json").is_file():
+        fail("model.init_from", src, "has no config.json: not an HF model folder")
+    if not list(folder.glob("*.safetensors")):
+        fail("model.init_from", src, "has no *.safetensors weights")

@@ -1,10 +1,15 @@
-"""Run config sections for the model and how it is trained: architecture, parallel
-layout, optimizer (one kw_only dataclass each; every field documented with its unit)."""
+"""The ``model`` section: the actor's (and reference's) architecture, or the HF folder it starts
+from (``init_from``), and its checks. With ``init_from`` the run checks the architecture that
+folder's config.json describes, the one it builds: ``megarl.config.validate`` calls
+:meth:`ModelConfig.validate` on :func:`megarl.config.hf.resolved_model`, which first checks the
+folder itself."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
+
+from megarl.config.rules import fail
 
 
 @dataclass(kw_only=True)
@@ -69,61 +74,38 @@ class ModelConfig:
         """Channels per attention head: ``kv_channels``, or hidden_size / num_attention_heads."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size")
 
-@dataclass(kw_only=True)
-class ParallelConfig:
-    tensor_parallel: int = 1
-    """Tensor-parallel size of actor and reference."""
-    pipeline_parallel: int = 1
-    """Pipeline-parallel stages."""
-    data_parallel: int = 1
-    """Data-parallel replicas; trainer world size = TP × PP × DP."""
-    micro_batch_size: int = 8
-    """Sequences per micro-batch on one DP rank."""
-    logprob_micro_batch_size: int = 0
-    """Rows per micro-batch of the forward-only passes (old/reference log-probs, values);
-    no activations are kept, so it can be larger than micro_batch_size. 0 = micro_batch_size."""
-    max_tokens_per_micro_batch: int = 0
-    """Token budget of one micro-batch, tokens (rows × the group's longest row, padding
-    included); 0 = off (fixed micro_batch_size rows padded to the batch's longest). When set,
-    each DP rank's rows (balanced over DP by tokens) are grouped by length and cut to their
-    own longest row, in training and forward-only passes; micro_batch_size and
-    logprob_micro_batch_size then only fix how the batch divides. Must be ≥
-    rollout.max_prompt_len + max_response_len (the longest row runs alone)."""
-    pack_sequences: bool = False
-    """Run each token-budget micro-batch padding-free: its rows back to back in one packed row,
-    positions restarting per sequence, block-diagonal causal attention (megatron's ``thd``
-    layout: Transformer Engine's varlen attention with transformer_impl=transformer_engine,
-    one fused SDPA call per sequence with the local spec). Same loss and gradients. Needs
-    max_tokens_per_micro_batch > 0, and model.attention=sdpa with the local spec."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (megatron distributed optimizer)."""
-    cpu_keep_freed_memory: bool = True
-    """CPU trainer ranks only: glibc keeps freed memory for reuse instead of returning every
-    block over 32 MiB to the kernel (whose pages then fault in again on the next step's
-    activations and gradients). The ranks hold their peak memory, as a GPU caching allocator
-    does. False = the C library's defaults."""
+    def validate(self) -> None:
+        """The architecture is one megatron can build and the HF mapping can express."""
+        _check_architecture(self)
 
 
-@dataclass(kw_only=True)
-class OptimConfig:
-    lr: float = 1e-4
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final LR of the cosine schedule."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """LR schedule after warm-up; the cosine decays over ``train.steps`` − ``warmup_steps`` steps at
-    the starting batch, counted in responses trained (the coordinator may change the batch)."""
-    warmup_steps: int = 0
-    """Linear warm-up, RL steps at the starting batch: over warmup_steps × rollout.num_prompts ×
-    samples_per_prompt responses trained (``megarl.planning.schedule_lr``)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam β1."""
-    adam_beta2: float = 0.999
-    """Adam β2."""
-    adam_eps: float = 1e-8
-    """Adam ε."""
-    clip_grad: float = 1.0
-    """Global grad-norm clip (0 = off)."""
+def _check_architecture(m: ModelConfig) -> None:
+    if m.linear_bias and m.arch != "llama":
+        fail("model.linear_bias", m.linear_bias, f"is a Llama option; arch={m.arch} has its own bias layout")
+    if m.arch == "qwen2" and m.head_dim * m.num_attention_heads != m.hidden_size:
+        fail(
+            "model.kv_channels",
+            m.kv_channels,
+            f"arch=qwen2 needs head_dim × num_attention_heads = hidden_size={m.hidden_size} "
+            "(vLLM's Qwen2 derives head_dim from it)",
+        )
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        fail(
+            "model.rope_high_freq_factor",
+            m.rope_high_freq_factor,
+            f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 RoPE scaling)",
+        )
+    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
+        fail(
+            "model.hidden_size",
+            m.hidden_size,
+            f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        fail(
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"must divide model.num_attention_heads={m.num_attention_heads}",
+        )

@@ -1,80 +1,13 @@
-"""Run config sections for what is sampled and scored: prompt data, rewards, rollouts."""
+"""The ``rollout`` section: prompts × samples per step, lengths, sampling, the vLLM engines and
+their resources, and its own checks. The rules it shares with the model (context, KV cache,
+engine TP) and the algorithm (group estimators, staleness) are :mod:`megarl.config.cross`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-
-def cpu_engine_threads(threads: int, max_staleness: int, cores: int, engines: int, trainer_ranks: int) -> int:
-    """Torch threads of each of ``engines`` CPU engines on a host with ``cores`` CPUs and
-    ``trainer_ranks`` trainer ranks: ``rollout.engine_threads`` when set, else (0 = auto) the
-    cores shared by the engines, less the trainer ranks when they compute while the fleet
-    generates (``max_staleness`` > 0); at least 1. One rule for the engines the trainer starts
-    (:func:`megarl.components.engine_threads`) and those the SLURM scripts start
-    (``slurm/engine_task.sh``, per node)."""
-    if threads:
-        return threads
-    busy = trainer_ranks if max_staleness > 0 else 0
-    return max(1, (cores - busy) // engines)
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    source: str = "builtin:arithmetic"
-    """'builtin:arithmetic', a .jsonl/.parquet file or an HF datasets save_to_disk folder
-    (or several, comma-separated)."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt text in file rows."""
-    messages_key: str = "messages"
-    """Field holding OpenAI-style chat turns ([{role, content}]); used instead of the prompt."""
-    chat_template: str = "auto"
-    """'auto' (the HF tokenizer's own template: applied to chat rows and to plain prompts as one
-    user turn), 'none' (plain prompts as raw text), or a Jinja template file."""
-    system_prompt: str = ""
-    """System turn put first in every templated prompt that has none ('' = none)."""
-    answer_key: str = "answer"
-    """Field holding the reference answer in file rows."""
-    num_train: int = 20000
-    """Built-in task: training prompts generated."""
-    num_val: int = 128
-    """Validation prompts (built-in: generated; files: the last rows)."""
-    max_operand: int = 50
-    """Built-in arithmetic task: operands are drawn from [0, max_operand)."""
-    overlong_prompt: Literal["skip", "truncate"] = "skip"
-    """What to do with a prompt longer than rollout.max_prompt_len (always counted)."""
-    shuffle: bool = True
-    """Shuffle prompts each epoch (seeded, resumable)."""
-    seed: int = 1234
-    """Seed of the built-in task's data (and so of its tokenizer); separate from train.seed."""
-    reward: str = ""
-    """Deprecated alias of ``reward.fn`` (one built-in name); use the ``reward`` section."""
-
-
-@dataclass(kw_only=True)
-class RewardConfig:
-    fn: list[str] = field(default_factory=list)
-    """Reward functions: built-in names (arithmetic, exact_match, answer_prefix, math),
-    'package.module:function' or 'path/to/file.py:function' (megarl/rewards/runner.py
-    documents the signature). Empty = 'arithmetic' for built-in data, else 'exact_match'."""
-    weights: list[float] = field(default_factory=list)
-    """Weight of each reward in ``fn``; a sample's reward is the weighted sum. Empty = all 1."""
-    timeout_s: float = 10.0
-    """Per-call limit of a reward in the worker pool, seconds; past it the worker is killed."""
-    workers: int = 2
-    """Reward worker processes on rank 0 (started only for rewards that run isolated)."""
-    max_tasks_per_worker: int = 1000
-    """Calls a worker serves before it is replaced (bounds slow memory leaks; 0 = never)."""
-    worker_memory_mb: int = 0
-    """Address-space limit of each worker, MiB (a reward over it fails with MemoryError; 0 = none)."""
-    failed_reward: float = 0.0
-    """Reward of a sample whose reward call raised, timed out or crashed its worker."""
-    stop_after_failed_steps: int = 3
-    """Stop the run (it can resume) once every sample's reward failed in this many consecutive
-    steps: the reward is broken and every advantage is 0. A shorter outage (a verifier service
-    down for a step or two) is survived. 0 = never stop."""
-    isolate_builtins: bool = False
-    """Run the built-in rewards in the worker pool too (default: in-process, they are trusted)."""
+from megarl.config.rules import fail
 
 
 @dataclass(kw_only=True)
@@ -157,3 +90,48 @@ class RolloutConfig:
     colocate: bool = False
     """Engines share the trainer's GPUs: vLLM sleep mode frees their memory while the trainer
     works (sleep after generation, wake weights before a sync, KV cache after it). CUDA only."""
+
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = (
+        "min_response_len",
+        "engine_logprobs_every",
+        "engine_threads",
+        "max_staleness",
+    )
+
+    def validate(self) -> None:
+        """Sampling that can feed a group, positive resources and timeouts, lengths and lags in range."""
+        if self.temperature < 0:
+            fail("rollout.temperature", self.temperature, "must be >= 0")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            fail(
+                "rollout.temperature",
+                0.0,
+                f"is greedy decoding: the rollout.samples_per_prompt={self.samples_per_prompt} samples of a "
+                "prompt would be identical (use a temperature > 0, or samples_per_prompt=1 with a non-group "
+                "estimator)",
+            )
+        if not 0 < self.top_p <= 1:
+            fail("rollout.top_p", self.top_p, "must be in (0, 1]")
+        if not self.kv_cache_gb > 0:
+            fail("rollout.kv_cache_gb", self.kv_cache_gb, "must be > 0 (KV cache per engine, GiB)")
+        for name, value in (
+            ("rollout.engine_start_timeout_s", self.engine_start_timeout_s),
+            ("rollout.request_timeout_s", self.request_timeout_s),
+        ):
+            if not value > 0:
+                fail(name, value, "must be > 0")
+        self._check_lengths_and_engines()
+
+    def _check_lengths_and_engines(self) -> None:
+        if not 0 <= self.min_response_len <= self.max_response_len:
+            fail(
+                "rollout.min_response_len",
+                self.min_response_len,
+                f"must be in [0, max_response_len={self.max_response_len}]",
+            )
+        if self.engine_tp < 1:
+            fail("rollout.engine_tp", self.engine_tp, "must be >= 1")
+        if self.engine_lease_s and self.engine_lease_s < 15:
+            fail("rollout.engine_lease_s", self.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
+        if self.max_staleness not in (0, 1, 2):
+            fail("rollout.max_staleness", self.max_staleness, "must be 0 (generate, then train), 1 or 2")

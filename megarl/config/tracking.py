@@ -4,7 +4,6 @@ the tracker's own users set (docs/TRACKING.md), so a cluster's usual exports kee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,14 +37,13 @@ class TrackingConfig:
     """At the end, how long the run waits for a tracker to deliver what is queued, s (then it
     leaves without it; metrics.jsonl has every record)."""
 
-
-def check_trackers(trackers: Sequence[str], t: TrackingConfig) -> None:
-    """train.trackers names each tracker once; the tracking settings are usable."""
-    for name in trackers:
-        if list(trackers).count(name) > 1:
-            fail("train.trackers", trackers, f"names {name!r} twice")
-    if t.close_timeout_s < 0:
-        fail("train.tracking.close_timeout_s", t.close_timeout_s, "must be >= 0")
-    for tag in t.tags:
-        if not tag.strip() or len(tag) > 64:
-            fail("train.tracking.tags", t.tags, "must hold non-empty tags of at most 64 characters (W&B's limit)")
+    def validate(self) -> None:
+        """A close timeout >= 0; tags W&B accepts. (That ``train.trackers`` names each tracker once
+        is :class:`megarl.config.train.TrainConfig`'s rule.)"""
+        if self.close_timeout_s < 0:
+            fail("train.tracking.close_timeout_s", self.close_timeout_s, "must be >= 0")
+        for tag in self.tags:
+            if not tag.strip() or len(tag) > 64:
+                fail(
+                    "train.tracking.tags", self.tags, "must hold non-empty tags of at most 64 characters (W&B's limit)"
+                )

@@ -24,7 +24,7 @@ class CoordinatorRun:
     """Prompts per step until the first change."""
     batch_divisor: int = 1
     """Responses per step must be a multiple of this (DP size x probe part x mini-batches; a probe
-    part is whole micro-batches holding whole groups, ``megarl.config.checks.probe_part_rows``)."""
+    part is whole micro-batches holding whole groups, ``megarl.config.cross.probe_part_rows``)."""
     dp_size: int = 1
     """Data-parallel ranks sharing the batch (length of StepPlan.dp_shares)."""
     lr_ref: dict[str, float] = field(default_factory=dict)

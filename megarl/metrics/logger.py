@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.config.run import TrainConfig
 from megarl.config.tracking import TrackingConfig
+from megarl.config.train import TrainConfig
 from megarl.metrics.mlflow_run import MlflowRun
 from megarl.metrics.trackers import RUN_IDS, Backend, RunIds, TrackerThread, resolve, wait_all
 from megarl.metrics.wandb_run import WandbRun

@@ -19,7 +19,7 @@ import torch
 
 from megarl import algo
 from megarl.config import AlgoConfig, CriticConfig, ParallelConfig, RunConfig
-from megarl.config.checks import probe_part_rows
+from megarl.config.cross import probe_part_rows
 from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments

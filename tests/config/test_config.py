@@ -220,35 +220,6 @@ def test_explicit_head_dim_validates() -> None:
     assert _cfg().model.head_dim == 32
 
 
-@pytest.mark.parametrize(
-    ("rollout", "cores", "local_ranks", "threads"),
-    [
-        ({}, 2, 2, 2),  # staleness 0: the trainer waits while the engine generates
-        ({"num_engines": 2}, 2, 2, 1),
-        ({"num_engines": 3}, 8, 2, 2),
-        ({"max_staleness": 1}, 2, 2, 1),  # pipelined: both trainer ranks compute meanwhile, at least 1
-        ({"max_staleness": 1, "num_engines": 2}, 8, 2, 3),
-        ({"max_staleness": 1}, 16, 4, 12),
-        ({"engine_threads": 5}, 2, 2, 5),  # the user's number wins
-        ({"engine_tp": 2}, 8, 2, 0),  # vLLM binds TP workers itself
-    ],
-)
-def test_engine_threads_share_the_cores_the_trainer_leaves(rollout: dict, cores: int, local_ranks: int, threads: int) -> None:
-    from megarl.components import engine_threads
-
-    assert engine_threads(_cfg(rollout=rollout), cores, local_ranks) == threads
-
-
-def test_engine_threads_auto_leaves_cuda_engines_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    from megarl.components import engine_threads
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert engine_threads(_cfg(), 16, 8) == 0
-    assert engine_threads(_cfg(rollout={"engine_threads": 4}), 16, 8) == 4
-
-
 def test_engine_logprobs_on_the_steps_that_read_them() -> None:
     """Every k-th step from the first for the mismatch metrics; every step when the loss reads
     them (TIS, off-policy batches); never with k = 0 and an on-policy loss."""
@@ -293,7 +264,7 @@ def test_cpu_engine_head_dims_are_vllms_and_others_are_refused() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from megarl.config import ConfigError, validate
-    from megarl.config.checks import CPU_ENGINE_HEAD_DIMS
+    from megarl.config.cross import CPU_ENGINE_HEAD_DIMS
 
     assert list(CPU_ENGINE_HEAD_DIMS) == CPUAttentionBackend.get_supported_head_sizes()
     cfg = _cfg(model={"hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2})  # head_dim 16
@@ -346,3 +317,28 @@ def test_coordinator_start_the_probe_cannot_measure_is_refused() -> None:
                    rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 1)
     check_run(_cfg(coordinator={"enabled": True, "min_prompts": 2},  # DP = 2: the parts are ranks
                    rollout={"num_prompts": 8, "samples_per_prompt": 16}, parallel={"micro_batch_size": 64}), 2)
+
+
+def test_only_the_ints_a_section_allows_may_be_zero() -> None:
+    """Every int setting must be > 0 except those its section lists in ZERO_ALLOWED (0 = off,
+    auto or none); each section names its own (before: one list of field-name suffixes)."""
+    from megarl.config.rules import positive_ints, walk
+
+    may_be_zero = []
+    for path, value in walk(RunConfig()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                positive_ints(load_config(None, [f"{path}=0"]))
+                may_be_zero.append(path)
+            except ConfigError as e:
+                assert str(e) == f"{path}=0 must be a positive integer"
+    assert may_be_zero == [
+        "model.kv_channels", "model.vocab_size", "parallel.logprob_micro_batch_size",
+        "parallel.max_tokens_per_micro_batch", "optim.warmup_steps", "reward.max_tasks_per_worker",
+        "reward.worker_memory_mb", "reward.stop_after_failed_steps", "rollout.min_response_len",
+        "rollout.engine_logprobs_every", "rollout.engine_threads", "rollout.max_staleness",
+        "algo.overlong_buffer_len", "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel",
+        "critic.warmup_steps", "warm_start.steps", "coordinator.warmup_steps", "coordinator.cooldown_steps",
+        "coordinator.lr_reference_batch", "train.steps", "train.eval_every", "train.eval_every_samples",
+        "train.max_samples", "train.save_every", "train.evals_past_target",
+    ]  # fmt: skip

@@ -70,7 +70,8 @@ def local_stand_ins(name: str, cfg: RunConfig, tmp_path: Path) -> None:
 def test_gpu_recipe_refuses_only_gpu_only_fields_on_cpu(tmp_path: Path) -> None:
     import torch
 
-    from megarl.config.checks import check_kv_cache, resolved_model
+    from megarl.config.cross import check_kv_cache
+    from megarl.config.hf import resolved_model
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusals")
@@ -83,7 +84,7 @@ def test_gpu_recipe_refuses_only_gpu_only_fields_on_cpu(tmp_path: Path) -> None:
     cpu = ["rollout.colocate=false", "model.dtype=fp32", "model.transformer_impl=local"]
     cfg = load_config(path, [src, *cpu])
     validate(cfg, 8)  # TP 2 × DP 4 on one 8-GPU node
-    m = resolved_model(cfg)
+    m = resolved_model(cfg.model)
     assert (m.arch, m.num_layers, m.hidden_size, m.num_query_groups, m.tie_embeddings) == ("qwen2", 28, 1536, 2, True)
     assert m.rotary_base == 1e6 and m.max_position_embeddings == 32768
     check_kv_cache(cfg, m)  # each engine's KV cache holds a whole 32k-token sequence

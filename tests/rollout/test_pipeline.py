@@ -15,7 +15,7 @@ import torch
 
 from megarl.config import ConfigError, load_config, validate
 from megarl.loop import pipeline_metrics
-from megarl.planning import Planner
+from megarl.planning import Planner, PlanSettings
 from megarl.rollout.batch import batch_from_dict, batch_to_dict
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.types import RolloutBatch
@@ -192,13 +192,13 @@ def test_resume_without_batches_ahead_starts_filling_at_the_resumed_step() -> No
 
 def test_plans_made_ahead_are_the_ones_trained_with_and_are_checkpointed() -> None:
     cfg = load_config(None, ["coordinator.enabled=false", "optim.warmup_steps=4", "train.steps=10"])
-    planner = Planner(cfg, dp=1, models=["actor"])
+    planner = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
     assert planner.state_dict() == {}  # without pipelining the planner's state is unchanged
     ahead = planner.plan_ahead(2)  # made during step 1's update, for step 2's batch
     assert ahead.step == 2 and ahead.lr["actor"] == pytest.approx(cfg.optim.lr * 3 / 4)  # warm-up at step 2
     state = json.loads(json.dumps(planner.state_dict()))
     assert list(state["plans_ahead"]) == ["2"]
-    other = Planner(cfg, dp=1, models=["actor"])
+    other = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
     other.load_state_dict(state)
     assert other.plan(2) == ahead and planner.plan(2) is ahead
     assert planner.state_dict() == {}  # consumed
@@ -206,7 +206,7 @@ def test_plans_made_ahead_are_the_ones_trained_with_and_are_checkpointed() -> No
 
 def test_coordinator_plan_ahead_is_labelled_with_its_step() -> None:
     cfg = load_config(None, ["coordinator.enabled=true", "rollout.num_prompts=16"])
-    planner = Planner(cfg, dp=1, models=["actor"])
+    planner = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
     p0, p1 = planner.plan_ahead(0), planner.plan_ahead(1)  # both before any step is observed
     assert (p0.step, p1.step) == (0, 1) and p0.num_prompts == p1.num_prompts == 16
     assert planner.plan(0) is p0 and planner.plan(1) is p1

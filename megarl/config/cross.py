@@ -1,18 +1,26 @@
-"""The consistency rules of a run config: :func:`validate` (``megarl.config.validate``).
+"""The rules that span sections, and :func:`validate` (``megarl.config.validate``), which runs
+every rule of a run config in order. Across sections: the model against the layouts, the batch
+against the DP ranks and the noise probe, the rollout against the model's context and the
+engines' KV cache, the algorithm against the rollout, the coordinator against the optimizer,
+and what this machine can run (:func:`check`, in this order). Each section's rules about its
+own fields sit beside them, in its ``validate()``.
 
-Every rule fails with :class:`megarl.config.ConfigError` naming the field, its value and the
-rule, before any process group starts.
+The order of :func:`validate` is the order errors are reported in (a config with two problems
+names the first): every field's generic rules (ints positive, floats finite:
+:mod:`megarl.config.rules`), then the sections' own rules and these, as :func:`validate` lists them.
+
+The probe's part size (:func:`probe_part_rows`, :func:`probe_min_batch`) is defined here, not
+by its owner ``megarl.planning``: the config's check needs it at load time, and the config is
+the layer every other one imports (``megarl.planning`` and ``megarl.update`` import it from here).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl.config.rules import fail, walk
-from megarl.config.tracking import check_trackers
+from megarl.config.hf import resolved_model
+from megarl.config.rules import fail, finite_floats, positive_ints
 
 if TYPE_CHECKING:
     from megarl.config.model import ModelConfig
@@ -20,91 +28,67 @@ if TYPE_CHECKING:
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
-    """Every rule, section by section, before any process group starts; the first broken one
-    raises ConfigError naming the field, the value and the rule."""
-    _positive(cfg)
-    _finite(cfg)
-    _rates_and_sampling(cfg)
-    _paths(cfg)
-    m = resolved_model(cfg)
-    _model(m)
+    """Every rule, before any process group starts; the first broken one raises ConfigError
+    naming the field, the value and the rule. (data, reward and weight_sync have no rules of
+    their own here: rewards are imported and checked by ``megarl.prelaunch``, transports against
+    what this machine runs by ``cross``.)
+
+    The order keeps the one it had as a single list of rules as closely as one ``validate()``
+    per section allows: the sections whose rules came first, then those the cross-section rules
+    rely on (the rollout's KV cache size, the model's shape, the algorithm's name), the cross
+    rules, and last coordinator and train, whose rules came last and nothing relies on."""
+    positive_ints(cfg)
+    finite_floats(cfg)
+    for section in (cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout):
+        section.validate()
+    m = resolved_model(cfg.model)  # (init_from checked first: a folder with config.json and weights)
+    m.validate()
+    cfg.parallel.validate()
+    cfg.algo.validate()
+    check(cfg, m, world_size)
+    cfg.coordinator.validate()
+    cfg.train.validate()
+
+
+def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
+    """Every cross-section rule, ``m`` the model the run builds (``model.init_from``'s, when set)."""
+    _group_estimator(cfg)
     _parallel(cfg, m, world_size)
-    _rollout(cfg, m)
-    _algo(cfg)
+    _rollout_vs_model(cfg, m)
+    if cfg.algo.overlong_buffer_len >= cfg.rollout.max_response_len:
+        fail(
+            "algo.overlong_buffer_len",
+            cfg.algo.overlong_buffer_len,
+            f"must be < rollout.max_response_len={cfg.rollout.max_response_len}",
+        )
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
-    _stopping(cfg)
-    check_trackers(cfg.train.trackers, cfg.train.tracking)
 
 
-def _stopping(cfg: RunConfig) -> None:
-    """train: a stop past the target needs a target and validations to count."""
-    t = cfg.train
-    if t.target_window > 1 and not t.target_val_reward:
-        fail("train.target_window", t.target_window, "needs train.target_val_reward > 0")
-    if t.evals_past_target and not t.target_val_reward:
-        fail("train.evals_past_target", t.evals_past_target, "needs train.target_val_reward > 0")
-    if t.evals_past_target and not (t.eval_every or t.eval_every_samples):
+def _group_estimator(cfg: RunConfig) -> None:
+    """A group-baseline estimator needs a group of at least two samples."""
+    a, r = cfg.algo, cfg.rollout
+    group_estimators = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+    if a.advantage in group_estimators and r.samples_per_prompt < 2:
         fail(
-            "train.evals_past_target",
-            t.evals_past_target,
-            "counts mid-run validations: set train.eval_every or train.eval_every_samples",
-        )
-
-
-def _model(m: ModelConfig) -> None:
-    """model: the architecture is one megatron can build and the HF mapping can express."""
-    if m.linear_bias and m.arch != "llama":
-        fail("model.linear_bias", m.linear_bias, f"is a Llama option; arch={m.arch} has its own bias layout")
-    if m.arch == "qwen2" and m.head_dim * m.num_attention_heads != m.hidden_size:
-        fail(
-            "model.kv_channels",
-            m.kv_channels,
-            f"arch=qwen2 needs head_dim × num_attention_heads = hidden_size={m.hidden_size} "
-            "(vLLM's Qwen2 derives head_dim from it)",
-        )
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        fail(
-            "model.rope_high_freq_factor",
-            m.rope_high_freq_factor,
-            f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 RoPE scaling)",
-        )
-    if not m.kv_channels and m.hidden_size % m.num_attention_heads:
-        fail(
-            "model.hidden_size",
-            m.hidden_size,
-            f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
-        )
-    if m.num_attention_heads % m.num_query_groups:
-        fail(
-            "model.num_query_groups",
-            m.num_query_groups,
-            f"must divide model.num_attention_heads={m.num_attention_heads}",
+            "rollout.samples_per_prompt",
+            r.samples_per_prompt,
+            f"must be >= 2 with algo.advantage='{a.advantage}' (a group of one has no baseline: "
+            "every advantage, and so the loss, would be exactly 0)",
         )
 
 
 def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     """parallel (and the critic's layout): TP/PP split the model; batches split over DP."""
     p = cfg.parallel
-    if m.num_attention_heads % p.tensor_parallel:
-        fail(
-            "parallel.tensor_parallel",
-            p.tensor_parallel,
-            f"does not divide model.num_attention_heads={m.num_attention_heads}",
-        )
-    if m.num_query_groups % p.tensor_parallel:
-        fail(
-            "parallel.tensor_parallel",
-            p.tensor_parallel,
-            f"does not divide model.num_query_groups={m.num_query_groups}",
-        )
-    if m.ffn_hidden_size % p.tensor_parallel:
-        fail(
-            "parallel.tensor_parallel",
-            p.tensor_parallel,
-            f"does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
-        )
+    for name, size in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        if size % p.tensor_parallel:
+            fail("parallel.tensor_parallel", p.tensor_parallel, f"does not divide {name}={size}")
     if m.num_layers % p.pipeline_parallel:
         fail("parallel.pipeline_parallel", p.pipeline_parallel, f"does not divide model.num_layers={m.num_layers}")
     if world_size % (p.tensor_parallel * p.pipeline_parallel):
@@ -114,6 +98,15 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
             f"does not divide the trainer world size {world_size}",
         )
     dp = world_size // (p.tensor_parallel * p.pipeline_parallel)
+    _batches_split(cfg, dp)
+    _token_budget(cfg, m, dp)
+    _probe_parts(cfg, dp)
+    _critic_layout(cfg, world_size)
+
+
+def _batches_split(cfg: RunConfig, dp: int) -> None:
+    """The RL batch, the forward-only micro-batches and the warm start's batch split over DP."""
+    p = cfg.parallel
     if cfg.batch_size % (dp * p.micro_batch_size * cfg.algo.mini_batches):
         fail(
             "rollout.num_prompts×samples_per_prompt",
@@ -133,9 +126,6 @@ def _parallel(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
             cfg.warm_start.batch_size,
             f"must be divisible by DP={dp} × parallel.micro_batch_size={p.micro_batch_size}",
         )
-    _token_budget(cfg, m, dp)
-    _probe_parts(cfg, dp)
-    _validate_critic_layout(cfg, world_size)
 
 
 def _critic_dp(cfg: RunConfig, dp: int) -> int:
@@ -152,13 +142,13 @@ def probe_part_rows(cfg: RunConfig) -> int:
     return math.lcm(cfg.parallel.micro_batch_size, cfg.rollout.samples_per_prompt)
 
 
-def probe_min_batch(cfg: RunConfig, dp: int, critic_dp: int | None = None) -> int:
+def probe_min_batch(part_rows: int, mini_batches: int, dp: int, critic_dp: int | None = None) -> int:
     """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
-    parts are the measured mini-batch's whole-group runs of micro-batches (`probe_part_rows`),
-    and one part gives no estimate."""
+    parts are the measured mini-batch's whole-group runs of micro-batches (``part_rows``:
+    `probe_part_rows`, ``mini_batches``: algo.mini_batches), and one part gives no estimate."""
     if min(dp, critic_dp or dp) > 1:
         return 1  # parts are DP ranks (or their micro-batches): at least two
-    return 2 * probe_part_rows(cfg) * cfg.algo.mini_batches
+    return 2 * part_rows * mini_batches
 
 
 def _probe_parts(cfg: RunConfig, dp: int) -> None:
@@ -177,7 +167,7 @@ def _probe_parts(cfg: RunConfig, dp: int) -> None:
             "with coordinator.enabled: the noise probe's parts must hold whole GRPO groups (a split "
             "group's responses are negatively correlated, which biases B_noise high)",
         )
-    need = probe_min_batch(cfg, dp, _critic_dp(cfg, dp))
+    need = probe_min_batch(part, m, dp, _critic_dp(cfg, dp))
     if cfg.batch_size < need:
         size = f"parallel.micro_batch_size={p.micro_batch_size}"
         if part != p.micro_batch_size:  # micro-batches joined into whole groups
@@ -193,13 +183,9 @@ def _probe_parts(cfg: RunConfig, dp: int) -> None:
 
 def _token_budget(cfg: RunConfig, m: ModelConfig, dp: int) -> None:
     """parallel.max_tokens_per_micro_batch: every row fits, and the grad probe keeps random parts;
-    parallel.pack_sequences: packs budget micro-batches, with an attention that takes them."""
+    parallel.pack_sequences: with an attention that takes packed rows."""
     p, r = cfg.parallel, cfg.rollout
-    budget = p.max_tokens_per_micro_batch
-    if p.pack_sequences and not budget:
-        fail(
-            "parallel.pack_sequences", True, "packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch"
-        )
+    budget = p.max_tokens_per_micro_batch  # (pack_sequences without one: ParallelConfig.validate)
     if p.pack_sequences and m.transformer_impl == "local" and m.attention != "sdpa":
         fail(
             "parallel.pack_sequences",
@@ -226,8 +212,8 @@ def _token_budget(cfg: RunConfig, m: ModelConfig, dp: int) -> None:
         )
 
 
-def _rollout(cfg: RunConfig, m: ModelConfig) -> None:
-    """rollout: lengths fit the model's context and the engines' KV cache; engine layout."""
+def _rollout_vs_model(cfg: RunConfig, m: ModelConfig) -> None:
+    """rollout: lengths fit the model's context and the engines' KV cache; engine TP splits the KV heads."""
     r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > m.max_position_embeddings:
         fail(
@@ -236,13 +222,7 @@ def _rollout(cfg: RunConfig, m: ModelConfig) -> None:
             f"exceeds model.max_position_embeddings={m.max_position_embeddings}"
             + (f" (from {m.init_from}/config.json)" if m.init_from else ""),
         )
-    if not 0 <= r.min_response_len <= r.max_response_len:
-        fail("rollout.min_response_len", r.min_response_len, f"must be in [0, max_response_len={r.max_response_len}]")
     check_kv_cache(cfg, m)  # (each reward is imported and checked by megarl.prelaunch.check_run)
-    if r.engine_tp < 1:
-        fail("rollout.engine_tp", r.engine_tp, "must be >= 1")
-    if r.engine_lease_s and r.engine_lease_s < 15:
-        fail("rollout.engine_lease_s", r.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
     if m.num_query_groups % r.engine_tp:
         fail("rollout.engine_tp", r.engine_tp, f"does not divide model.num_query_groups={m.num_query_groups}")
 
@@ -251,9 +231,7 @@ def _pipeline(cfg: RunConfig) -> None:
     """rollout.max_staleness: a lagging batch needs the behaviour policy in the loss, and a
     generation that runs alone (one round, engines awake while the trainer works)."""
     r, a = cfg.rollout, cfg.algo
-    if r.max_staleness not in (0, 1, 2):
-        fail("rollout.max_staleness", r.max_staleness, "must be 0 (generate, then train), 1 or 2")
-    if r.max_staleness == 0:
+    if r.max_staleness == 0:  # (0, 1 or 2: RolloutConfig.validate)
         return
     if a.tis_cap <= 0:
         fail(
@@ -278,33 +256,8 @@ def _pipeline(cfg: RunConfig) -> None:
         )
 
 
-def _algo(cfg: RunConfig) -> None:
-    """algo: known estimators and aggregation modes, clip ranges, overlong shaping."""
-    r = cfg.rollout
-    if cfg.algo.clip_low >= 1 or cfg.algo.clip_low < 0:
-        fail("algo.clip_low", cfg.algo.clip_low, "must be in [0, 1)")
-    if cfg.algo.name == "ppo" and cfg.algo.advantage != "gae":
-        fail("algo.advantage", cfg.algo.advantage, "must be 'gae' when algo.name='ppo' (critic)")
-    if cfg.algo.name == "grpo" and cfg.algo.advantage == "gae":
-        fail("algo.advantage", "gae", "needs a critic: set algo.name='ppo'")
-    from megarl.algo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
-
-    if cfg.algo.advantage not in ADVANTAGE_ESTIMATORS:
-        fail("algo.advantage", cfg.algo.advantage, f"must be one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    if cfg.algo.loss_agg not in LOSS_AGG_MODES:
-        fail("algo.loss_agg", cfg.algo.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
-    if cfg.algo.overlong_buffer_len >= r.max_response_len:
-        fail(
-            "algo.overlong_buffer_len",
-            cfg.algo.overlong_buffer_len,
-            f"must be < rollout.max_response_len={r.max_response_len}",
-        )
-    if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
-        fail("algo.dual_clip", cfg.algo.dual_clip, "must be > 1 (or 0 = off)")
-
-
 def _coordinator(cfg: RunConfig) -> None:
-    """coordinator: what it needs from the optimizer and the starting batch."""
+    """coordinator: what it needs from the optimizer, its layout and the starting batch."""
     r = cfg.rollout
     c = cfg.coordinator
     if c.enabled and cfg.optim.clip_grad <= 0:
@@ -313,18 +266,12 @@ def _coordinator(cfg: RunConfig) -> None:
             cfg.optim.clip_grad,
             "must be > 0 with coordinator.enabled (its grad norm is reused)",
         )
-    if c.noise_kind not in ("plain", "adam"):
-        fail("coordinator.noise_kind", c.noise_kind, "must be 'plain' (raw gradients) or 'adam' (Adam-preconditioned)")
     if c.enabled and c.noise_kind == "adam" and cfg.parallel.use_distributed_optimizer:
         fail(
             "parallel.use_distributed_optimizer",
             True,
             "must be false with coordinator.noise_kind='adam': the distributed optimizer keeps one DP "
             "rank's shard of Adam's second moments, and the probe weighs whole local gradients",
-        )
-    if c.lr_reference_batch < 0:
-        fail(
-            "coordinator.lr_reference_batch", c.lr_reference_batch, "must be >= 0 responses (0 = the configured batch)"
         )
     if c.enabled and not c.min_prompts <= r.num_prompts <= c.max_prompts:
         fail(
@@ -372,7 +319,7 @@ def _devices(cfg: RunConfig, m: ModelConfig) -> None:
             )
 
 
-def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
+def _critic_layout(cfg: RunConfig, world_size: int) -> None:
     """The critic's own layout (``critic.parallel``) must split the model and the batch."""
     c, m = cfg.critic.parallel, cfg.model
     if not (c.tensor_parallel or c.pipeline_parallel):
@@ -402,135 +349,6 @@ def _validate_critic_layout(cfg: RunConfig, world_size: int) -> None:
         )
     if cfg.coordinator.enabled and dp == 1 and pp > 1:
         fail(field_pp, pp, "with coordinator.enabled needs the critic's DP > 1 or PP = 1 (noise estimate)")
-
-
-def _positive(cfg: RunConfig) -> None:
-    zero_means_actor = ("critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel")
-    for path, value in walk(cfg):
-        if path in zero_means_actor and value == 0:
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            nonneg = (
-                "vocab_size",
-                "steps",
-                "warmup_steps",
-                "eval_every",
-                "eval_every_samples",
-                "max_samples",
-                "evals_past_target",
-                "overlong_buffer_len",
-                "save_every",
-                "min_response_len",
-                "logprob_micro_batch_size",
-                "max_tokens_per_micro_batch",
-                "max_tasks_per_worker",
-                "worker_memory_mb",
-                "kv_channels",
-                "lr_reference_batch",
-                "max_staleness",
-                "engine_threads",
-                "engine_logprobs_every",
-                "stop_after_failed_steps",
-            )
-            if value < 0 or (value == 0 and not path.endswith(nonneg)):
-                fail(path, value, "must be a positive integer")
-
-
-def _finite(cfg: RunConfig) -> None:
-    """No NaN or infinity in any float setting (a NaN reward or KL weight surfaces steps later as
-    NaN weights, blamed on the weight sync)."""
-    for path, value in walk(cfg):
-        values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            fail(path, value, "must be a finite number")
-
-
-def _rates_and_sampling(cfg: RunConfig) -> None:
-    """Float settings with a sign or range rule, and sampling that cannot feed the estimator."""
-    o, r, a = cfg.optim, cfg.rollout, cfg.algo
-    for name in ("clip_high", "kl_coef", "entropy_coef", "kl_target", "kl_horizon"):
-        if getattr(a, name) < 0:
-            fail(f"algo.{name}", getattr(a, name), "must be >= 0")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(a, name) <= 1:
-            fail(f"algo.{name}", getattr(a, name), "must be in [0, 1]")
-    if cfg.critic.value_clip < 0:
-        fail("critic.value_clip", cfg.critic.value_clip, "must be >= 0 (0: no clipping)")
-    for name, value in (("optim.lr", o.lr), ("critic.lr", cfg.critic.lr), ("warm_start.lr", cfg.warm_start.lr)):
-        if not value > 0:
-            fail(name, value, "must be > 0")
-    if not 0 <= o.min_lr <= o.lr:
-        fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
-    if not 0 < o.adam_eps or not 0 <= o.adam_beta1 < 1 or not 0 <= o.adam_beta2 < 1:
-        fail(
-            "optim.adam_beta1/adam_beta2/adam_eps", (o.adam_beta1, o.adam_beta2, o.adam_eps), "need β in [0, 1), ε > 0"
-        )
-    if o.clip_grad < 0 or o.weight_decay < 0:
-        fail("optim.clip_grad/weight_decay", (o.clip_grad, o.weight_decay), "must be >= 0")
-    if r.temperature < 0:
-        fail("rollout.temperature", r.temperature, "must be >= 0")
-    if r.temperature == 0 and r.samples_per_prompt > 1:
-        fail(
-            "rollout.temperature",
-            0.0,
-            f"is greedy decoding: the rollout.samples_per_prompt={r.samples_per_prompt} samples of a prompt "
-            "would be identical (use a temperature > 0, or samples_per_prompt=1 with a non-group estimator)",
-        )
-    if not 0 < r.top_p <= 1:
-        fail("rollout.top_p", r.top_p, "must be in (0, 1]")
-    group_estimators = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-    if a.advantage in group_estimators and r.samples_per_prompt < 2:
-        fail(
-            "rollout.samples_per_prompt",
-            r.samples_per_prompt,
-            f"must be >= 2 with algo.advantage='{a.advantage}' (a group of one has no baseline: "
-            "every advantage, and so the loss, would be exactly 0)",
-        )
-    if not r.kv_cache_gb > 0:
-        fail("rollout.kv_cache_gb", r.kv_cache_gb, "must be > 0 (KV cache per engine, GiB)")
-    for name, value in (
-        ("rollout.engine_start_timeout_s", r.engine_start_timeout_s),
-        ("rollout.request_timeout_s", r.request_timeout_s),
-    ):
-        if not value > 0:
-            fail(name, value, "must be > 0")
-
-
-def _paths(cfg: RunConfig) -> None:
-    """Files and folders the run reads or writes, before any process starts."""
-    run_dir = Path(cfg.train.run_dir)
-    for parent in (run_dir, *run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            fail("train.run_dir", cfg.train.run_dir, f"cannot be created: {parent} is a file")
-    src = cfg.model.init_from
-    if src:
-        folder = Path(src)
-        if not folder.is_dir():
-            fail("model.init_from", src, "does not exist (expected an HF model folder)")
-        if not (folder / "config.json").is_file():
-            fail("model.init_from", src, "has no config.json: not an HF model folder")
-        if not list(folder.glob("*.safetensors")):
-            fail("model.init_from", src, "has no *.safetensors weights")
-
-
-def resolved_model(cfg: RunConfig) -> ModelConfig:
-    """The model the run will build: ``model`` itself, or its shape from ``model.init_from``."""
-    m = cfg.model
-    if not m.init_from:
-        return m
-    from megarl.config.hf import model_config_from_hf
-
-    cfg_file = Path(m.init_from) / "config.json"
-    try:
-        hf_cfg = json.loads(cfg_file.read_text())
-        return model_config_from_hf(hf_cfg, m)
-    except json.JSONDecodeError as e:
-        fail("model.init_from", m.init_from, f"{cfg_file} is not valid JSON ({e.msg}, line {e.lineno})")
-    except (KeyError, ValueError) as e:  # AdapterError, UnsupportedHFModel: the key and value named
-        reason = e.args[0] if len(e.args) == 1 else e
-        if type(e) is KeyError:  # a key the model's shape needs is absent
-            reason = f"missing key {reason!r}"
-        fail("model.init_from", m.init_from, f"{cfg_file}: {reason}")
 
 
 def check_kv_cache(cfg: RunConfig, m: ModelConfig) -> None:
