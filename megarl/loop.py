@@ -75,7 +75,7 @@ def rl_step(c: Components, step: int) -> StepResult:
     with timer("sync"):  # 5. new weights into every engine
         metrics.update(c.publisher.push())
     with timer("observe"):  # 6. noise estimates + timings -> the coordinator's next plan
-        c.planner.observe(step, batch.size, int(batch.response_lens.sum()), timer.times, c.dims, work)
+        c.planner.observe(step, batch.size, int(batch.mask.sum()), timer.times, c.dims, work)  # trained tokens
         metrics.update(c.planner.metrics())
     metrics.update(timer.metrics())
     metrics["timing/step/total"] = total = time.perf_counter() - t0

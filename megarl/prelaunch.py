@@ -1,6 +1,6 @@
 """What ``megarl train`` checks before any process group or engine starts, beyond the config's
-own rules (:func:`megarl.config.validate`): each reward is imported and its signature checked
-(:func:`check_run`), and every data row is read and measured with the run's own tokenizer
+own rules (:func:`megarl.config.validate`): each reward and the environment class are imported and
+their signatures checked (:func:`check_run`), and every data row is read and measured with the run's own tokenizer
 (:func:`check_data`). (The launcher then picks the checkpoint to resume,
 ``megarl.checkpoint.integrity.choose_resume``.)"""
 
@@ -12,6 +12,7 @@ from megarl.config import RunConfig, validate
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts, tokenizer_corpus
 from megarl.errors import ConfigError, DataError
+from megarl.rewards.env_spec import import_env
 from megarl.rewards.specs import check_reward_config
 
 
@@ -19,6 +20,11 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError naming the setting; nothing is started."""
     validate(cfg, world_size)
     check_reward_config(cfg)  # imports each reward and checks its signature
+    if cfg.env.fn:  # the environment class: imported, its reset/step checked
+        try:
+            import_env(cfg.env.fn)
+        except (Exception, SystemExit) as e:  # the user's import-time error too, named
+            raise ConfigError(f"env.fn={cfg.env.fn!r} {e}") from e
 
 
 def check_data(cfg: RunConfig) -> dict[str, int]:

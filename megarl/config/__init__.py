@@ -5,7 +5,7 @@ section's own checks (its ``validate()``) beside its fields.
 rejects unknown keys and wrong types (naming the dotted field), and :func:`validate` (``cross``)
 applies every rule before any process group starts: the generic ones (``rules``), each
 section's and those across sections (``cross``). Sections: ``model``, ``parallel``, ``optim``,
-``data``, ``reward``, ``rollout``, ``algo``, ``critic`` (and ``critic.parallel``),
+``data``, ``reward``, ``rollout``, ``env``, ``algo``, ``critic`` (and ``critic.parallel``),
 ``warm_start``, ``weight_sync``, ``coordinator``, ``train`` and ``tracking`` (``train.tracking``);
 ``run`` holds :class:`RunConfig`, one of each. ``hf`` maps an HF ``config.json`` onto a
 ModelConfig or refuses it (the model check needs it at load time); ``docs`` prints the
@@ -18,6 +18,7 @@ from megarl.config.coordinator import CoordinatorConfig
 from megarl.config.critic import CriticConfig, CriticParallelConfig
 from megarl.config.cross import validate
 from megarl.config.data import DataConfig
+from megarl.config.env import EnvConfig
 from megarl.config.load import load_config, parse_override, to_dict
 from megarl.config.model import ModelConfig
 from megarl.config.optim import OptimConfig
@@ -38,6 +39,7 @@ __all__ = [
     "CriticConfig",
     "CriticParallelConfig",
     "DataConfig",
+    "EnvConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

@@ -45,6 +45,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     m.validate()
     cfg.parallel.validate()
     cfg.algo.validate()
+    cfg.env.validate()
     check(cfg, m, world_size)
     cfg.coordinator.validate()
     cfg.train.validate()
@@ -221,6 +222,14 @@ def _rollout_vs_model(cfg: RunConfig, m: ModelConfig) -> None:
             r.max_prompt_len + r.max_response_len,
             f"exceeds model.max_position_embeddings={m.max_position_embeddings}"
             + (f" (from {m.init_from}/config.json)" if m.init_from else ""),
+        )
+    if cfg.env.fn and r.max_prompt_len + cfg.env.budget(r.max_response_len) > m.max_position_embeddings:
+        fail(
+            "env.max_tokens",
+            cfg.env.max_tokens,
+            f"= {cfg.env.budget(r.max_response_len)} ids after a prompt of up to rollout.max_prompt_len="
+            f"{r.max_prompt_len} exceeds model.max_position_embeddings={m.max_position_embeddings} "
+            "(0 = env.max_turns × rollout.max_response_len)",
         )
     check_kv_cache(cfg, m)  # (each reward is imported and checked by megarl.prelaunch.check_run)
     if m.num_query_groups % r.engine_tp:

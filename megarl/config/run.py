@@ -11,6 +11,7 @@ from megarl.config.algo import AlgoConfig
 from megarl.config.coordinator import CoordinatorConfig
 from megarl.config.critic import CriticConfig
 from megarl.config.data import DataConfig
+from megarl.config.env import EnvConfig
 from megarl.config.model import ModelConfig
 from megarl.config.optim import OptimConfig
 from megarl.config.parallel import ParallelConfig
@@ -35,6 +36,8 @@ class RunConfig:
     """Which reward functions score a response, their weights, and the worker processes that run them."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation: prompts × samples per step, lengths, sampling, the vLLM engines and their resources."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment (agents and tools); unset: single-turn rollouts."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The RL algorithm: advantage estimator, PPO clip, KL, loss aggregation, DAPO filters, TIS."""
     critic: CriticConfig = field(default_factory=CriticConfig)

@@ -32,11 +32,20 @@ class TemplateError(ValueError):
 
 
 class TurnRenderer(Protocol):
-    def prompt_ids(self, rec: PromptRecord, tools: list[dict[str, Any]]) -> list[int]: ...
+    def encode_prompt(self, rec: PromptRecord) -> list[int]: ...
 
     def observation_ids(self, observation: Observation) -> list[int]: ...
 
     def action_text(self, ids: list[int]) -> str: ...
+
+    def answer_text(self, ids: list[int]) -> str: ...
+
+
+def renderer(tok: Any, tools: list[dict[str, Any]]) -> TurnRenderer:
+    """:class:`ChatTurns` for a tokenizer with a chat template, else :class:`PlainTurns`."""
+    if getattr(tok, "template", None) is not None:
+        return ChatTurns(tok, tools)
+    return PlainTurns(tok)
 
 
 def as_messages(observation: Observation) -> list[dict[str, Any]]:
@@ -65,7 +74,8 @@ class ChatTurns:
         )
         return [int(i) for i in cast("list[int]", rendered)]
 
-    def prompt_ids(self, rec: PromptRecord, tools: list[dict[str, Any]]) -> list[int]:
+    def encode_prompt(self, rec: PromptRecord) -> list[int]:
+        """The row's conversation with the tools, opening the first assistant turn."""
         return self._ids(self.tok.messages(rec), add_generation_prompt=True)
 
     def observation_ids(self, observation: Observation) -> list[int]:
@@ -85,6 +95,10 @@ class ChatTurns:
             ids = ids[:-1]
         return str(self.tok.hf.decode(ids, skip_special_tokens=False))
 
+    def answer_text(self, ids: list[int]) -> str:
+        """The final turn as ``reward.fn`` reads it: special tokens stripped, as single-turn responses."""
+        return str(self.tok.decode(ids))
+
 
 class PlainTurns:
     """Turns through a tokenizer without a chat template (the built-in SentencePiece one)."""
@@ -92,7 +106,9 @@ class PlainTurns:
     def __init__(self, tok: Any) -> None:
         self.tok = tok
 
-    def prompt_ids(self, rec: PromptRecord, tools: list[dict[str, Any]]) -> list[int]:
+    def encode_prompt(self, rec: PromptRecord) -> list[int]:
+        """The row's prompt as single-turn rollouts take it (no tool schemas: a model taught the
+        format by its warm start knows its tools)."""
         return [int(i) for i in self.tok.encode_prompt(rec)]
 
     def observation_ids(self, observation: Observation) -> list[int]:
@@ -103,4 +119,7 @@ class PlainTurns:
         return [int(i) for i in self.tok.encode(text, bos=False)] if text else []
 
     def action_text(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids))
+
+    def answer_text(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids))

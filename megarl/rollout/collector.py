@@ -14,6 +14,7 @@ and skips none; only rank 0 talks to the fleet, and the packed batch is broadcas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import zlib
@@ -26,12 +27,16 @@ import torch.distributed as dist
 
 from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError
 from megarl.data.tokenizer import PromptTokenizer
+from megarl.data.turns import renderer
 from megarl.distributed import ParallelDims
 from megarl.fleet.fleet import Fleet
+from megarl.rewards.env_spec import import_env
 from megarl.rewards.runner import RewardReport, RewardRunner
 from megarl.rollout.batch import broadcast_batch
+from megarl.rollout.episodes import EnvReport, EpisodeSettings, run_episodes
 from megarl.rollout.sampling import (
     CollectSettings,
+    EncodesPrompts,
     Group,
     PromptStats,
     batch_stats,
@@ -87,6 +92,27 @@ class RolloutCollector:
         """Rank 0: consecutive steps in which every reward failed (reward.stop_after_failed_steps)."""
         self.val_scored = 0
         """Rank 0: prompts the latest :meth:`validate` scored (the validation set less those skipped)."""
+        self.episodes: EpisodeSettings | None = None
+        """Multi-turn episodes (``env.fn``), else None: single-turn samples."""
+        self.prompter: EncodesPrompts = tok
+        """What prompts are encoded with: the tokenizer, or the episodes' turn renderer (tools in the template)."""
+        if cfg.env.fn:
+            env_cls = import_env(cfg.env.fn)
+            tools = list(getattr(env_cls, "tools", []))
+            self.renderer = renderer(tok, tools)
+            self.prompter = self.renderer
+            r = cfg.rollout
+            self.episodes = EpisodeSettings(
+                env_cls=env_cls,
+                max_turns=cfg.env.max_turns,
+                turn_tokens=r.max_response_len,
+                max_tokens=cfg.env.budget(r.max_response_len),
+                failed_reward=cfg.env.failed_reward,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                stop_token_ids=tok.eos_ids,
+                tools=tools,
+            )
 
     def fleet_ready(self) -> None:
         """Rank 0: engines spawned at start-up are healthy (waits once, the first time)."""
@@ -105,7 +131,7 @@ class RolloutCollector:
         n_kept = 0
         while n_kept < num_prompts and rnd.count < (a.max_sampling_rounds if a.dynamic_sampling else 1):
             prompts = take_prompts(
-                self.sampler, self.train_rows, self.tok, num_prompts - n_kept, self.cfg, self.prompt_stats
+                self.sampler, self.train_rows, self.prompter, num_prompts - n_kept, self.cfg, self.prompt_stats
             )
             rnd.count += 1
             n = torch.zeros(1, dtype=torch.long)
@@ -124,7 +150,7 @@ class RolloutCollector:
     def issue(self, step: int, num_prompts: int, samples: int) -> RolloutJob:
         """Every rank: take step ``step``'s prompts now (the sampler advances identically on all
         ranks, in step order); rank 0 generates them later with :meth:`run`, in any thread."""
-        prompts = take_prompts(self.sampler, self.train_rows, self.tok, num_prompts, self.cfg, self.prompt_stats)
+        prompts = take_prompts(self.sampler, self.train_rows, self.prompter, num_prompts, self.cfg, self.prompt_stats)
         counts = (self.prompt_stats.skipped_overlong, self.prompt_stats.truncated_overlong)
         return RolloutJob(step, prompts, samples, self.prompt_stats.drain(), counts)
 
@@ -164,6 +190,15 @@ class RolloutCollector:
             log.warning("step %d rewards: %s", step + 1, line)
         limit = self.cfg.reward.stop_after_failed_steps
         self.failed_steps = failed_steps_check(rnd.rewards, self.failed_steps, limit, step + 1)
+        if self.episodes is not None:
+            stats.update(rnd.env.metrics())
+            if rnd.env.examples:
+                log.warning(
+                    "step %d: %d episodes failed in their environment, e.g. %s",
+                    step + 1,
+                    rnd.env.failures,
+                    "; ".join(rnd.env.examples),
+                )
         stats["rollout/sampling_rounds"] = float(rnd.count)
         # which prompts, in which order (a resumed run must replay none and skip none)
         fp = sum((i + 1) * zlib.crc32(g.record.where.encode()) for i, g in enumerate(kept))
@@ -182,16 +217,13 @@ class RolloutCollector:
     def _sample_round(self, prompts: list[tuple[PromptRecord, list[int]]], step: int, samples: int, rnd: _Round) -> int:
         """Rank 0: one generation round appended to ``rnd.kept``; returns how many are kept."""
         assert self.fleet is not None and self.rewards is not None
-        groups, v, report = sample_groups(
-            self.fleet,
-            self.tok,
-            prompts,
-            self.cfg,
-            self.rewards,
-            seed=self.cfg.seed + 7919 * step + rnd.count,
-            samples=samples,
-            logprobs=engine_logprobs_wanted(self.cfg, step),
-        )
+        seed, logprobs = self.cfg.seed + 7919 * step + rnd.count, engine_logprobs_wanted(self.cfg, step)
+        if self.episodes is not None:
+            groups, v, report = self._sample_episodes(prompts, samples, seed, logprobs, rnd)
+        else:
+            groups, v, report = sample_groups(
+                self.fleet, self.tok, prompts, self.cfg, self.rewards, seed=seed, samples=samples, logprobs=logprobs
+            )
         rnd.version = min(rnd.version, v)
         for g in groups:
             g.version = v
@@ -203,6 +235,21 @@ class RolloutCollector:
             groups = good
         rnd.kept.extend(groups)
         return len(rnd.kept)
+
+    def _sample_episodes(
+        self, prompts: list[tuple[PromptRecord, list[int]]], samples: int, seed: int, logprobs: bool, rnd: _Round
+    ) -> tuple[list[Group], int, RewardReport]:
+        """Rank 0: one round of multi-turn episodes, as groups carrying their episodes."""
+        assert self.fleet is not None and self.rewards is not None and self.episodes is not None
+        eps, texts, totals, v, report, env = run_episodes(
+            self.fleet, self.renderer, self.rewards, prompts, samples, self.episodes, seed, logprobs
+        )
+        rnd.env.merge(env)
+        groups = [
+            Group(rec, pids, [e.sample() for e in ep], tx, tot, v, episodes=ep)
+            for (rec, pids), ep, tx, tot in zip(prompts, eps, texts, totals, strict=True)
+        ]
+        return groups, v, report
 
     def _dump(self, step: int, groups: list[Group]) -> None:
         """Rank 0: the exact ids sent to and returned by the engines (``rollout.dump_rollouts``)."""
@@ -217,6 +264,10 @@ class RolloutCollector:
                     "texts": g.texts,
                     "rewards": g.rewards,
                 }
+                if g.episodes is not None:  # each turn's engine ids and the observation ids after them
+                    row["turns"] = [
+                        [{"generated": t.ids, "observation": t.observation} for t in e.turns] for e in g.episodes
+                    ]
                 fh.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ validation
@@ -229,8 +280,12 @@ class RolloutCollector:
             self.fleet_ready()
             # the overlong-prompt rule applies here too (a prompt past the context would fail the
             # engine); a reward that raises scores 0, as in training, counted in one line
-            rows = validation_prompts(self.val_rows, self.tok, self.cfg)
+            rows = validation_prompts(self.val_rows, self.prompter, self.cfg)
             self.val_scored = len(rows)
+            if self.episodes is not None:  # greedy episodes, the final answers scored
+                value[0] = self._validate_episodes(rows)
+                dist.broadcast(value, src=0)
+                return float(value)
             outs, _ = self.fleet.generate(
                 [ids for _, ids in rows],
                 n=1,
@@ -249,6 +304,22 @@ class RolloutCollector:
             value[0] = sum(rewards) / max(len(rewards), 1)
         dist.broadcast(value, src=0)
         return float(value)
+
+    def _validate_episodes(self, rows: list[tuple[PromptRecord, list[int]]]) -> float:
+        """Rank 0: the mean reward of one greedy episode per validation prompt."""
+        assert self.fleet is not None and self.rewards is not None and self.episodes is not None
+        greedy = dataclasses.replace(self.episodes, temperature=0.0, top_p=1.0)
+        _, _, totals, _, report, env = run_episodes(
+            self.fleet, self.renderer, self.rewards, rows, 1, greedy, seed=0, logprobs=False
+        )
+        self.fleet.pop_timings()  # validation is not part of a step's generation time
+        if line := report.summary(self.cfg.reward.failed_reward):
+            log.warning("validation rewards: %s", line)
+        if env.examples:
+            log.warning(
+                "validation: %d episodes failed in their environment, e.g. %s", env.failures, "; ".join(env.examples)
+            )
+        return sum(t[0] for t in totals) / max(len(totals), 1)
 
     # ------------------------------------------------------------------ checkpoint part
 
@@ -288,3 +359,4 @@ class _Round:
         self.dropped = 0  # groups without reward signal (dynamic sampling)
         self.kept: list[Group] = []
         self.reserve: list[Group] = []  # dropped groups, used if the rounds run out
+        self.env = EnvReport()  # multi-turn episodes: turns, tool calls, failures over the rounds

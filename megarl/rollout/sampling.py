@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from megarl import algo
-from megarl.config import AlgoConfig, DataConfig, RewardConfig, RolloutConfig, RunConfig
+from megarl.config import AlgoConfig, DataConfig, EnvConfig, RewardConfig, RolloutConfig, RunConfig
 from megarl.data.prompts import DataError, PromptRecord, PromptSampler, RolloutError, fit_prompt
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.fleet.fleet import Fleet
@@ -22,6 +23,12 @@ from megarl.rollout.episode import Episode
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
+
+
+class EncodesPrompts(Protocol):
+    """What prompts are measured and encoded with: the tokenizer, or an episode's turn renderer."""
+
+    def encode_prompt(self, rec: PromptRecord) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,8 @@ class CollectSettings:
     reward: RewardConfig
     data: DataConfig
     """The overlong-prompt rule and the sampler's shuffle."""
+    env: EnvConfig
+    """Multi-turn episodes (``env.fn`` set) or single-turn samples."""
     seed: int
     """``train.seed``: the prompt sampler's and each round's sampling seed."""
     run_dir: str
@@ -41,7 +50,7 @@ class CollectSettings:
 
     @classmethod
     def of(cls, cfg: RunConfig) -> CollectSettings:
-        return cls(cfg.rollout, cfg.algo, cfg.reward, cfg.data, cfg.train.seed, cfg.train.run_dir)
+        return cls(cfg.rollout, cfg.algo, cfg.reward, cfg.data, cfg.env, cfg.train.seed, cfg.train.run_dir)
 
 
 @dataclass
@@ -59,7 +68,7 @@ class PromptStats:
 def take_prompts(
     sampler: PromptSampler,
     records: list[PromptRecord],
-    tok: PromptTokenizer,
+    tok: EncodesPrompts,
     k: int,
     cfg: CollectSettings,
     stats: PromptStats,
@@ -100,7 +109,7 @@ def overlong_summary(recent: list[str], cfg: CollectSettings) -> str:
 
 
 def validation_prompts(
-    records: list[PromptRecord], tok: PromptTokenizer, cfg: CollectSettings
+    records: list[PromptRecord], tok: EncodesPrompts, cfg: CollectSettings
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Validation prompts under the same ``data.overlong_prompt`` rule as training (one log line
     for those skipped): a prompt past the model's context would fail the engine."""
@@ -289,7 +298,7 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
         "rollout/response_len_mean": float(lens.float().mean()),
         "rollout/response_len_max": float(lens.max()),
         "rollout/truncated_frac": float(trunc.float().mean()),
-        "rollout/tokens": float(lens.sum()),
+        "rollout/tokens": float(batch.mask.sum()),  # generated (trained) tokens: an episode's observations are not
         # prompt + response tokens (the trainer's work); mask is 1 from position prompt_len-1 on
         "rollout/sequence_tokens": float((batch.mask.argmax(dim=1) + 1 + lens).sum()),
         "rollout/policy_version": float(batch.version),

@@ -336,7 +336,7 @@ def test_only_the_ints_a_section_allows_may_be_zero() -> None:
         "model.kv_channels", "model.vocab_size", "parallel.logprob_micro_batch_size",
         "parallel.max_tokens_per_micro_batch", "optim.warmup_steps", "reward.max_tasks_per_worker",
         "reward.worker_memory_mb", "reward.stop_after_failed_steps", "rollout.min_response_len",
-        "rollout.engine_logprobs_every", "rollout.engine_threads", "rollout.max_staleness",
+        "rollout.engine_logprobs_every", "rollout.engine_threads", "rollout.max_staleness", "env.max_tokens",
         "algo.overlong_buffer_len", "critic.parallel.tensor_parallel", "critic.parallel.pipeline_parallel",
         "critic.warmup_steps", "warm_start.steps", "coordinator.warmup_steps", "coordinator.cooldown_steps",
         "coordinator.lr_reference_batch", "train.steps", "train.eval_every", "train.eval_every_samples",

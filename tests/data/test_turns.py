@@ -52,7 +52,7 @@ def test_episode_built_turn_by_turn_equals_the_rendered_conversation(tok: HFToke
     turns = ChatTurns(tok, TOOLS)
     rec = PromptRecord("what is 12 + 30", "42", "r0")
     conversation = [{"role": "user", "content": rec.prompt}]
-    ids = turns.prompt_ids(rec, TOOLS)
+    ids = turns.encode_prompt(rec)
     steps = [
         ("I will add.<tool_call>" + json.dumps({"name": "calculator", "arguments": {"x": "12+30"}}) + "</tool_call>",
          [{"role": "tool", "content": "42"}]),

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rewards.env import EnvError, EnvSpecError, Step, as_step, import_env, resolve
+from megarl.rewards.env import EnvError, EnvSpecError, Step, as_step, resolve
+from megarl.rewards.env_spec import import_env
 from megarl.rewards.tool_calls import HermesParser, ToolCall
 from megarl.rewards.tool_env import CalculatorEnv
 

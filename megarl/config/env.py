@@ -1,0 +1,41 @@
+"""The ``env`` section: multi-turn episodes with an environment (agents and tools). Unset
+(``env.fn: ""``) a rollout is one prompt → one completion, as before. The environment class is
+imported and its methods checked before the run starts (:func:`megarl.rewards.env.import_env`,
+called by :func:`megarl.prelaunch.check_run`), not here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from megarl.config.rules import fail
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    fn: str = ""
+    """The environment of each episode: a built-in name (calculator), 'package.module:Class' or
+    'path/to/file.py:Class' with reset(row) and step(action) (megarl/rewards/env.py documents
+    them). Empty = single-turn rollouts, no environment."""
+    max_turns: int = 4
+    """Generated turns per episode at most; an episode still running after them is truncated."""
+    max_tokens: int = 0
+    """Ids after the prompt per episode at most, generated and observation ids together (the
+    context budget); each turn generates at most rollout.max_response_len of them.
+    0 = max_turns × rollout.max_response_len."""
+    failed_reward: float = 0.0
+    """Reward of an episode whose environment raised or returned something unusable (the
+    episode ends there)."""
+    tool_parser: str = "hermes"
+    """How the built-in tool environments read tool calls from a turn: hermes
+    (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Qwen2.5/Qwen3)."""
+
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("max_tokens",)
+
+    def validate(self) -> None:
+        if self.tool_parser != "hermes":
+            fail("env.tool_parser", self.tool_parser, "is not a known parser (hermes)")
+
+    def budget(self, max_response_len: int) -> int:
+        """``max_tokens``, its default resolved."""
+        return self.max_tokens or self.max_turns * max_response_len
