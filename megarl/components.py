@@ -16,6 +16,7 @@ them. :meth:`Components.stateful` is the mapping a checkpoint saves and restores
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from megarl.checkpoint.state import Stateful
 from megarl.compat import cpu as cpu_compat
 from megarl.config import ConfigError, ModelConfig, RunConfig
 from megarl.data.hf_tokenizer import open_tokenizer
-from megarl.data.prompts import load_prompts, tokenizer_corpus
+from megarl.data.prompts import load_prompts
 from megarl.data.tokenizer import PromptTokenizer, export_tokenizer_files
 from megarl.distributed import ParallelDims, init_distributed, init_layout
 from megarl.engine.credentials import run_token
@@ -47,11 +48,12 @@ from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner, PlanSettings
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
+from megarl.rollout.demonstrations import can_demonstrate, demonstrated, tokenizer_texts
 from megarl.rollout.pipeline import RolloutPipeline
 from megarl.rollout.sampling import CollectSettings, integrity_sequence
 from megarl.rollout.source import OnPolicy, RolloutSource
 from megarl.update import AdvantageEstimator, PolicyUpdater, UpdateSettings
-from megarl.warm_start import WarmStartSettings, warm_start
+from megarl.warm_start import Example, WarmStartSettings, warm_start
 from megarl.weight_sync.publisher import PolicyPublisher
 from megarl.weight_sync.sync import WeightSync
 
@@ -169,7 +171,7 @@ def build(cfg: RunConfig) -> Components:
         fleet = _start_local_fleet(cfg, run_dir)
     try:
         train_rows, val_rows = load_prompts(cfg.data, cfg.data.seed)
-        tok = _tokenizer(cfg, run_dir, dims, tokenizer_corpus(train_rows))
+        tok = _tokenizer(cfg, run_dir, dims, tokenizer_texts(cfg.env.fn, train_rows))
         cfg.model = _model_config(cfg, tok)
         adapter = LlamaQwen2Adapter(cfg.model)
         if dims.is_rank0:
@@ -205,7 +207,7 @@ def build(cfg: RunConfig) -> Components:
         )
         k = cfg.rollout.max_staleness
         rollouts = RolloutPipeline(collector, k) if k else OnPolicy(collector, fleet)
-        start = _start(cfg, dims, actor, tok, train_rows)
+        start = _start(cfg, dims, actor, tok, train_rows, _demonstrations(collector, tok))
         ref, critic = _reference_and_critic(cfg, dims, critic_dims, actor, adapter, planner)
     except BaseException:
         _close(rollouts, fleet, rewards, sync if dims.is_rank0 else None)
@@ -232,13 +234,23 @@ def build(cfg: RunConfig) -> Components:
     )
 
 
-def _start(cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[Any]) -> Start:
+def _demonstrations(collector: RolloutCollector, tok: PromptTokenizer) -> Example | None:
+    """The warm start's examples when the environment demonstrates its task: whole episodes."""
+    ep = collector.episodes
+    if ep is None or not can_demonstrate(ep.env_cls):
+        return None
+    return functools.partial(demonstrated, ep.env_cls, collector.renderer, tok)
+
+
+def _start(
+    cfg: RunConfig, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[Any], example: Example | None
+) -> Start:
     """The checkpoint to resume from (collective: the same on every rank), or the warm start of
     a fresh run (before the reference copies the actor)."""
     start = Start(resume_from=state.find_resume(cfg.train.run_dir, cfg.train.resume))
     if start.resume_from is None and cfg.warm_start.steps:
         t0 = time.perf_counter()
-        start.warm_start_nll = warm_start(WarmStartSettings.of(cfg), dims, actor, tok, rows)[-1]
+        start.warm_start_nll = warm_start(WarmStartSettings.of(cfg), dims, actor, tok, rows, example)[-1]
         start.warm_start_s = time.perf_counter() - t0
     return start
 

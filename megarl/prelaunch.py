@@ -10,10 +10,11 @@ from pathlib import Path
 
 from megarl.config import RunConfig, validate
 from megarl.data.hf_tokenizer import open_tokenizer
-from megarl.data.prompts import load_prompts, tokenizer_corpus
+from megarl.data.prompts import load_prompts
 from megarl.errors import ConfigError, DataError
 from megarl.rewards.env_spec import import_env
 from megarl.rewards.specs import check_reward_config
+from megarl.rollout.demonstrations import tokenizer_texts
 
 
 def check_run(cfg: RunConfig, world_size: int) -> None:
@@ -37,7 +38,7 @@ def check_data(cfg: RunConfig) -> dict[str, int]:
     except OSError as e:
         raise ConfigError(f"train.run_dir={cfg.train.run_dir!r} cannot be created: {e.strerror or e}") from None
     train, val = load_prompts(cfg.data, cfg.data.seed)
-    tok = open_tokenizer(cfg, tokenizer_corpus(train), train=True)
+    tok = open_tokenizer(cfg, tokenizer_texts(cfg.env.fn, train), train=True)
     limit, mode = cfg.rollout.max_prompt_len, cfg.data.overlong_prompt
     counts = {"train_rows": len(train), "val_rows": len(val)}
     for split, rows in (("train", train), ("validation", val)):

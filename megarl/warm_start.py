@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +21,7 @@ from megarl.model.builder import Model
 from megarl.model.forward import labels_of, vocab_parallel_logprobs
 from megarl.model.train import train_step
 from megarl.planning import lr_at
-from megarl.rollout.sampling import pack_sequences
+from megarl.rollout.sampling import pack_sequences, pack_trained
 from megarl.update.rows import dp_rows
 
 log = logging.getLogger("megarl")
@@ -49,18 +50,32 @@ class WarmStartSettings:
         )
 
 
+Example = Callable[[PromptRecord], tuple[list[int], list[int], list[int]]]
+"""A row → (prompt ids, target ids, trained: 1 where a target id is learned, 0 where it is given)."""
+
+
 def warm_start(
-    cfg: WarmStartSettings, dims: ParallelDims, actor: Model, tok: PromptTokenizer, rows: list[PromptRecord]
+    cfg: WarmStartSettings,
+    dims: ParallelDims,
+    actor: Model,
+    tok: PromptTokenizer,
+    rows: list[PromptRecord],
+    example: Example | None = None,
 ) -> list[float]:
     """``warm_start.steps`` supervised steps at ``warm_start.lr`` (the optimizer's schedule, at most
-    10 warm-up steps); returns the NLL per token of each step."""
+    10 warm-up steps); returns the NLL per token of each step. ``example`` makes each row's
+    target (default: its reference answer + EOS, all learned); with an environment that can
+    demonstrate its task, a whole tool-using episode whose observations are given, not learned
+    (``megarl.rollout.demonstrations``)."""
     ws, micro_batch_size = cfg.warm_start, cfg.micro_batch_size
     rng = random.Random(cfg.seed + 17)
     losses = []
     for step in range(ws.steps):
         picked = [rows[rng.randrange(len(rows))] for _ in range(ws.batch_size)]
-        seqs = [(tok.encode_prompt(r), tok.encode_answer(r)) for r in picked]
-        tokens, mask = pack_sequences(seqs, tok.pad_id)
+        if example is None:
+            tokens, mask = pack_sequences([(tok.encode_prompt(r), tok.encode_answer(r)) for r in picked], tok.pad_id)
+        else:
+            tokens, mask = pack_trained([example(r) for r in picked], tok.pad_id)
         denom = float(mask.sum())
         mine, _ = dp_rows(tokens.shape[0], micro_batch_size, dims)
 

@@ -11,8 +11,8 @@ from typing import Literal
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "builtin:arithmetic"
-    """'builtin:arithmetic', a .jsonl/.parquet file or an HF datasets save_to_disk folder
-    (or several, comma-separated)."""
+    """'builtin:arithmetic' (a+b, a-b), 'builtin:multiply' (a*b, the agents example), a
+    .jsonl/.parquet file or an HF datasets save_to_disk folder (or several, comma-separated)."""
     prompt_key: str = "prompt"
     """Field holding the prompt text in file rows."""
     messages_key: str = "messages"
@@ -29,7 +29,8 @@ class DataConfig:
     num_val: int = 128
     """Validation prompts (built-in: generated; files: the last rows)."""
     max_operand: int = 50
-    """Built-in arithmetic task: operands are drawn from [0, max_operand)."""
+    """Built-in tasks: arithmetic draws operands from [0, max_operand), multiply from
+    [max_operand // 10, max_operand)."""
     overlong_prompt: Literal["skip", "truncate"] = "skip"
     """What to do with a prompt longer than rollout.max_prompt_len (always counted)."""
     shuffle: bool = True

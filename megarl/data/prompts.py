@@ -56,6 +56,19 @@ def arithmetic_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
     return rows
 
 
+def multiplication_rows(n: int, max_operand: int, seed: int) -> list[PromptRecord]:
+    """Products of two operands drawn from [max_operand // 10, max_operand) (three-digit numbers
+    at max_operand=1000): prompt 'a*b=' with answer str(a*b). The agents example: a task a tiny
+    model cannot do unaided, and does with the calculator tool."""
+    rng = random.Random(seed)
+    low = max(max_operand // 10, 1)
+    rows = []
+    for i in range(n):
+        a, b = rng.randrange(low, max_operand), rng.randrange(low, max_operand)
+        rows.append(PromptRecord(f"{a}*{b}=", str(a * b), f"builtin:{i}"))
+    return rows
+
+
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     raw: list[tuple[str, Any]] = []
     with path.open("rb") as fh:  # bytes: a bad encoding is reported with its line
@@ -152,7 +165,8 @@ def chat_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, A
     return [dict(m) for m in msgs]
 
 
-BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_TASKS = {"arithmetic": arithmetic_rows, "multiply": multiplication_rows}
+"""Built-in prompt sources by the name after ``builtin:``: (n, max_operand, seed) → rows."""
 
 
 def load_prompts(cfg: DataConfig, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
@@ -163,8 +177,9 @@ def load_prompts(cfg: DataConfig, seed: int) -> tuple[list[PromptRecord], list[P
             raise DataError(
                 f"data.source='{cfg.source}': unknown built-in task '{name}' (known: {list(BUILTIN_TASKS)})"
             )
-        train = arithmetic_rows(cfg.num_train, cfg.max_operand, seed)
-        val = arithmetic_rows(cfg.num_val, cfg.max_operand, seed + 7919)
+        rows_of = BUILTIN_TASKS[name]
+        train = rows_of(cfg.num_train, cfg.max_operand, seed)
+        val = rows_of(cfg.num_val, cfg.max_operand, seed + 7919)
         return train, val
     rows: list[PromptRecord] = []
     for part in cfg.source.split(","):

@@ -14,6 +14,11 @@ per episode, made with no arguments. Its two methods, plain or ``async``::
         def step(self, action: str):     # the model's turn, decoded
             return observation, reward, done, info
 
+An environment may also define ``demonstration(self, row) -> list[str]``: the turns an expert
+would write for the row (a tool call, then the answer...). With it, the warm start learns whole
+tool-using episodes — the demonstrated turns as targets, the environment's answers to them as
+given context — before RL (``megarl.rollout.demonstrations``).
+
 ``observation`` is the environment's turn: a text (one user turn), a list of chat messages
 (``{"role": "tool" | "user", "content": ...}``), or empty when ``done``; ``reward`` a number
 added to the episode's return (``algo.gamma`` discounts per-turn rewards where the estimator

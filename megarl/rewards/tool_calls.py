@@ -52,6 +52,10 @@ class ParsedTurn:
 class ToolParser(Protocol):
     def parse(self, text: str) -> ParsedTurn: ...
 
+    def render(self, call: ToolCall) -> str:
+        """The text of one call as the model writes it (for demonstrations)."""
+        ...
+
 
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes 2 Pro, Qwen2.5, Qwen3."""

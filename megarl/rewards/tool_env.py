@@ -85,6 +85,13 @@ class CalculatorEnv(ToolEnv):
     tools = [CALCULATOR]
     functions = {"calculator": calculator}
 
+    def demonstration(self, row: dict[str, Any]) -> list[str]:
+        """An expert's turns: the calculator called on the row's expression (``extra["expression"]``,
+        else the prompt without its trailing '='), then the answer."""
+        expression = (row.get("extra") or {}).get("expression") or str(row["prompt"]).strip().rstrip("=").strip()
+        call = self.parser.render(ToolCall("calculator", {"expression": expression}))
+        return [call, str(row["answer"])]
+
 
 ENVS: dict[str, type] = {"calculator": CalculatorEnv}
 """Built-in environments by the name ``env.fn`` gives."""

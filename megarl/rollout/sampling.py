@@ -255,6 +255,14 @@ def pack_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tupl
     return tokens, _response_mask(plen, rlen, S)
 
 
+def pack_trained(seqs: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids, response ids, trained) triples -> tokens (B, S), mask (B, S): as
+    :func:`pack_sequences`, with the mask 0 where ``trained`` is 0 (an episode's observations)."""
+    tokens, mask = pack_sequences([(p, r) for p, r, _ in seqs], pad_id)
+    plen = torch.tensor([len(p) for p, _, _ in seqs], dtype=torch.long)
+    return tokens, mask * _ragged([t for _, _, t in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
+
+
 def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool = True) -> RolloutBatch:
     """Groups -> (B, S) tensors in the forward.py layout (``engine_logprobs`` None without ``logprobs``)."""
     seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
