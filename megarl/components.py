@@ -180,12 +180,7 @@ def build(cfg: RunConfig) -> Components:
                 r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
                 fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
             rewards = RewardRunner(cfg.reward, cfg.data)  # reward workers start (and import the rewards) meanwhile too
-        actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
-        if cfg.model.init_from:
-            _, hf = read_hf_folder(cfg.model.init_from)
-            shapes = {k: list(v.shape) for k, v in hf.items()}  # no source tensor may be left out
-            check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
-            load_hf_tensors(actor, adapter, hf)
+        actor = _actor(cfg, dims, adapter)
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(PlanSettings.of(cfg), dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
@@ -232,6 +227,17 @@ def build(cfg: RunConfig) -> Components:
         publisher=publisher,
         start=start,
     )
+
+
+def _actor(cfg: RunConfig, dims: ParallelDims, adapter: LlamaQwen2Adapter) -> Model:
+    """The actor, with ``model.init_from``'s weights when set (no source tensor left out)."""
+    actor = build_gpt(cfg.model, cfg.parallel, dims, optim=cfg.optim)
+    if cfg.model.init_from:
+        _, hf = read_hf_folder(cfg.model.init_from)
+        shapes = {k: list(v.shape) for k, v in hf.items()}
+        check_hf_tensors(adapter.hf_shapes(), shapes, tied=cfg.model.tie_embeddings, where=cfg.model.init_from)
+        load_hf_tensors(actor, adapter, hf)
+    return actor
 
 
 def _demonstrations(collector: RolloutCollector, tok: PromptTokenizer) -> Example | None:
