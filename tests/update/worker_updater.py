@@ -29,7 +29,7 @@ from megarl.coordinator import StepPlan  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
 from megarl.model.builder import Model, build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs  # noqa: E402
-from megarl.planning import Planner  # noqa: E402
+from megarl.planning import Planner, PlanSettings  # noqa: E402
 from megarl.types import Advantages, RolloutBatch  # noqa: E402
 from megarl.update import AdvantageEstimator, PolicyUpdater, UpdateSettings, evaluate  # noqa: E402
 
@@ -119,7 +119,7 @@ def run(
         b_noise={},
         reason="test",
     )
-    planner = Planner(cfg, dims.dp, ["actor", "critic"] if critic else ["actor"])
+    planner = Planner(PlanSettings.of(cfg), dims.dp, ["actor", "critic"] if critic else ["actor"])
     updater = PolicyUpdater(UpdateSettings.of(cfg), dims, actor, value, planner)
 
     w_critic = params(value) if value is not None else None
