@@ -305,7 +305,9 @@ def test_stop_strings_limits_and_sampling(tok: HFTokenizer, engine_tok: HFTokeni
     assert post(free, body, free.open_session(seed=0).key)[0] == 200 and engine.calls[2][1:4] == (3, 0.2, 0.5)
 
 
-def test_env_agent_runs_user_code_through_the_openai_client(tok: HFTokenizer, serve: Any, tmp_path: Path) -> None:
+def test_env_agent_runs_user_code_through_the_openai_client(
+    engine_tok: HFTokenizer, serve: Any, tmp_path: Path
+) -> None:
     pytest.importorskip("openai")
     agent_file = tmp_path / "my_agent.py"
     agent_file.write_text(
@@ -324,13 +326,24 @@ def test_env_agent_runs_user_code_through_the_openai_client(tok: HFTokenizer, se
                 for call in message.tool_calls:
                     result = calculator(json.loads(call.function.arguments))
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+        async def solve_async(client, row):
+            messages = [{"role": "user", "content": row["prompt"]}]
+            reply = await client.chat.completions.create(model="x", messages=messages, tools=[CALCULATOR])
+            return float(reply.choices[0].message.tool_calls[0].function.name == "calculator")
     """)
     )
-    endpoint = serve()
-    fn = import_agent(f"{agent_file}:solve")
-    result = run_agent(endpoint, fn, {"prompt": "what is 2+3?", "answer": "5"}, seed=7, failed_reward=-1.0)
+    engine = Scripted(engine_tok)
+    endpoint = serve(engine)
+    row = {"prompt": "what is 2+3?", "answer": "5"}
+    result = run_agent(endpoint, import_agent(f"{agent_file}:solve"), row, seed=7, failed_reward=-1.0)
     assert (result.reward, result.error) == (1.0, "")
     assert result.episode.token_exact and [len(s.turns) for s in result.episode.segments] == [2]
+    turns = result.episode.segments[0].turns
+    assert [t.ids for t in turns] == [engine.ids_of("what is 2+3?", 0), engine.ids_of("what is 2+3?", 1)]
+    assert [c[4] for c in engine.calls] == [7 * 1009 + 1, 7 * 1009 + 2]
+    result = run_agent(endpoint, import_agent(f"{agent_file}:solve_async"), row, seed=9, failed_reward=-1.0)
+    assert (result.reward, result.error, len(result.episode.segments[0].turns)) == (1.0, "", 1)
     failed = run_agent(endpoint, lambda client, row: "yes", {"prompt": "what is 2+3?"}, seed=8, failed_reward=-1.0)
     assert failed.reward == -1.0 and "not a finite number" in failed.error
     bad = tmp_path / "bad_agent.py"
