@@ -17,6 +17,11 @@ class EnvConfig:
     """The environment of each episode: a built-in name (calculator), 'package.module:Class' or
     'path/to/file.py:Class' with reset(row) and step(action) (megarl/rewards/env.py documents
     them). Empty = single-turn rollouts, no environment."""
+    agent: str = ""
+    """Existing agent code as the episode, instead of env.fn: 'package.module:function' or
+    'path/to/file.py:function', called as function(client, row) -> reward with an openai.OpenAI
+    client on the run's OpenAI-compatible endpoint (any OpenAI client works with its base_url
+    and api_key; megarl/rewards/agent.py). Empty = none."""
     max_turns: int = 4
     """Generated turns per episode at most; an episode still running after them is truncated."""
     max_tokens: int = 0
@@ -33,6 +38,10 @@ class EnvConfig:
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     def validate(self) -> None:
+        if self.agent and self.fn:
+            fail("env.agent", self.agent, f"and env.fn={self.fn!r} are alternatives: set one")
+        if self.agent and ":" not in self.agent:
+            fail("env.agent", self.agent, "must be 'package.module:function' or 'path/to/file.py:function'")
         if self.tool_parser != "hermes":
             fail("env.tool_parser", self.tool_parser, "is not a known parser (hermes)")
 
