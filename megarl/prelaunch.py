@@ -12,6 +12,7 @@ from megarl.config import RunConfig, validate
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts
 from megarl.errors import ConfigError, DataError
+from megarl.rewards.agent import import_agent
 from megarl.rewards.env_spec import import_env
 from megarl.rewards.specs import check_reward_config
 from megarl.rollout.demonstrations import tokenizer_texts
@@ -21,11 +22,12 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError naming the setting; nothing is started."""
     validate(cfg, world_size)
     check_reward_config(cfg)  # imports each reward and checks its signature
-    if cfg.env.fn:  # the environment class: imported, its reset/step checked
-        try:
-            import_env(cfg.env.fn)
-        except (Exception, SystemExit) as e:  # the user's import-time error too, named
-            raise ConfigError(f"env.fn={cfg.env.fn!r} {e}") from e
+    for setting, spec, load in (("env.fn", cfg.env.fn, import_env), ("env.agent", cfg.env.agent, import_agent)):
+        if spec:  # the environment class or agent function: imported, its signature checked
+            try:
+                load(spec)
+            except (Exception, SystemExit) as e:  # the user's import-time error too, named
+                raise ConfigError(f"{setting}={spec!r} {e}") from e
 
 
 def check_data(cfg: RunConfig) -> dict[str, int]:
