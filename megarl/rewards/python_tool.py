@@ -8,15 +8,15 @@ pipe, in a new session (its own process group). The launcher, then the processes
 1. **launcher** (host namespaces): ``unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID |
    CLONE_NEWNS)`` and maps the caller's user and group to id ``NS_ID`` (1000) inside;
 2. **init** (pid 1 of the new pid namespace; runs no user code): dies with the launcher
-   (``PR_SET_PDEATHSIG``); remounts every mount read-only; mounts a private tmpfs of
+   (``PR_SET_PDEATHSIG``); remounts every mount read-only and nodev; mounts a private tmpfs of
    ``disk_mb`` on ``/tmp`` (the code's working directory, ``/tmp/main.py``: the same paths every
    call, so observations reproduce) and a fresh ``/proc`` (best effort: the code then sees only
    its own processes); prints a per-call nonce, the proof that all of this is in place; forks
    the code's process and waits for it. When init exits, the kernel kills every process left in
    the namespace, so nothing the code started outlives the call, and the tmpfs goes with it;
-3. **the code**: rlimits (CPU seconds, address space, file size), a seccomp filter that refuses
-   new processes (threads work: :func:`_no_processes_filter`), then ``exec`` of a fresh
-   ``python -I -S -u main.py`` as id 1000 in the namespace, which drops the namespace's
+3. **the code**: rlimits (CPU seconds, address space, file size), a seccomp filter refusing new
+   processes (threads work) and Unix sockets by path (:func:`_seccomp_filter`), then ``exec`` of
+   a fresh ``python -I -S -u main.py`` as id 1000 in the namespace, which drops the namespace's
    capabilities: it cannot remount, unmount or make namespaces.
 
 Fail closed: when a step of 1-2 fails, the code is not run and the result says why (no nonce
@@ -29,9 +29,9 @@ limit hit or the exit status, then the output so far; the staging directory is r
 
 Not isolated (docs/agents.md, "The python tool"): the code runs as the trainer's user (outside
 the namespace), so it can read whatever files that user can; the kernel's other system calls
-are open to it (no seccomp filter but the one against processes), no cgroup, no container.
-(Processes are refused with seccomp, not counted with ``RLIMIT_NPROC``: the kernel exempts
-root from that limit, even inside a user namespace.)
+are open to it (the seccomp filter covers processes and Unix sockets only), no cgroup, no
+container. (Processes are refused with seccomp, not counted with ``RLIMIT_NPROC``: the kernel
+exempts root from that limit, even inside a user namespace.)
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
     then the code's process run there and reaped; exits with its status."""
     try:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the launcher's kill reaches us
-        no_processes = _no_processes_filter()  # (before the nonce: an unknown machine fails closed)
+        seccomp = _seccomp_filter()  # (before the nonce: an unknown machine fails closed)
         with open(CODE_FILE, encoding="utf-8") as f:
             code = f.read()
         _mount(libc, b"none", b"/", None, MS_REC | MS_PRIVATE)  # (nothing we mount leaks out)
@@ -235,10 +235,11 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
                 flags = os.statvfs(point).f_flag
             except (FileNotFoundError, PermissionError):  # hidden under another mount, or out of reach
                 continue
-            if not flags & os.ST_RDONLY:  # (the flags a remount must keep: locked in a user namespace)
-                keep = flags & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
+            # read-only, and no device files: a read-only mount still lets /dev/sda be written
+            if flags & (os.ST_RDONLY | os.ST_NODEV) != os.ST_RDONLY | os.ST_NODEV:
+                keep = flags & (MS_NOSUID | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)  # (locked: a remount keeps them)
                 keep |= MS_RELATIME if flags & os.ST_RELATIME else 0 if flags & os.ST_NOATIME else MS_STRICTATIME
-                _mount(libc, None, point.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep)
+                _mount(libc, None, point.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NODEV | keep)
         _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=700".encode())
         # best effort: else the host's /proc stays, read-only (other users' files refused as ever)
         libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
@@ -249,7 +250,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
         sys.stdout.flush()
         child = os.fork()
         if child == 0:
-            _code(libc, no_processes, cpu_s, memory_mb, disk_mb)
+            _code(libc, seccomp, cpu_s, memory_mb, disk_mb)
         while True:  # (orphans of the code are reparented here: reap them too)
             pid, status = os.wait()
             if pid == child:
@@ -274,7 +275,7 @@ def _mount_points() -> list[str]:
     return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) for p in points]
 
 
-def _code(libc: ctypes.CDLL, no_processes: bytes, cpu_s: int, memory_mb: int, disk_mb: int) -> None:
+def _code(libc: ctypes.CDLL, seccomp: bytes, cpu_s: int, memory_mb: int, disk_mb: int) -> None:
     try:
         for which, value in (
             (resource.RLIMIT_CPU, (cpu_s, cpu_s + 1)),  # soft: SIGXCPU; hard: SIGKILL
@@ -283,8 +284,8 @@ def _code(libc: ctypes.CDLL, no_processes: bytes, cpu_s: int, memory_mb: int, di
             (resource.RLIMIT_CORE, (0, 0)),
         ):
             resource.setrlimit(which, value)
-        program = ctypes.create_string_buffer(no_processes, len(no_processes))
-        fprog = _SockFprog(len(no_processes) // 8, ctypes.cast(program, ctypes.c_void_p))
+        program = ctypes.create_string_buffer(seccomp, len(seccomp))
+        fprog = _SockFprog(len(seccomp) // 8, ctypes.cast(program, ctypes.c_void_p))
         if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS / PR_SET_SECCOMP)")
         os.execv(sys.executable, [sys.executable, "-I", "-S", "-u", CODE_FILE])
@@ -297,28 +298,38 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]  # struct sock_fprog
 
 
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, (57, 58)), "aarch64": (0xC00000B7, 220, ())}
-"""Per machine: AUDIT_ARCH_*, the clone syscall's number, fork and vfork's."""
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, (57, 58), 41, 53), "aarch64": (0xC00000B7, 220, (), 198, 199)}
+"""Per machine: AUDIT_ARCH_*, the syscall numbers of clone, fork and vfork, socket, socketpair."""
 
 
-def _no_processes_filter() -> bytes:
-    """A seccomp program (classic BPF, ``struct sock_filter`` records) that lets the code make
-    threads but no process: clone without CLONE_THREAD, fork and vfork fail with EAGAIN (as at a
-    process limit); clone3, whose flags a filter cannot read, fails with ENOSYS, so the C library
-    falls back to clone. Any other ABI (i386, x32 on x86_64) gets ENOSYS for every call."""
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, JMP|JEQ/JGE/JSET|K, RET|K
-    allow, eagain, enosys = 0x7FFF0000, 0x00050000 | 11, 0x00050000 | 38  # SECCOMP_RET_ALLOW, _ERRNO
+def _seccomp_filter() -> bytes:
+    """A seccomp program (classic BPF, ``struct sock_filter`` records) that refuses the code:
+
+    * processes, threads allowed: clone without CLONE_THREAD, fork and vfork fail with EAGAIN (as
+      at a process limit); clone3, whose flags a filter cannot read, fails with ENOSYS, so the C
+      library falls back to clone;
+    * Unix sockets by path, which the network namespace does not cover (``docker.sock``,
+      ``/dev/log``): socket(AF_UNIX) and socketpair(AF_UNIX) other than SOCK_STREAM (a datagram
+      one can send to a path) fail with EACCES; io_uring (it makes sockets past the filter)
+      with ENOSYS;
+    * any other ABI (i386, x32 on x86_64): ENOSYS for every call."""
+    ld, alu_and, jeq, jge, jset, ret = 0x20, 0x54, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, ALU|AND|K, JMP|*|K, RET|K
+    allow, eagain, eacces, enosys = 0x7FFF0000, 0x00050000 | 11, 0x00050000 | 13, 0x00050000 | 38
     machine = os.uname().machine
     if machine not in _SECCOMP_ARCH:
-        raise OSError(f"no process filter for this machine ({machine}): x86_64 and aarch64 only")
-    arch, clone, forks = _SECCOMP_ARCH[machine]
+        raise OSError(f"no seccomp filter for this machine ({machine}): x86_64 and aarch64 only")
+    arch, clone, forks, sock, sockpair = _SECCOMP_ARCH[machine]
+    arg0, arg1, af_unix, sock_stream, clone_thread = 16, 24, 1, 1, 0x00010000  # (args' low words)
     p = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, enosys), (ld, 0, 0, 0)]  # seccomp_data.arch, .nr
     p += [(jge, 0, 1, 0x40000000), (ret, 0, 0, enosys)]  # (x32 numbers)
-    p += [(jeq, 0, 1, 435), (ret, 0, 0, enosys)]  # clone3
+    p += [(jeq, 0, 1, 435), (ret, 0, 0, enosys), (jeq, 0, 1, 425), (ret, 0, 0, enosys)]  # clone3, io_uring_setup
     for nr in forks:
         p += [(jeq, 0, 1, nr), (ret, 0, 0, eagain)]
-    # clone: its flags, the low word of args[0]
-    p += [(jeq, 0, 3, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x00010000), (ret, 0, 0, eagain), (ret, 0, 0, allow)]
+    # blocks that return on every path, skipped whole for another syscall number
+    p += [(jeq, 0, 4, clone), (ld, 0, 0, arg0), (jset, 1, 0, clone_thread), (ret, 0, 0, eagain), (ret, 0, 0, allow)]
+    p += [(jeq, 0, 4, sock), (ld, 0, 0, arg0), (jeq, 0, 1, af_unix), (ret, 0, 0, eacces), (ret, 0, 0, allow)]
+    p += [(jeq, 0, 5, sockpair), (ld, 0, 0, arg1), (alu_and, 0, 0, 0xF), (jeq, 1, 0, sock_stream)]
+    p += [(ret, 0, 0, eacces), (ret, 0, 0, allow), (ret, 0, 0, allow)]
     return b"".join(struct.pack("=HBBI", *insn) for insn in p)
 
 

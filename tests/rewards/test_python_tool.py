@@ -101,6 +101,40 @@ def test_no_network_inside_while_the_same_server_answers_outside() -> None:
         server.close()
 
 
+def test_no_unix_socket_by_path_while_a_server_answers_outside() -> None:
+    # a pathname socket is no network: the namespace does not cover it (docker.sock, /dev/log)
+    path = f"/dev/shm/megarl-test-{os.getpid()}.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    try:
+        with socket.socket(socket.AF_UNIX) as c:  # outside: it connects
+            c.connect(path)
+            server.accept()[0].close()
+        code = (
+            "import asyncio, socket\n"
+            "for make in (lambda: socket.socket(socket.AF_UNIX),\n"
+            "             lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)):\n"
+            "    try:\n"
+            "        make()\n"
+            "    except OSError as e:\n"
+            "        print(type(e).__name__, e.errno)\n"
+            "a, b = socket.socketpair()\n"  # (a connected stream pair reaches no path: asyncio's own)
+            "a.sendall(b'pair')\n"
+            "print(b.recv(4), asyncio.run(asyncio.sleep(0, 'asyncio')))\n"
+            f"socket.socket(socket.AF_UNIX).connect({path!r})\n"
+        )
+        out = run_python(code)
+        assert out.startswith("error: exit code 1\nPermissionError 13\nPermissionError 13\nb'pair' asyncio\n")
+        assert out.endswith("PermissionError: [Errno 13] Permission denied\n")
+        server.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+        os.unlink(path)
+
+
 def test_the_code_sees_no_environment_of_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGARL_TEST_SECRET", "hunter2-token")
     code = (
@@ -128,6 +162,8 @@ def test_files_are_read_only_but_a_private_tmp_that_dies_with_the_call(
     assert out.endswith(f"OSError: [Errno 30] Read-only file system: {str(outside)!r}\n")
     assert not outside.exists() and list(tmp_path.iterdir()) == []  # the staging directory is gone
     assert run_python("import os; print(sorted(os.listdir('/tmp')))") == "['main.py']\n"
+    # no device files either: a read-only mount alone would let a block device be written
+    assert run_python("open('/dev/null', 'w')").endswith("PermissionError: [Errno 13] Permission denied: '/dev/null'\n")
     out = run_python("open('big', 'wb').write(b'x' * 3 * 2**20)", PythonLimits(disk_mb=2))
     assert out.endswith("OSError: [Errno 28] No space left on device\n")
 
