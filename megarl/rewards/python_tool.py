@@ -10,8 +10,8 @@ pipe, in a new session (its own process group). The launcher, then the processes
 2. **init** (pid 1 of the new pid namespace; runs no user code): dies with the launcher
    (``PR_SET_PDEATHSIG``); remounts every mount read-only and nodev; mounts a private tmpfs of
    ``disk_mb`` on ``/tmp`` (the code's working directory, ``/tmp/main.py``: the same paths every
-   call, so observations reproduce) and a fresh ``/proc`` (best effort: the code then sees only
-   its own processes); prints a per-call nonce, the proof that all of this is in place; forks
+   call, so observations reproduce) and a fresh read-only ``/proc`` (best effort: the code then
+   sees only its own processes); prints a per-call nonce, the proof that all of this is in place; forks
    the code's process and waits for it. When init exits, the kernel kills every process left in
    the namespace, so nothing the code started outlives the call, and the tmpfs goes with it;
 3. **the code**: rlimits (CPU seconds, address space, file size), a seccomp filter refusing new
@@ -242,7 +242,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
                 _mount(libc, None, point.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NODEV | keep)
         _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=700".encode())
         # best effort: else the host's /proc stays, read-only (other users' files refused as ever)
-        libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         os.chdir("/tmp")
         with open(CODE_FILE, "w", encoding="utf-8") as f:
             f.write(code)

@@ -175,8 +175,13 @@ def test_the_code_cannot_undo_the_sandbox() -> None:
         "print(libc.umount2(b'/tmp', 2), ctypes.get_errno())\n"
         "print(libc.unshare(0x40000000), ctypes.get_errno())\n"
         "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0], os.getuid())\n"
+        "try:\n"  # a system-wide setting: the trainer's user (root) could write it, were /proc writable
+        "    open('/proc/sys/vm/overcommit_memory', 'r+')\n"
+        "except OSError as e:\n"
+        "    print(e.errno)\n"
     )
-    assert run_python(code) == "-1 1\n-1 1\n-1 1\n0000000000000000 1000\n"  # EPERM; no capabilities
+    # EPERM; no capabilities; EROFS
+    assert run_python(code) == "-1 1\n-1 1\n-1 1\n0000000000000000 1000\n30\n"
 
 
 def test_the_code_makes_threads_but_no_processes_and_nothing_outlives_the_call() -> None:
