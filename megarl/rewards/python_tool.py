@@ -11,9 +11,10 @@ pipe, in a new session (its own process group). The launcher, then the processes
    (``PR_SET_PDEATHSIG``); remounts every mount read-only and nodev; mounts a private tmpfs of
    ``disk_mb`` on ``/tmp`` (the code's working directory, ``/tmp/main.py``: the same paths every
    call, so observations reproduce) and a fresh read-only ``/proc`` (best effort: the code then
-   sees only its own processes); prints a per-call nonce, the proof that all of this is in place; forks
-   the code's process and waits for it. When init exits, the kernel kills every process left in
-   the namespace, so nothing the code started outlives the call, and the tmpfs goes with it;
+   sees only its own processes); prints a per-call nonce, the proof that all of this is in
+   place; forks the code's process and waits for it. When init exits, the kernel kills every
+   process left in the namespace, so nothing the code started outlives the call, and the tmpfs
+   goes with it;
 3. **the code**: rlimits (CPU seconds, address space, file size), a seccomp filter refusing new
    processes (threads work) and Unix sockets by path (:func:`_seccomp_filter`), then ``exec`` of
    a fresh ``python -I -S -u main.py`` as id 1000 in the namespace, which drops the namespace's
