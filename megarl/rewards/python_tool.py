@@ -93,8 +93,8 @@ def run_python(code: str, limits: PythonLimits | None = None) -> str:
     nonce = secrets.token_hex(8)
     workdir = tempfile.mkdtemp(prefix="megarl-python-")
     try:
-        with open(os.path.join(workdir, CODE_FILE), "w", encoding="utf-8") as f:
-            f.write(code)
+        with open(os.path.join(workdir, CODE_FILE), "wb") as f:
+            f.write(code.encode("utf-8", errors="surrogatepass"))  # (JSON may carry lone surrogates)
         argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), nonce]
         argv += [str(limits.timeout_s), str(limits.cpu_s), str(limits.memory_mb), str(limits.disk_mb)]
         proc = subprocess.Popen(
@@ -228,7 +228,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
     try:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the launcher's kill reaches us
         seccomp = _seccomp_filter()  # (before the nonce: an unknown machine fails closed)
-        with open(CODE_FILE, encoding="utf-8") as f:
+        with open(CODE_FILE, "rb") as f:
             code = f.read()
         _mount(libc, b"none", b"/", None, MS_REC | MS_PRIVATE)  # (nothing we mount leaks out)
         for point in _mount_points():
@@ -245,7 +245,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
         # best effort: else the host's /proc stays, read-only (other users' files refused as ever)
         libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         os.chdir("/tmp")
-        with open(CODE_FILE, "w", encoding="utf-8") as f:
+        with open(CODE_FILE, "wb") as f:
             f.write(code)
         sys.stdout.write(f"{nonce}\n")  # the sandbox is whole: the caller reads this before any output
         sys.stdout.flush()

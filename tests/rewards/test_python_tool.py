@@ -36,6 +36,8 @@ def test_prints_come_back_and_errors_say_what_failed() -> None:
     assert 'File "/tmp/main.py", line 2' in out  # (the same path every call: reproducible observations)
     assert run_python("import sys; print('bye'); sys.exit(3)") == "error: exit code 3\nbye\n"
     assert run_python("import numpy").endswith("ModuleNotFoundError: No module named 'numpy'\n")  # stdlib only
+    out = run_python("print('\ud800')")  # (a lone surrogate, as a tool call's JSON may carry)
+    assert out.startswith("error: exit code 1\nSyntaxError: Non-UTF-8 code starting with '\\xed' in file /tmp/main.py")
 
 
 def test_a_sleeping_loop_is_killed_at_the_wall_limit_with_what_it_printed() -> None:
