@@ -1,6 +1,8 @@
 """Built-in tool environments: the model calls tools until it answers without one.
 
-``calculator`` offers one tool, ``calculator(expression)`` (:mod:`megarl.rewards.calculator`).
+``calculator`` offers one tool, ``calculator(expression)`` (:mod:`megarl.rewards.calculator`);
+``python`` one tool, ``python(code)``: the code runs in a sandboxed subprocess and its output is
+the result (:mod:`megarl.rewards.python_tool`, limits: :attr:`PythonEnv.limits`).
 Each of the model's turns is read with the run's tool-call parser (``env.tool_parser``,
 :mod:`megarl.rewards.tool_calls`):
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from megarl.rewards.calculator import CalculatorError, evaluate, format_value
 from megarl.rewards.env import Step
+from megarl.rewards.python_tool import PythonLimits, run_python
 from megarl.rewards.tool_calls import PARSERS, ToolCall, ToolParser
 
 CALCULATOR = {
@@ -34,6 +37,22 @@ CALCULATOR = {
             "type": "object",
             "properties": {"expression": {"type": "string", "description": "e.g. 123*456"}},
             "required": ["expression"],
+        },
+    },
+}
+
+PYTHON = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": (
+            "Run a Python 3 program (standard library only, no network, no input) and return what it "
+            "prints to stdout and stderr. Each call starts afresh: nothing is kept between calls."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "e.g. print(sum(range(10)))"}},
+            "required": ["code"],
         },
     },
 }
@@ -93,5 +112,22 @@ class CalculatorEnv(ToolEnv):
         return [call, str(row["answer"])]
 
 
-ENVS: dict[str, type] = {"calculator": CalculatorEnv}
+class PythonEnv(ToolEnv):
+    """The ``python`` tool. Its limits are a class attribute: for others, subclass and point
+    ``env.fn`` at the subclass (``class Mine(PythonEnv): limits = PythonLimits(timeout_s=10)``)."""
+
+    tools = [PYTHON]
+    limits = PythonLimits()
+
+    def __init__(self) -> None:
+        self.functions = {"python": self.python}
+
+    def python(self, arguments: dict[str, Any]) -> str:
+        code = arguments.get("code")
+        if not isinstance(code, str) or set(arguments) != {"code"}:
+            return 'error: python takes one argument, "code" (a string)'
+        return run_python(code, self.limits)
+
+
+ENVS: dict[str, type] = {"calculator": CalculatorEnv, "python": PythonEnv}
 """Built-in environments by the name ``env.fn`` gives."""

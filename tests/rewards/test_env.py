@@ -64,7 +64,7 @@ def test_unusable_classes_are_refused_naming_the_problem(tmp_path: Path, body: s
 
 
 def test_unknown_specs() -> None:
-    with pytest.raises(EnvSpecError, match="is not a built-in environment \\(calculator\\)"):
+    with pytest.raises(EnvSpecError, match="is not a built-in environment \\(calculator, python\\)"):
         import_env("calculatr")
     with pytest.raises(EnvSpecError, match="environment file .*nope.py does not exist"):
         import_env("nope.py:Env")
