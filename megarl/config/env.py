@@ -14,7 +14,7 @@ from megarl.config.rules import fail
 @dataclass(kw_only=True)
 class EnvConfig:
     fn: str = ""
-    """The environment of each episode: a built-in name (calculator), 'package.module:Class' or
+    """The environment of each episode: a built-in name (calculator, python), 'package.module:Class' or
     'path/to/file.py:Class' with reset(row) and step(action) (megarl/rewards/env.py documents
     them). Empty = single-turn rollouts, no environment."""
     agent: str = ""

@@ -1,6 +1,6 @@
 """Environments: what a multi-turn episode acts in (``env.fn``).
 
-**Spec** (``env.fn``): a built-in name (``calculator``, :mod:`megarl.rewards.tool_env`), or
+**Spec** (``env.fn``): a built-in name (``calculator``, ``python``: :mod:`megarl.rewards.tool_env`), or
 ``package.module:Class`` / ``path/to/file.py:Class`` resolved as ``reward.fn`` is. One instance
 per episode, made with no arguments. Its two methods, plain or ``async``::
 
