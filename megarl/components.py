@@ -45,6 +45,7 @@ from megarl.fleet.cpu_threads import cpu_engine_threads
 from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner, PlanSettings
+from megarl.rewards.env_pool import Envs, start_envs
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.pipeline import RolloutPipeline
@@ -84,6 +85,8 @@ class Components:
     """Rank 0 only."""
     rewards: RewardRunner | None
     """Rank 0 only (the reward workers)."""
+    envs: Envs | None
+    """Rank 0 only, with ``env.fn``: the episodes' environments (the environment workers)."""
     actor: Model
     ref: Model | None
     """The frozen reference (``algo.kl_coef`` > 0): the warm-started policy."""
@@ -130,18 +133,22 @@ class Components:
             export_tokenizer_files(self.tok.files(), path)
 
     def close(self) -> None:
-        """Stop what :func:`build` started: the rollout worker, the engines, the reward workers,
-        the weight-sync staging."""
-        _close(self.rollouts, self.fleet, self.rewards, self.publisher.sync if self.dims.is_rank0 else None)
+        """Stop what :func:`build` started: the rollout worker, the engines, the reward and
+        environment workers, the weight-sync staging."""
+        _close(self.rollouts, self.fleet, self.rewards, self.envs, self.publisher.sync if self.dims.is_rank0 else None)
 
 
-def _close(rollouts: Any, fleet: Fleet | None, rewards: RewardRunner | None, sync: WeightSync | None) -> None:
+def _close(
+    rollouts: Any, fleet: Fleet | None, rewards: RewardRunner | None, envs: Envs | None, sync: WeightSync | None
+) -> None:
     if rollouts is not None:
         rollouts.close()
     if fleet is not None:
         fleet.shutdown()
     if rewards is not None:
         rewards.close()
+    if envs is not None:
+        envs.close()
     if sync is not None:
         sync.cleanup()
 
@@ -160,6 +167,7 @@ def build(cfg: RunConfig) -> Components:
         critic_dims = init_layout(dims, ctp, cpp)
     run_dir = Path(cfg.train.run_dir)
     fleet, rewards, rollouts, sync = None, None, None, None
+    envs: Envs | None = None
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     if dims.is_rank0 and not cfg.rollout.engine_addresses:
@@ -178,6 +186,7 @@ def build(cfg: RunConfig) -> Components:
                 r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
                 fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
             rewards = RewardRunner(cfg.reward, cfg.data)  # reward workers start (and import the rewards) meanwhile too
+            envs = start_envs(cfg.env) if cfg.env.fn else None  # so do the environment workers
         actor = build_gpt(cfg.model, p, dims, optim=cfg.optim)
         if cfg.model.init_from:
             _, hf = read_hf_folder(cfg.model.init_from)
@@ -187,7 +196,7 @@ def build(cfg: RunConfig) -> Components:
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(PlanSettings.of(cfg), dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards)
+        collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards, envs)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         if fleet is not None:
             fleet.restart_in_background = (
@@ -208,7 +217,7 @@ def build(cfg: RunConfig) -> Components:
         start = _start(cfg, dims, actor, tok, train_rows)
         ref, critic = _reference_and_critic(cfg, dims, critic_dims, actor, adapter, planner)
     except BaseException:
-        _close(rollouts, fleet, rewards, sync if dims.is_rank0 else None)
+        _close(rollouts, fleet, rewards, envs, sync if dims.is_rank0 else None)
         raise
     return Components(
         cfg=cfg,
@@ -219,6 +228,7 @@ def build(cfg: RunConfig) -> Components:
         adapter=adapter,
         fleet=fleet,
         rewards=rewards,
+        envs=envs,
         actor=actor,
         ref=ref,
         critic=critic,
