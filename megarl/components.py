@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from megarl.checkpoint import state
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
-from megarl.checkpoint.hf_config import check_hf_tensors, hf_dtype_name
+from megarl.checkpoint.hf_config import check_hf_tensors, export_dtype
 from megarl.checkpoint.hf_io import copy_weights, hf_state_dict, load_hf_tensors, read_hf_folder, save_hf_folder
 from megarl.checkpoint.state import Stateful
 from megarl.compat import cpu as cpu_compat
-from megarl.config import ConfigError, ModelConfig, RunConfig
+from megarl.config import ConfigError, RunConfig
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts
 from megarl.data.tokenizer import PromptTokenizer, export_tokenizer_files
@@ -46,6 +46,7 @@ from megarl.fleet.cpu_threads import cpu_engine_threads
 from megarl.fleet.fleet import Fleet
 from megarl.model.builder import Model, build_gpt
 from megarl.planning import Planner, PlanSettings
+from megarl.rewards.env_pool import Envs, start_envs
 from megarl.rewards.runner import RewardRunner
 from megarl.rollout.collector import RolloutCollector
 from megarl.rollout.demonstrations import can_demonstrate, demonstrated, tokenizer_texts
@@ -86,6 +87,8 @@ class Components:
     """Rank 0 only."""
     rewards: RewardRunner | None
     """Rank 0 only (the reward workers)."""
+    envs: Envs | None
+    """Rank 0 only, with ``env.fn``: the episodes' environments (the environment workers)."""
     actor: Model
     ref: Model | None
     """The frozen reference (``algo.kl_coef`` > 0): the warm-started policy."""
@@ -132,18 +135,22 @@ class Components:
             export_tokenizer_files(self.tok.files(), path)
 
     def close(self) -> None:
-        """Stop what :func:`build` started: the rollout worker, the engines, the reward workers,
-        the weight-sync staging."""
-        _close(self.rollouts, self.fleet, self.rewards, self.publisher.sync if self.dims.is_rank0 else None)
+        """Stop what :func:`build` started: the rollout worker, the engines, the reward and
+        environment workers, the weight-sync staging."""
+        _close(self.rollouts, self.fleet, self.rewards, self.envs, self.publisher.sync if self.dims.is_rank0 else None)
 
 
-def _close(rollouts: Any, fleet: Fleet | None, rewards: RewardRunner | None, sync: WeightSync | None) -> None:
+def _close(
+    rollouts: Any, fleet: Fleet | None, rewards: RewardRunner | None, envs: Envs | None, sync: WeightSync | None
+) -> None:
     if rollouts is not None:
         rollouts.close()
     if fleet is not None:
         fleet.shutdown()
     if rewards is not None:
         rewards.close()
+    if envs is not None:
+        envs.close()
     if sync is not None:
         sync.cleanup()
 
@@ -162,6 +169,7 @@ def build(cfg: RunConfig) -> Components:
         critic_dims = init_layout(dims, ctp, cpp)
     run_dir = Path(cfg.train.run_dir)
     fleet, rewards, rollouts, sync = None, None, None, None
+    envs: Envs | None = None
     if dims.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     if dims.is_rank0 and not cfg.rollout.engine_addresses:
@@ -180,32 +188,26 @@ def build(cfg: RunConfig) -> Components:
                 r = cfg.rollout  # (slurm/engine_task.sh); the credential comes from MEGARL_ENGINE_TOKEN_FILE
                 fleet = Fleet.attach(r.engine_addresses, r.request_timeout_s, r.engine_start_timeout_s)
             rewards = RewardRunner(cfg.reward, cfg.data)  # reward workers start (and import the rewards) meanwhile too
+            envs = start_envs(cfg.env) if cfg.env.fn else None  # so do the environment workers
         actor = _actor(cfg, dims, adapter)
         models = ["actor", "critic"] if cfg.algo.name == "ppo" else ["actor"]
         planner = Planner(PlanSettings.of(cfg), dims.dp, models, critic_dp=critic_dims.dp)
         planner.attach_probe(actor)
-        collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards)
+        collector = RolloutCollector(CollectSettings.of(cfg), dims, tok, fleet, train_rows, val_rows, rewards, envs)
         sync = WeightSync(actor, adapter, fleet, cfg.weight_sync.bucket_mb, transport=cfg.weight_sync.transport)
         if fleet is not None:
             fleet.restart_in_background = (
                 cfg.rollout.engine_restart == "background" and sync.transport.updates_joining_engines
             )
-        integrity_tokens = integrity_sequence(val_rows, tok, CollectSettings.of(cfg))  # the first that fits
-        publisher = PolicyPublisher(
-            cfg.weight_sync,
-            actor,
-            sync,
-            fleet,
-            integrity_tokens,
-            ready=collector.fleet_ready,
-            colocate=cfg.rollout.colocate,
+        publisher = _publisher(
+            cfg, actor, sync, fleet, integrity_sequence(val_rows, tok, CollectSettings.of(cfg)), collector
         )
         k = cfg.rollout.max_staleness
         rollouts = RolloutPipeline(collector, k) if k else OnPolicy(collector, fleet)
         start = _start(cfg, dims, actor, tok, train_rows, _demonstrations(collector, tok))
         ref, critic = _reference_and_critic(cfg, dims, critic_dims, actor, adapter, planner)
     except BaseException:
-        _close(rollouts, fleet, rewards, sync if dims.is_rank0 else None)
+        _close(rollouts, fleet, rewards, envs, sync if dims.is_rank0 else None)
         raise
     return Components(
         cfg=cfg,
@@ -216,6 +218,7 @@ def build(cfg: RunConfig) -> Components:
         adapter=adapter,
         fleet=fleet,
         rewards=rewards,
+        envs=envs,
         actor=actor,
         ref=ref,
         critic=critic,
@@ -226,6 +229,21 @@ def build(cfg: RunConfig) -> Components:
         updater=PolicyUpdater(UpdateSettings.of(cfg), dims, actor, critic, planner),
         publisher=publisher,
         start=start,
+    )
+
+
+def _publisher(
+    cfg: RunConfig,
+    actor: Model,
+    sync: WeightSync,
+    fleet: Fleet | None,
+    integrity: list[int],
+    collector: RolloutCollector,
+) -> PolicyPublisher:
+    """Phase 5, checking the engines against the trainer on ``integrity`` (the first validation
+    sequence that fits)."""
+    return PolicyPublisher(
+        cfg.weight_sync, actor, sync, fleet, integrity, ready=collector.fleet_ready, colocate=cfg.rollout.colocate
     )
 
 
@@ -242,10 +260,10 @@ def _actor(cfg: RunConfig, dims: ParallelDims, adapter: LlamaQwen2Adapter) -> Mo
 
 def _demonstrations(collector: RolloutCollector, tok: PromptTokenizer) -> Example | None:
     """The warm start's examples when the environment demonstrates its task: whole episodes."""
-    ep = collector.episodes
-    if ep is None or not can_demonstrate(ep.env_cls):
+    env_cls = collector.env_cls
+    if env_cls is None or not can_demonstrate(env_cls):
         return None
-    return functools.partial(demonstrated, ep.env_cls, collector.renderer, tok)
+    return functools.partial(demonstrated, env_cls, collector.renderer, tok)
 
 
 def _start(
@@ -319,17 +337,6 @@ def _model_config(cfg: RunConfig, tok: PromptTokenizer) -> Any:
             "(the tokenizer could produce ids the model has no embedding for)"
         )
     return m
-
-
-def export_dtype(m: ModelConfig) -> str:
-    """The dtype an exported HF folder keeps, as ``megarl convert megarl-to-hf --dtype auto``:
-    the one ``model.init_from``'s config.json records, else the trainer's ``model.dtype``
-    (the gathered tensors are fp32 whatever the trainer computes in)."""
-    if m.init_from:
-        recorded = hf_dtype_name(json.loads((Path(m.init_from) / "config.json").read_text()))
-        if recorded in ("float32", "bfloat16", "float16"):
-            return recorded
-    return "bfloat16" if m.dtype == "bf16" else "float32"
 
 
 def _write_engine_folder(model_dir: Path, adapter: LlamaQwen2Adapter, tok: PromptTokenizer) -> None:

@@ -11,9 +11,12 @@ refused with :class:`~megarl.errors.UnsupportedHFModel`, so no source tensor is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from megarl.config import ModelConfig
 from megarl.errors import UnsupportedHFModel
 
 
@@ -58,3 +61,14 @@ def hf_dtype_name(hf_cfg: Mapping[str, Any]) -> str | None:
     """The ``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5) an HF config records."""
     value = hf_cfg.get("torch_dtype") or hf_cfg.get("dtype")
     return str(value) if value else None
+
+
+def export_dtype(m: ModelConfig) -> str:
+    """The dtype an exported HF folder keeps, as ``megarl convert megarl-to-hf --dtype auto``:
+    the one ``model.init_from``'s config.json records, else the trainer's ``model.dtype``
+    (the gathered tensors are fp32 whatever the trainer computes in)."""
+    if m.init_from:
+        recorded = hf_dtype_name(json.loads((Path(m.init_from) / "config.json").read_text()))
+        if recorded in ("float32", "bfloat16", "float16"):
+            return recorded
+    return "bfloat16" if m.dtype == "bf16" else "float32"

@@ -29,8 +29,17 @@ class EnvConfig:
     context budget); each turn generates at most rollout.max_response_len of them.
     0 = max_turns × rollout.max_response_len."""
     failed_reward: float = 0.0
-    """Reward of an episode whose environment raised or returned something unusable (the
-    episode ends there)."""
+    """Reward of an episode whose environment raised, timed out, lost its worker or returned
+    something unusable (its whole reward; the episode ends there)."""
+    workers: int = 2
+    """Environment worker processes on rank 0; each episode's environment lives in one of them
+    (started only for environments that run isolated)."""
+    timeout_s: float = 30.0
+    """Per-call limit of an environment's reset or step in a worker, seconds; past it the worker
+    is killed, ending every episode it held."""
+    isolate_builtins: bool = False
+    """Run the built-in environments (calculator) in worker processes too (default: in-process,
+    they are trusted)."""
     tool_parser: str = "hermes"
     """How the built-in tool environments read tool calls from a turn: hermes
     (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Qwen2.5/Qwen3)."""
@@ -42,6 +51,8 @@ class EnvConfig:
             fail("env.agent", self.agent, f"and env.fn={self.fn!r} are alternatives: set one")
         if self.agent and ":" not in self.agent:
             fail("env.agent", self.agent, "must be 'package.module:function' or 'path/to/file.py:function'")
+        if self.timeout_s <= 0:
+            fail("env.timeout_s", self.timeout_s, "must be > 0 (seconds)")
         if self.tool_parser != "hermes":
             fail("env.tool_parser", self.tool_parser, "is not a known parser (hermes)")
 

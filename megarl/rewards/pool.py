@@ -68,7 +68,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(conn: Connection, specs: list[str], loader: Loader, invoke: Invoke, memory_mb: int) -> None:
+def worker_main(conn: Connection, specs: list[str], loader: Loader, invoke: Invoke, memory_mb: int) -> None:
+    """A worker process: load ``specs``, say ready, then serve ``(task id, k, payload)`` calls one
+    at a time (also the environment workers', :mod:`megarl.rewards.env_pool`)."""
     # the parent ends its workers; Ctrl-C and SLURM's SIGUSR1 reach the whole process group
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -103,7 +105,9 @@ def _worker_main(conn: Connection, specs: list[str], loader: Loader, invoke: Inv
             conn.send(("err", task_id, f"result not picklable: {type(e).__name__}: {e}"))
 
 
-class _Worker:
+class Worker:
+    """One worker process and what its parent knows of it."""
+
     def __init__(self, proc: Any, conn: Connection) -> None:
         self.proc, self.conn = proc, conn
         self.ready = False
@@ -115,7 +119,8 @@ class _Worker:
         """What a worker that failed to start reported."""
 
 
-def _kill_all(procs: list[Any]) -> None:
+def kill_all(procs: list[Any]) -> None:
+    """SIGKILL whatever of ``procs`` still runs (a pool's finalizer)."""
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -148,21 +153,21 @@ class RewardPool:
         """Workers replaced after ``max_tasks`` calls."""
         self._procs: list[Any] = []  # every process started, for the finalizer
         self._workers = [self._spawn() for _ in range(workers)]
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        self._finalizer = weakref.finalize(self, kill_all, self._procs)
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(child, self.specs, self.loader, self.invoke, self.memory_mb),
             name="megarl-reward",
         )
         proc.start()
         child.close()
         self._procs[:] = [p for p in self._procs if p.is_alive()] + [proc]
-        return _Worker(proc, parent)
+        return Worker(proc, parent)
 
-    def _replace(self, w: _Worker, failure: bool = True) -> _Worker:
+    def _replace(self, w: Worker, failure: bool = True) -> Worker:
         if w.proc.is_alive():
             w.proc.kill()
         w.proc.join(timeout=5)
@@ -213,7 +218,7 @@ class RewardPool:
             elif not w.ready and time.monotonic() > w.started + START_TIMEOUT_S:
                 self._workers[k] = self._failed_start(w, f"not ready after {START_TIMEOUT_S:g}s")
 
-    def _send(self, w: _Worker, i: int, calls: list[tuple[int, Any]], out: list[Outcome | None]) -> None:
+    def _send(self, w: Worker, i: int, calls: list[tuple[int, Any]], out: list[Outcome | None]) -> None:
         self._next_task += 1
         try:
             w.conn.send((self._next_task, *calls[i]))  # pickled whole before anything is written
@@ -224,7 +229,7 @@ class RewardPool:
             return
         w.task = (self._next_task, i, time.monotonic() + self.timeout_s)
 
-    def _drain(self, w: _Worker, out: list[Outcome | None]) -> bool:
+    def _drain(self, w: Worker, out: list[Outcome | None]) -> bool:
         """Read what ``w`` sent; False if it died (pipe closed or process gone)."""
         try:
             while w.conn.poll():
@@ -245,7 +250,7 @@ class RewardPool:
             return False
         return w.proc.is_alive()
 
-    def _dead(self, w: _Worker, out: list[Outcome | None]) -> _Worker:
+    def _dead(self, w: Worker, out: list[Outcome | None]) -> Worker:
         w.proc.join(timeout=5)
         code = w.proc.exitcode
         if not w.ready:
@@ -255,7 +260,7 @@ class RewardPool:
             out[w.task[1]] = Outcome("crash", error=f"reward worker died ({how})")
         return self._replace(w)
 
-    def _failed_start(self, w: _Worker, reason: str) -> _Worker:
+    def _failed_start(self, w: Worker, reason: str) -> Worker:
         self._start_failures += 1
         if self._start_failures >= MAX_START_FAILURES:
             raise RolloutError(

@@ -30,6 +30,7 @@ from megarl.data.tokenizer import PromptTokenizer
 from megarl.data.turns import renderer
 from megarl.distributed import ParallelDims
 from megarl.fleet.fleet import Fleet
+from megarl.rewards.env_pool import Envs
 from megarl.rewards.env_spec import import_env
 from megarl.rewards.runner import RewardReport, RewardRunner
 from megarl.rollout.batch import broadcast_batch
@@ -79,11 +80,14 @@ class RolloutCollector:
         train_rows: list[PromptRecord],
         val_rows: list[PromptRecord],
         rewards: RewardRunner | None,
+        envs: Envs | None = None,
     ) -> None:
         self.cfg, self.dims, self.tok, self.fleet = cfg, dims, tok, fleet
         self.train_rows, self.val_rows = train_rows, val_rows
         self.rewards = rewards
         """Rank 0 only (the reward workers live there)."""
+        self.envs = envs
+        """Rank 0 only, with ``env.fn``: the episodes' environments (their workers live there)."""
         self.sampler = PromptSampler(len(train_rows), cfg.seed, cfg.data.shuffle)
         self.prompt_stats = PromptStats()
         self.engine_wait_s = 0.0
@@ -96,14 +100,15 @@ class RolloutCollector:
         """Multi-turn episodes (``env.fn``), else None: single-turn samples."""
         self.prompter: EncodesPrompts = tok
         """What prompts are encoded with: the tokenizer, or the episodes' turn renderer (tools in the template)."""
+        self.env_cls: type | None = None
+        """The environment class (``env.fn``), for its tools and its demonstrations."""
         if cfg.env.fn:
-            env_cls = import_env(cfg.env.fn)
+            env_cls = self.env_cls = import_env(cfg.env.fn)
             tools = list(getattr(env_cls, "tools", []))
             self.renderer = renderer(tok, tools)
             self.prompter = self.renderer
             r = cfg.rollout
             self.episodes = EpisodeSettings(
-                env_cls=env_cls,
                 max_turns=cfg.env.max_turns,
                 turn_tokens=r.max_response_len,
                 max_tokens=cfg.env.budget(r.max_response_len),
@@ -192,13 +197,8 @@ class RolloutCollector:
         self.failed_steps = failed_steps_check(rnd.rewards, self.failed_steps, limit, step + 1)
         if self.episodes is not None:
             stats.update(rnd.env.metrics())
-            if rnd.env.examples:
-                log.warning(
-                    "step %d: %d episodes failed in their environment, e.g. %s",
-                    step + 1,
-                    rnd.env.failures,
-                    "; ".join(rnd.env.examples),
-                )
+            if line := rnd.env.summary(self.cfg.env.failed_reward):
+                log.warning("step %d: %s", step + 1, line)
         stats["rollout/sampling_rounds"] = float(rnd.count)
         # which prompts, in which order (a resumed run must replay none and skip none)
         fp = sum((i + 1) * zlib.crc32(g.record.where.encode()) for i, g in enumerate(kept))
@@ -241,8 +241,9 @@ class RolloutCollector:
     ) -> tuple[list[Group], int, RewardReport]:
         """Rank 0: one round of multi-turn episodes, as groups carrying their episodes."""
         assert self.fleet is not None and self.rewards is not None and self.episodes is not None
+        assert self.envs is not None
         eps, texts, totals, v, report, env = run_episodes(
-            self.fleet, self.renderer, self.rewards, prompts, samples, self.episodes, seed, logprobs
+            self.fleet, self.renderer, self.rewards, self.envs, prompts, samples, self.episodes, seed, logprobs
         )
         rnd.env.merge(env)
         groups = [
@@ -308,17 +309,16 @@ class RolloutCollector:
     def _validate_episodes(self, rows: list[tuple[PromptRecord, list[int]]]) -> float:
         """Rank 0: the mean reward of one greedy episode per validation prompt."""
         assert self.fleet is not None and self.rewards is not None and self.episodes is not None
+        assert self.envs is not None
         greedy = dataclasses.replace(self.episodes, temperature=0.0, top_p=1.0)
         _, _, totals, _, report, env = run_episodes(
-            self.fleet, self.renderer, self.rewards, rows, 1, greedy, seed=0, logprobs=False
+            self.fleet, self.renderer, self.rewards, self.envs, rows, 1, greedy, seed=0, logprobs=False
         )
         self.fleet.pop_timings()  # validation is not part of a step's generation time
         if line := report.summary(self.cfg.reward.failed_reward):
             log.warning("validation rewards: %s", line)
-        if env.examples:
-            log.warning(
-                "validation: %d episodes failed in their environment, e.g. %s", env.failures, "; ".join(env.examples)
-            )
+        if line := env.summary(self.cfg.env.failed_reward):
+            log.warning("validation: %s", line)
         return sum(t[0] for t in totals) / max(len(totals), 1)
 
     # ------------------------------------------------------------------ checkpoint part

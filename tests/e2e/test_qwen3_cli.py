@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megarl.components import export_dtype
+from megarl.checkpoint.hf_config import export_dtype
 from megarl.config import ModelConfig, load_config
 from megarl.data.prompts import load_prompts
 from megarl.data.tokenizer import train_tokenizer
