@@ -28,7 +28,8 @@ def test_examples_load_and_validate(tmp_path: Path) -> None:
     from tests.config.test_examples import local_stand_ins
 
     paths = sorted((ROOT / "examples").glob("*.yaml"))
-    assert {"grpo_cpu.yaml", "ppo_cpu.yaml", "byo_chat_math.yaml", "qwen_math_gpu.yaml", "agent_calc_cpu.yaml"} <= {
+    assert {"grpo_cpu.yaml", "ppo_cpu.yaml", "byo_chat_math.yaml", "qwen_math_gpu.yaml", "agent_calc_cpu.yaml",
+            "agent_python_qwen3_gpu.yaml"} <= {
         p.name for p in paths
     }
     for path in paths:

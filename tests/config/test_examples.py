@@ -43,6 +43,35 @@ QWEN25_15B_INSTRUCT = {  # config.json of Qwen/Qwen2.5-1.5B-Instruct on the hub
 }
 
 
+QWEN3_17B = {  # config.json of Qwen/Qwen3-1.7B on the hub
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
 def qwen_folder(tmp_path: Path) -> Path:
     """Qwen2.5-1.5B-Instruct's config.json beside an empty weights file: enough for config
     validation, which reads the shape and checks that weights exist (not their tensors)."""
@@ -64,6 +93,13 @@ def local_stand_ins(name: str, cfg: RunConfig, tmp_path: Path) -> None:
         cfg.data.source = data
     elif name == "qwen_math_gpu.yaml":
         cfg.model.init_from = str(qwen_folder(tmp_path))
+        cfg.rollout.colocate, cfg.model.dtype, cfg.model.transformer_impl = False, "fp32", "local"
+    elif name == "agent_python_qwen3_gpu.yaml":
+        folder = tmp_path / "qwen3-1.7b"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(QWEN3_17B))
+        (folder / "model.safetensors").write_bytes(b"")
+        cfg.model.init_from = str(folder)
         cfg.rollout.colocate, cfg.model.dtype, cfg.model.transformer_impl = False, "fp32", "local"
 
 
