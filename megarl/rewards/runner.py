@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.config import DataConfig, RewardConfig
+from megarl.errors import RolloutError
 from megarl.rewards.builtin import REWARDS
 from megarl.rewards.pool import Outcome, RewardPool
 from megarl.rewards.specs import PARAMS, Entry, absolute_spec, configured_specs, load_entry, metric_names
@@ -168,6 +169,21 @@ class RewardReport:
             f"({self.timeouts} timed out, {self.crashes} crashed their worker, {self.errors} raised); "
             f"e.g. {'; '.join(self.examples)}"
         )
+
+
+def failed_steps_check(report: RewardReport, failed_steps: int, limit: int, step: int) -> int:
+    """Consecutive steps so far in which every sample's reward failed (``report`` is this
+    step's); raises once they reach ``limit`` (0: never): nothing is learned from rewards that
+    are all ``reward.failed_reward``, and the reward code is what to fix."""
+    failed_steps = failed_steps + 1 if report.samples and report.failures == report.samples else 0
+    if limit and failed_steps >= limit:
+        raise RolloutError(
+            f"step {step}: the reward failed on every sample for {failed_steps} steps in a row "
+            f"(reward.stop_after_failed_steps={limit}); this step: {report.samples} samples, {report.timeouts} "
+            f"timed out, {report.crashes} crashed their worker, {report.errors} raised or returned a non-number, "
+            f"e.g. {'; '.join(report.examples)}. Fix reward.fn and resume."
+        )
+    return failed_steps
 
 
 class RewardRunner:

@@ -25,14 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError
+from megarl.data.prompts import PromptRecord, PromptSampler
 from megarl.data.tokenizer import PromptTokenizer
 from megarl.data.turns import renderer
 from megarl.distributed import ParallelDims
 from megarl.fleet.fleet import Fleet
+from megarl.rewards.agent import import_agent
+from megarl.rewards.agent_endpoint import EndpointSettings
 from megarl.rewards.env_pool import Envs
 from megarl.rewards.env_spec import import_env
-from megarl.rewards.runner import RewardReport, RewardRunner
+from megarl.rewards.runner import RewardReport, RewardRunner, failed_steps_check
+from megarl.rollout.agents import AgentRollouts
 from megarl.rollout.batch import broadcast_batch
 from megarl.rollout.episodes import EnvReport, EpisodeSettings, run_episodes
 from megarl.rollout.sampling import (
@@ -53,21 +56,6 @@ from megarl.rollout.sampling import (
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl")
-
-
-def failed_steps_check(report: RewardReport, failed_steps: int, limit: int, step: int) -> int:
-    """Consecutive steps so far in which every sample's reward failed (``report`` is this
-    step's); raises once they reach ``limit`` (0: never): nothing is learned from rewards that
-    are all ``reward.failed_reward``, and the reward code is what to fix."""
-    failed_steps = failed_steps + 1 if report.samples and report.failures == report.samples else 0
-    if limit and failed_steps >= limit:
-        raise RolloutError(
-            f"step {step}: the reward failed on every sample for {failed_steps} steps in a row "
-            f"(reward.stop_after_failed_steps={limit}); this step: {report.samples} samples, {report.timeouts} "
-            f"timed out, {report.crashes} crashed their worker, {report.errors} raised or returned a non-number, "
-            f"e.g. {'; '.join(report.examples)}. Fix reward.fn and resume."
-        )
-    return failed_steps
 
 
 class RolloutCollector:
@@ -118,6 +106,23 @@ class RolloutCollector:
                 stop_token_ids=tok.eos_ids,
                 tools=tools,
             )
+
+        self.agents: AgentRollouts | None = None
+        """Rank 0 with ``env.agent``: the endpoint the user's agents call, and the agent function."""
+        if cfg.env.agent and fleet is not None:
+            r = cfg.rollout
+            settings = EndpointSettings(
+                max_tokens=r.max_response_len,
+                max_context=r.max_prompt_len + cfg.env.budget(r.max_response_len),
+                temperature=r.temperature,
+                top_p=r.top_p,
+            )
+            self.agents = AgentRollouts(import_agent(cfg.env.agent), fleet, tok, settings, cfg.env.workers)
+
+    def close(self) -> None:
+        """Stop what the collector started (the agent endpoints)."""
+        if self.agents is not None:
+            self.agents.close()
 
     def fleet_ready(self) -> None:
         """Rank 0: engines spawned at start-up are healthy (waits once, the first time)."""
@@ -195,7 +200,7 @@ class RolloutCollector:
             log.warning("step %d rewards: %s", step + 1, line)
         limit = self.cfg.reward.stop_after_failed_steps
         self.failed_steps = failed_steps_check(rnd.rewards, self.failed_steps, limit, step + 1)
-        if self.episodes is not None:
+        if self.episodes is not None or self.agents is not None:
             stats.update(rnd.env.metrics())
             if line := rnd.env.summary(self.cfg.env.failed_reward):
                 log.warning("step %d: %s", step + 1, line)
@@ -218,7 +223,9 @@ class RolloutCollector:
         """Rank 0: one generation round appended to ``rnd.kept``; returns how many are kept."""
         assert self.fleet is not None and self.rewards is not None
         seed, logprobs = self.cfg.seed + 7919 * step + rnd.count, engine_logprobs_wanted(self.cfg, step)
-        if self.episodes is not None:
+        if self.agents is not None:
+            groups, v, report = self._sample_agents(prompts, samples, seed, rnd)
+        elif self.episodes is not None:
             groups, v, report = self._sample_episodes(prompts, samples, seed, logprobs, rnd)
         else:
             groups, v, report = sample_groups(
@@ -252,6 +259,20 @@ class RolloutCollector:
         ]
         return groups, v, report
 
+    def _sample_agents(
+        self, prompts: list[tuple[PromptRecord, list[int]]], samples: int, seed: int, rnd: _Round
+    ) -> tuple[list[Group], int, RewardReport]:
+        """Rank 0: one round of ``env.agent`` episodes (the agents' own rewards, not reward.fn's)."""
+        assert self.agents is not None and self.fleet is not None
+        eps, texts, rewards, env = self.agents.sample(prompts, samples, seed, self.cfg.env.failed_reward)
+        rnd.env.merge(env)
+        v = self.fleet.version
+        groups = [
+            Group(rec, pids, [e.sample() for e in ep], tx, rw, v, episodes=ep)
+            for (rec, pids), ep, tx, rw in zip(prompts, eps, texts, rewards, strict=True)
+        ]
+        return groups, v, RewardReport(samples=sum(len(g.samples) for g in groups))
+
     def _dump(self, step: int, groups: list[Group]) -> None:
         """Rank 0: the exact ids sent to and returned by the engines (``rollout.dump_rollouts``)."""
         with (Path(self.cfg.run_dir) / "rollouts.jsonl").open("a") as fh:
@@ -283,6 +304,13 @@ class RolloutCollector:
             # engine); a reward that raises scores 0, as in training, counted in one line
             rows = validation_prompts(self.val_rows, self.prompter, self.cfg)
             self.val_scored = len(rows)
+            if self.agents is not None:  # one greedy agent episode per row, its reward
+                value[0], env = self.agents.validate(rows, self.cfg.env.failed_reward)
+                self.fleet.pop_timings()
+                if line := env.summary(self.cfg.env.failed_reward):
+                    log.warning("validation: %s", line)
+                dist.broadcast(value, src=0)
+                return float(value)
             if self.episodes is not None:  # greedy episodes, the final answers scored
                 value[0] = self._validate_episodes(rows)
                 dist.broadcast(value, src=0)

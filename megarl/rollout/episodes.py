@@ -80,13 +80,15 @@ class EnvReport:
     errors: int = 0
     """Episodes whose environment raised or returned something unusable."""
     truncated: int = 0
+    history_breaks: int = 0
+    """``env.agent``: requests that did not continue the ids before them (a new segment)."""
     env_s: float = 0.0
     """Seconds the round waited on environments with no generation in flight (what overlap did
     not hide)."""
     examples: list[str] = field(default_factory=list)
 
     def merge(self, o: EnvReport) -> None:
-        for f in ("episodes", "turns", "tool_calls", "tool_errors", "failures", "truncated", "env_s"):
+        for f in ("episodes", "turns", "tool_calls", "tool_errors", "failures", "truncated", "history_breaks", "env_s"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         self.timeouts, self.crashes, self.errors = (
             self.timeouts + o.timeouts,
@@ -106,6 +108,7 @@ class EnvReport:
             "env/crashes": float(self.crashes),
             "env/errors": float(self.errors),
             "env/truncated_frac": self.truncated / n,
+            "env/history_breaks": float(self.history_breaks),
             "env/time_s": self.env_s,
         }
 

@@ -121,6 +121,7 @@ class RolloutPipeline:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self.collector.close()
 
     def _run(self, job: RolloutJob) -> Result:
         t0 = time.perf_counter()

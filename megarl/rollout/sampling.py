@@ -265,7 +265,7 @@ def pack_trained(seqs: list[tuple[list[int], list[int], list[int]]], pad_id: int
 
 def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool = True) -> RolloutBatch:
     """Groups -> (B, S) tensors in the forward.py layout (``engine_logprobs`` None without ``logprobs``)."""
-    seqs = [(g.prompt_ids, ids, lp, tr) for g in groups for ids, lp, tr in g.samples]
+    seqs = [(p, ids, lp, tr) for g in groups for p, (ids, lp, tr) in zip(_prompts(g), g.samples, strict=True)]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
     plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
     if any(g.episodes is not None for g in groups):  # episodes: observation ids are not trained
@@ -289,6 +289,13 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
         texts=[t for g in groups for t in g.texts],
         versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
     )
+
+
+def _prompts(g: Group) -> list[list[int]]:
+    """Each sample's prompt ids: the group's, or each episode's own (an agent renders its own)."""
+    if g.episodes is None:
+        return [g.prompt_ids] * len(g.samples)
+    return [e.prompt_ids for e in g.episodes]
 
 
 def _trained(g: Group) -> list[list[int]]:

@@ -96,4 +96,4 @@ class OnPolicy:
         self.collector.load_state_dict(state)
 
     def close(self) -> None:
-        pass
+        self.collector.close()

@@ -346,7 +346,7 @@ def test_array_rewards_and_a_step_where_every_reward_failed(tmp_path: Path) -> N
     numpy / torch scalar; reward.stop_after_failed_steps steps in a row where every sample's
     reward failed stop the run, naming why (a shorter outage is survived)."""
     from megarl.errors import RolloutError
-    from megarl.rollout.collector import failed_steps_check
+    from megarl.rewards.runner import failed_steps_check
 
     path = _module(tmp_path, "arr", """
         import numpy as np, torch

@@ -28,6 +28,8 @@ def test_one_turn_episode_packs_bitwise_as_a_sample() -> None:
     rng = random.Random(0)
     for _ in range(20):
         eps = [_episode(rng, 1) for _ in range(3)]
+        for e in eps[1:]:  # one prompt's samples
+            e.prompt_ids = eps[0].prompt_ids
         assert all(e.single_turn() for e in eps)
         plain = Group(REC, eps[0].prompt_ids, [e.sample() for e in eps], ["t"] * 3, [1.0, 0.0, 0.5])
         marked = Group(REC, eps[0].prompt_ids, [e.sample() for e in eps], ["t"] * 3, [1.0, 0.0, 0.5])
