@@ -31,6 +31,10 @@ class RolloutBatch:
     """Decoded responses (rank 0 only; for logs)."""
     versions: torch.Tensor | None = None  # (B,) long, policy version that sampled each response
     """None: every response was sampled by ``version``."""
+    turn_rewards: torch.Tensor | None = None  # (B, S) float, each reward where the token that earned it is predicted
+    """Multi-turn episodes: an environment's step reward at its turn's last generated token, the
+    rest of the episode's reward at its last one (each row sums to ``rewards``); None: each
+    row's reward at its last response token."""
 
     @property
     def size(self) -> int:

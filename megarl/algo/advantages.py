@@ -150,16 +150,20 @@ def kl_penalized_rewards(
     mask: torch.Tensor,  # (B, T) 1 on response tokens
     *,
     coef: float,
+    token_rewards: torch.Tensor | None = None,  # (B, T) the rewards placed per token (None: at the last)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (sequence rewards (B,), token rewards (B, T))
     """Put a KL penalty ``β·KL_t`` into the rewards, as sequence and as token rewards.
 
     ``token = [t last valid] r - coef·KL_t`` on valid tokens (0 elsewhere) and
     ``sequence = r - coef·Σ_t KL_t``: the sequence reward is the sum of the token rewards
-    (a row without valid tokens keeps its outcome reward, it has no KL to pay).
+    (a row without valid tokens keeps its outcome reward, it has no KL to pay). With
+    ``token_rewards`` (multi-turn episodes: each reward at its turn; a row sums to ``rewards``)
+    those stand in for ``r`` at the last valid token.
     """
     check_same_shape(kl=kl, mask=mask)
     penalty = coef * masked_fill_zero(kl, mask).to(torch.float64)  # (B, T)
-    token = sequence_to_last_token(rewards.to(torch.float64), mask) - penalty
+    placed = sequence_to_last_token(rewards.to(torch.float64), mask) if token_rewards is None else token_rewards
+    token = masked_fill_zero(placed.to(torch.float64), mask) - penalty
     sequence = rewards.to(torch.float64) - penalty.sum(dim=1)
     dtype = _float_dtype(rewards)
     return sequence.to(dtype), masked_fill_zero(token, mask).to(dtype)

@@ -29,6 +29,7 @@ FIELDS: dict[str, tuple[torch.dtype, bool]] = {
     "response_lens": (torch.long, False),
     "truncated": (torch.bool, False),
     "versions": (torch.long, False),
+    "turn_rewards": (torch.float32, True),
 }
 """Every tensor field of RolloutBatch, in wire order: name → (dtype, per token: (B, S) else (B,))."""
 
@@ -53,51 +54,58 @@ def batch_to_flat(batch: RolloutBatch) -> torch.Tensor:
     return torch.cat([v.reshape(-1).to(torch.float64) for v in _values(batch).values() if v is not None])
 
 
-def flat_sizes(B: int, S: int, has_logprobs: bool) -> dict[str, int]:
-    """Elements of each field in :func:`batch_to_flat`'s vector, in order."""
+def flat_sizes(B: int, S: int, has_logprobs: bool, has_turn_rewards: bool = False) -> dict[str, int]:
+    """Elements of each field in :func:`batch_to_flat`'s vector, in order (the two optional
+    fields only when present)."""
     sizes = {f: B * S if per_token else B for f, (_, per_token) in FIELDS.items()}
     if not has_logprobs:
         del sizes["engine_logprobs"]
+    if not has_turn_rewards:
+        del sizes["turn_rewards"]
     return sizes
 
 
-def batch_from_flat(flat: torch.Tensor, B: int, S: int, version: int, has_logprobs: bool = True) -> RolloutBatch:
+def batch_from_flat(
+    flat: torch.Tensor, B: int, S: int, version: int, has_logprobs: bool = True, has_turn_rewards: bool = False
+) -> RolloutBatch:
     """Inverse of :func:`batch_to_flat` for a (B, S) batch (``texts`` stay on rank 0)."""
-    sizes = flat_sizes(B, S, has_logprobs)
+    sizes = flat_sizes(B, S, has_logprobs, has_turn_rewards)
     parts = flat.split(list(sizes.values()))
     tensors = {f: p.reshape((B, S) if FIELDS[f][1] else (B,)).to(FIELDS[f][0]) for f, p in zip(sizes, parts)}
-    return RolloutBatch(**{"engine_logprobs": None, **tensors}, version=version)
+    return RolloutBatch(**{"engine_logprobs": None, "turn_rewards": None, **tensors}, version=version)
 
 
 def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
     """Ship rank 0's batch to all trainer ranks as tensors: its shape, then every tensor in
     one buffer (two collectives, whatever the number of fields)."""
     rank = dist.get_rank()
-    meta = torch.zeros(4, dtype=torch.long)
+    meta = torch.zeros(5, dtype=torch.long)
     if rank == src:
         assert batch is not None
-        has = batch.engine_logprobs is not None
-        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version, int(has)])
+        has = (batch.engine_logprobs is not None, batch.turn_rewards is not None)
+        meta[:] = torch.tensor([batch.tokens.shape[0], batch.tokens.shape[1], batch.version, *has])
     dist.broadcast(meta, src=src)
-    B, S, version, has_logprobs = (int(x) for x in meta)
+    B, S, version, has_logprobs, has_turn_rewards = (int(x) for x in meta)
     if rank == src:
         assert batch is not None
         dist.broadcast(batch_to_flat(batch), src=src)
         return batch
-    flat = torch.empty(sum(flat_sizes(B, S, bool(has_logprobs)).values()), dtype=torch.float64)
+    flat = torch.empty(sum(flat_sizes(B, S, bool(has_logprobs), bool(has_turn_rewards)).values()), dtype=torch.float64)
     dist.broadcast(flat, src=src)
-    return batch_from_flat(flat, B, S, version, bool(has_logprobs))
+    return batch_from_flat(flat, B, S, version, bool(has_logprobs), bool(has_turn_rewards))
 
 
 # ---------------------------------------------------------------- the checkpoint's JSON dict
 
 
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    """``engine_logprobs`` is None (JSON null) when the step did not ask the engines."""
+    """``engine_logprobs`` is None (JSON null) when the step did not ask the engines,
+    ``turn_rewards`` when the batch holds no multi-turn episodes."""
     out = {k: v.tolist() if v is not None else None for k, v in _values(batch).items()}
     return {**out, "version": batch.version, "texts": list(batch.texts)}
 
 
 def batch_from_dict(d: dict[str, Any]) -> RolloutBatch:
-    tensors = {k: torch.tensor(d[k], dtype=dt) if d[k] is not None else None for k, (dt, _) in FIELDS.items()}
+    # (a field the checkpoint does not hold — turn_rewards before it existed — is None)
+    tensors = {k: torch.tensor(d[k], dtype=dt) if d.get(k) is not None else None for k, (dt, _) in FIELDS.items()}
     return RolloutBatch(**tensors, version=int(d["version"]), texts=list(d["texts"]))  # type: ignore[arg-type]

@@ -59,6 +59,16 @@ class Episode:
             return []
         return [x for t in self.turns for x in (*t.logprobs, *([0.0] * len(t.observation)))]
 
+    def turn_ends(self) -> list[int | None]:
+        """Per turn, the index in :meth:`ids` of its last generated id (None: it generated none)."""
+        out: list[int | None] = []
+        at = 0
+        for t in self.turns:
+            at += len(t.ids)
+            out.append(at - 1 if t.ids else None)
+            at += len(t.observation)
+        return out
+
     def generated(self) -> int:
         """Generated (trained) ids over all turns."""
         return sum(len(t.ids) for t in self.turns)

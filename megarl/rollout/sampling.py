@@ -268,9 +268,12 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
     seqs = [(p, ids, lp, tr) for g in groups for p, (ids, lp, tr) in zip(_prompts(g), g.samples, strict=True)]
     tokens, mask = pack_sequences([(p, rr) for p, rr, _, _ in seqs], pad_id)
     plen = torch.tensor([len(p) for p, _, _, _ in seqs], dtype=torch.long)
+    turn_rewards = None
     if any(g.episodes is not None for g in groups):  # episodes: observation ids are not trained
         trained = [m for g in groups for m in _trained(g)]
         mask = mask * _ragged(trained, plen - 1, tokens.shape[1], 0.0, torch.float32)
+        placed = [r for g in groups for r in _placed_rewards(g)]
+        turn_rewards = _ragged(placed, plen - 1, tokens.shape[1], 0.0, torch.float32)
     # engine log-probs sit under the mask: response token j's at column prompt_len - 1 + j
     elp = (
         _ragged([lp[: len(rr)] for _, rr, lp, _ in seqs], plen - 1, tokens.shape[1], 0.0, torch.float32)
@@ -288,6 +291,7 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
         version=version,
         texts=[t for g in groups for t in g.texts],
         versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
+        turn_rewards=turn_rewards,
     )
 
 
@@ -296,6 +300,28 @@ def _prompts(g: Group) -> list[list[int]]:
     if g.episodes is None:
         return [g.prompt_ids] * len(g.samples)
     return [e.prompt_ids for e in g.episodes]
+
+
+def _placed_rewards(g: Group) -> list[list[float]]:
+    """Per sample of ``g``, its reward spread over its response ids: an episode's step rewards
+    at each turn's last generated id, the rest (the final answer's score; all of a failed
+    episode's or a plain sample's reward) at its last generated id. Each row sums to its reward."""
+    out = []
+    for j, (ids, _, _) in enumerate(g.samples):
+        row = [0.0] * len(ids)
+        e = g.episodes[j] if g.episodes is not None else None
+        ends = e.turn_ends() if e is not None else [len(ids) - 1 if ids else None]
+        last = [x for x in ends if x is not None]
+        if last:  # (a row without a generated id has no mask: no loss reads it)
+            rest = g.rewards[j]
+            if e is not None and not e.failed:
+                for end, r in zip(ends, e.rewards, strict=False):
+                    if end is not None and r:
+                        row[end] += r
+                        rest -= r
+            row[last[-1]] += rest
+        out.append(row)
+    return out
 
 
 def _trained(g: Group) -> list[list[int]]:

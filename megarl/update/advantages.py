@@ -51,12 +51,17 @@ def rollout_advantages(
     if a.overlong_filter:
         mask = mask * (~batch.truncated).float()[:, None]
     rewards = batch.rewards
-    token_rewards = algo.sequence_to_last_token(rewards, mask)
+    if batch.turn_rewards is not None:  # multi-turn: each reward at the turn that earned it (algo.gamma discounts)
+        token_rewards = batch.turn_rewards * mask
+    else:
+        token_rewards = algo.sequence_to_last_token(rewards, mask)
     stats: dict[str, float] = {}
     if a.kl_mode == "reward" and ev.ref_logprobs is not None:
         assert ev.old_logprobs is not None
         kl = algo.kl_estimate(ev.old_logprobs, ev.ref_logprobs, a.kl_estimator) * mask
-        rewards, token_rewards = algo.kl_penalized_rewards(batch.rewards, kl, mask, coef=kl_ctl.value)
+        rewards, token_rewards = algo.kl_penalized_rewards(
+            batch.rewards, kl, mask, coef=kl_ctl.value, token_rewards=batch.turn_rewards
+        )
         kl_mean = float(kl.sum() / mask.sum().clamp(min=1))
         stats.update({"train/kl_reward": kl_mean, "train/kl_coef": kl_ctl.value})
         kl_ctl.update(kl_mean, batch.size)

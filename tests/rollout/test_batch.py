@@ -28,6 +28,7 @@ def _full_batch() -> RolloutBatch:
         version=7,
         texts=["a", "bc", ""],
         versions=torch.tensor([5, 6, 7]),
+        turn_rewards=torch.randn(B, S, generator=g),
     )
 
 
@@ -36,7 +37,7 @@ def test_the_table_names_every_tensor_field() -> None:
 
 
 def _flat(b: RolloutBatch) -> RolloutBatch:
-    return batch_from_flat(batch_to_flat(b), b.size, b.tokens.shape[1], b.version)
+    return batch_from_flat(batch_to_flat(b), b.size, b.tokens.shape[1], b.version, has_turn_rewards=True)
 
 
 def _json(b: RolloutBatch) -> RolloutBatch:

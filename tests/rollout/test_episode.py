@@ -70,3 +70,24 @@ def test_multi_turn_mask_and_logprobs_follow_the_generated_ids() -> None:
 def pytest_approx(d: dict[int, float]) -> dict[int, float]:
     """Engine log-probs travel as float32."""
     return {k: float(torch.tensor(v, dtype=torch.float32)) for k, v in d.items()}
+
+
+def test_step_rewards_sit_at_their_turn_and_rows_sum_to_the_reward() -> None:
+    """turn_rewards: each step reward at its turn's last generated id, the rest (the final
+    answer's score) at the episode's last generated id; a failed episode's reward all at its
+    end; single-turn batches carry none (their reward sits at the last token, as before)."""
+    ep = Episode([1, 2], [Turn([5, 6], [-0.1, -0.2], False, [9]), Turn([7], [-0.3], False, [8, 8]), Turn([4, 3], [-0.1, -0.1])])
+    ep.rewards = [0.25, 0.5, 0.0]
+    failed = Episode([1, 2], [Turn([5], [-0.1], False, [9]), Turn([6], [-0.2])], rewards=[0.25], failed=True)
+    g = Group(REC, [1, 2], [ep.sample(), failed.sample()], ["t", "t"], [1.75, -1.0], episodes=[ep, failed])
+    batch = pack_groups([g], 0, 1)
+    assert batch.turn_rewards is not None
+    # response ids: 5 6 | 9 | 7 | 8 8 | 4 3 → turn ends at response positions 1, 3, 7; column = prompt_len - 1 + j
+    want = torch.zeros(2, batch.tokens.shape[1])
+    want[0, 1 + 1], want[0, 1 + 3], want[0, 1 + 7] = 0.25, 0.5, 1.75 - 0.25 - 0.5
+    want[1, 1 + 2] = -1.0  # failed: its environment's reward does not count; all at its last generated id
+    assert torch.allclose(batch.turn_rewards, want)
+    assert torch.allclose(batch.turn_rewards.sum(dim=1), batch.rewards)
+    assert float((batch.turn_rewards * (1 - batch.mask)).abs().sum()) == 0.0  # only where the mask is 1
+    plain = Group(REC, [1, 2], [([5, 6], [-0.1, -0.2], False)], ["t"], [1.0])
+    assert pack_groups([plain], 0, 1).turn_rewards is None
