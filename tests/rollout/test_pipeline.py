@@ -73,6 +73,9 @@ class FleetStandIn:
     def load_state_dict(self, state: dict) -> None:
         self.sampler_state = state["sampler"]
 
+    def close(self) -> None:  # the collector stops what it started (the agent endpoints)
+        self.closed = True
+
 
 def _train(pipe: RolloutPipeline, col: FleetStandIn, steps: range, trainer_version: list[int]) -> list[float]:
     """The loop's order: issue ahead, take, (update), drain, sync (the fleet serves version + 1)."""
