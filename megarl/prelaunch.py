@@ -6,13 +6,14 @@ their signatures checked (:func:`check_run`), and every data row is read and mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megarl.config import RunConfig, validate
 from megarl.data.hf_tokenizer import open_tokenizer
 from megarl.data.prompts import load_prompts
 from megarl.errors import ConfigError, DataError
-from megarl.rewards.agent import import_agent
 from megarl.rewards.env_spec import import_env
 from megarl.rewards.specs import check_reward_config
 from megarl.rollout.demonstrations import tokenizer_texts
@@ -22,7 +23,12 @@ def check_run(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError naming the setting; nothing is started."""
     validate(cfg, world_size)
     check_reward_config(cfg)  # imports each reward and checks its signature
-    for setting, spec, load in (("env.fn", cfg.env.fn, import_env), ("env.agent", cfg.env.agent, import_agent)):
+    checks: list[tuple[str, str, Callable[[str], Any]]] = [("env.fn", cfg.env.fn, import_env)]
+    if cfg.env.agent:  # (its endpoint imports torch: the launcher stays torch-free without an agent)
+        from megarl.rewards.agent import import_agent
+
+        checks.append(("env.agent", cfg.env.agent, import_agent))
+    for setting, spec, load in checks:
         if spec:  # the environment class or agent function: imported, its signature checked
             try:
                 load(spec)
