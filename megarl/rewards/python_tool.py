@@ -85,6 +85,13 @@ class PythonLimits:
                 raise ValueError(f"PythonLimits.{f.name}={value!r}: must be a positive number")
 
 
+def _tell_parent(message: str) -> None:
+    """In the sandbox's own processes (launcher, init): a line on stderr, which the trainer reads
+    back as the tool's result (these processes have no logger: they run with ``-I -S``)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
 def run_python(code: str, limits: PythonLimits | None = None) -> str:
     """Run ``code`` in the sandbox; its output, or ``error: ...`` (see the module docstring)."""
     limits = limits or PythonLimits()
@@ -210,7 +217,7 @@ def _launch(argv: list[str]) -> None:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
     except OSError as e:
-        print(f"cannot make the namespaces: {e}", file=sys.stderr)
+        _tell_parent(f"cannot make the namespaces: {e}")
         os._exit(NO_SANDBOX)
     init = os.fork()
     if init == 0:
@@ -257,7 +264,7 @@ def _init(libc: ctypes.CDLL, nonce: str, cpu_s: int, memory_mb: int, disk_mb: in
             if pid == child:
                 os._exit(_exit_code(status))
     except BaseException as e:
-        print(f"sandbox setup failed: {type(e).__name__}: {e}", file=sys.stderr)
+        _tell_parent(f"sandbox setup failed: {type(e).__name__}: {e}")
     os._exit(NO_SANDBOX)
 
 
@@ -291,7 +298,7 @@ def _code(libc: ctypes.CDLL, seccomp: bytes, cpu_s: int, memory_mb: int, disk_mb
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS / PR_SET_SECCOMP)")
         os.execv(sys.executable, [sys.executable, "-I", "-S", "-u", CODE_FILE])
     except BaseException as e:
-        print(f"python tool sandbox could not start the code: {type(e).__name__}: {e}", file=sys.stderr)
+        _tell_parent(f"python tool sandbox could not start the code: {type(e).__name__}: {e}")
     os._exit(NO_SANDBOX)
 
 

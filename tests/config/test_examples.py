@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, RunConfig, load_config, validate
+from tests.config.test_hf import QWEN3_06B
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,33 +44,8 @@ QWEN25_15B_INSTRUCT = {  # config.json of Qwen/Qwen2.5-1.5B-Instruct on the hub
 }
 
 
-QWEN3_17B = {  # config.json of Qwen/Qwen3-1.7B on the hub
-    "architectures": ["Qwen3ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 6144,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 28,
-    "model_type": "qwen3",
-    "num_attention_heads": 16,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "sliding_window": None,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+QWEN3_17B = {**QWEN3_06B, "hidden_size": 2048, "intermediate_size": 6144}
+"""config.json of Qwen/Qwen3-1.7B on the hub: Qwen3-0.6B's with a wider trunk."""
 
 
 def qwen_folder(tmp_path: Path) -> Path:
