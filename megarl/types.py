@@ -14,6 +14,21 @@ import torch
 
 
 @dataclass
+class Turn:
+    """One turn of an episode: the engine's generated ids and the observation ids after them
+    (``megarl.rollout.episode``; agent sessions record the same, ``megarl.rewards.agent_session``)."""
+
+    ids: list[int]
+    """The engine's generated ids of this turn (its stop token included when it stopped on one)."""
+    logprobs: list[float]
+    """The engine's log-prob of each generated id (empty when not asked for)."""
+    truncated: bool = False
+    """The turn hit its token limit (``finish_reason == "length"``)."""
+    observation: list[int] = field(default_factory=list)
+    """Ids appended after the turn: the environment's answer and the next turn's opening."""
+
+
+@dataclass
 class RolloutBatch:
     """One step's samples, identical on every trainer rank after broadcast."""
 

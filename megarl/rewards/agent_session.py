@@ -26,6 +26,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from megarl.types import Turn
+
 
 @dataclass(frozen=True)
 class Call:
@@ -46,21 +48,11 @@ class Call:
 
 
 @dataclass
-class AgentTurn:
-    """A turn of an agent episode (the fields of ``megarl.rollout.episode.Turn``)."""
-
-    ids: list[int]
-    logprobs: list[float]
-    truncated: bool = False
-    observation: list[int] = field(default_factory=list)
-
-
-@dataclass
 class Segment:
     """Calls that chain token-exactly: one prompt and the turns after it."""
 
     prompt_ids: list[int]
-    turns: list[AgentTurn] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
     """Which of the session's served calls made these turns (1-based, as ``breaks`` count them)."""
 
@@ -88,7 +80,7 @@ def chain(calls: list[Call]) -> AgentEpisode:
     episode = AgentEpisode()
     head: list[int] = []
     for n, call in enumerate(calls):
-        turn = AgentTurn(list(call.ids), list(call.logprobs), call.finish_reason == "length")
+        turn = Turn(list(call.ids), list(call.logprobs), call.finish_reason == "length")
         if n and call.prompt_ids[: len(head)] == head:
             segment = episode.segments[-1]
             segment.turns[-1].observation = call.prompt_ids[len(head) :]

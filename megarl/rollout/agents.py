@@ -31,7 +31,7 @@ from megarl.data.prompts import PromptRecord
 from megarl.fleet.fleet import Fleet
 from megarl.rewards.agent import AgentResult, run_agent
 from megarl.rewards.agent_endpoint import AgentEndpoint, EndpointSettings
-from megarl.rollout.episode import Episode, Turn
+from megarl.rollout.episode import Episode
 from megarl.rollout.episodes import EnvReport
 
 log = logging.getLogger("megarl.rollout")
@@ -153,8 +153,7 @@ def _episode(r: AgentResult, row_prompt: list[int]) -> Episode:
     if not r.episode.segments:
         return Episode(list(row_prompt), failed=bool(r.error))
     seg = r.episode.segments[-1]
-    turns = [Turn(list(t.ids), list(t.logprobs), t.truncated, list(t.observation)) for t in seg.turns]
-    return Episode(list(seg.prompt_ids), turns, failed=bool(r.error))
+    return Episode(list(seg.prompt_ids), list(seg.turns), failed=bool(r.error))
 
 
 def _row(rec: PromptRecord) -> dict[str, Any]:

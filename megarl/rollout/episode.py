@@ -17,17 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.types import Turn
 
-@dataclass
-class Turn:
-    ids: list[int]
-    """The engine's generated ids of this turn (its stop token included when it stopped on one)."""
-    logprobs: list[float]
-    """The engine's log-prob of each generated id (empty when not asked for)."""
-    truncated: bool = False
-    """The turn hit its token limit (``finish_reason == "length"``)."""
-    observation: list[int] = field(default_factory=list)
-    """Ids appended after the turn: the environment's answer and the next turn's opening."""
+__all__ = ["Episode", "Turn"]
 
 
 @dataclass
