@@ -119,10 +119,14 @@ def test_engine_killed_mid_step_restarts_in_the_background(base: Path, tmp_path:
     """#41 E: with two engines, an engine killed mid-generation is restarted in the background
     while the survivor takes its prompts (same per-prompt seeds: the same samples) and the run
     goes on without waiting for the restart. The run equals the uninterrupted one, metric for
-    metric; the kill's step waits for nothing after its generation (its update and sync take
-    the undisturbed step's time), and the steps after it, with the restart under way, stay
-    within 1.5x of the same steps undisturbed. (Rejoining at an update and the fleet with no
-    survivor: tests/fleet/test_fleet.py; the repeated-kill benchmark: benchmarks/engine_kills.py.)"""
+    metric; steps 3 and 4 are served by the survivor alone (the restart is still under way: a
+    step that waited for it would find two engines serving), and no step takes the restart's
+    time (an engine's start, several seconds here, is over 20x a step). What is left is CPU
+    contention: the restart runs at nice 19, yet on this 2-core machine, with both cores taken
+    by the trainer's two ranks, it still slows their latency-bound gloo exchanges up to ~2x
+    (benchmarks/restart_contention.py), so the bound on the steps beside it is 3x the
+    undisturbed step. (Rejoining at an update and the fleet with no survivor:
+    tests/fleet/test_fleet.py; the repeated-kill benchmark: benchmarks/engine_kills.py.)"""
     hurt = tmp_path / "hurt"
     log = _train(hurt, BACKGROUND_FAULT)
     assert "SIGKILL engine1" in log and "at generate of version 2" in log, log[-6000:]
@@ -137,9 +141,11 @@ def test_engine_killed_mid_step_restarts_in_the_background(base: Path, tmp_path:
         diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
         assert not diff, (s, diff)
     times = {s: (sb[s]["timing/step/total"], sh[s]["timing/step/total"]) for s in range(1, 5)}
+    assert [sh[s]["fleet/serving"] for s in (2, 3, 4)] == [1, 1, 1], "a step waited for the restart"
+    assert sh[4]["fleet/rejoins"] == 0
     for phase in ("update", "sync"):  # the step with the kill: nothing after its generation waits
         base_s, hurt_s = sb[2][f"timing/step/{phase}"], sh[2][f"timing/step/{phase}"]
-        assert hurt_s <= 1.5 * base_s + 0.05, (phase, base_s, hurt_s, times)
-    assert all(sh[s]["timing/step/total"] <= 1.5 * sb[s]["timing/step/total"] for s in (3, 4)), times
+        assert hurt_s <= 3 * base_s + 0.05, (phase, base_s, hurt_s, times)
+    assert all(sh[s]["timing/step/total"] <= 3 * sb[s]["timing/step/total"] for s in (3, 4)), times
     wb, wh = load_file(str(base / "hf_final/model.safetensors")), load_file(str(hurt / "hf_final/model.safetensors"))
     assert max((wb[k] - wh[k]).abs().max().item() for k in wb) == 0.0
