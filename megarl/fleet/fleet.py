@@ -70,10 +70,15 @@ class Fleet(WeightUpdates):
         ignore_eos: bool = False,
         min_tokens: int = 0,
         logprobs: bool = True,
+        prefer: list[str | None] | None = None,
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version);
-        each sample's ``"logprobs"`` are the sampled tokens' (empty when ``logprobs`` is False)."""
+        each sample's ``"logprobs"`` are the sampled tokens' (empty when ``logprobs`` is False)
+        and its ``"engine"`` the name of the engine that generated it. ``prefer``: per prompt,
+        the engine to send it to when that engine serves (an episode's earlier turns are in its
+        prefix cache); the others are balanced around them."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
+        prefer = prefer or [None] * len(prompts)
         t0 = time.perf_counter()
         self.recover()  # an engine that died while idle is restarted before it is given prompts
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
@@ -86,7 +91,7 @@ class Fleet(WeightUpdates):
                 live = [e for e in self.serving() if e.alive()]
             if not live:
                 raise RolloutError("no live engine in the fleet")
-            shares = [(e, i) for e, i in self._balance(todo, prompts, n, max_tokens, live) if i]
+            shares = [(e, i) for e, i in self._balance(todo, prompts, n, max_tokens, live, prefer) if i]
             faults.inject("generate", self.version, [e for e, _ in shares])
             failed: list[int] = []
 
@@ -121,6 +126,8 @@ class Fleet(WeightUpdates):
                 self._count("model_s", timings.get("model_s", 0.0), engine.name)
                 versions.append(version)
                 for i, group in zip(idx, groups):
+                    for sample in group:
+                        sample["engine"] = engine.name
                     results[i] = group
             self.lost(dead)  # the same seeds on another engine: the same samples
             todo = sorted(failed)
@@ -143,12 +150,26 @@ class Fleet(WeightUpdates):
 
     @staticmethod
     def _balance(
-        todo: list[int], prompts: list[list[int]], n: int, max_tokens: int, engines: list[EngineClient]
+        todo: list[int],
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        engines: list[EngineClient],
+        prefer: list[str | None],
     ) -> list[tuple[EngineClient, list[int]]]:
-        """Greedy longest-first assignment by outstanding tokens (prompt + n × max response)."""
+        """Prompts with a preferred engine among ``engines`` go to it; the rest by greedy
+        longest-first assignment of outstanding tokens (prompt + n × max response)."""
         load = {e.name: 0 for e in engines}
         shares: dict[str, list[int]] = {e.name: [] for e in engines}
-        for i in sorted(todo, key=lambda j: -len(prompts[j])):
+        free = []
+        for i in todo:
+            pinned = prefer[i]
+            if pinned is not None and pinned in shares:
+                shares[pinned].append(i)
+                load[pinned] += len(prompts[i]) + n * max_tokens
+            else:
+                free.append(i)
+        for i in sorted(free, key=lambda j: -len(prompts[j])):
             target = min(engines, key=lambda e: load[e.name])
             shares[target.name].append(i)
             load[target.name] += len(prompts[i]) + n * max_tokens

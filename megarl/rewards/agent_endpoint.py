@@ -49,9 +49,10 @@ log = logging.getLogger("megarl.rewards")
 
 CHAT, MODELS = "/v1/chat/completions", "/v1/models"
 
-Generate = Callable[[list[int], int, float, float, int], tuple[list[int], list[float], str]]
-"""``generate(prompt_ids, max_tokens, temperature, top_p, seed) -> (ids, logprobs, finish_reason)``:
-one completion from the engine (finish_reason ``stop`` or ``length``)."""
+Generate = Callable[[list[int], int, float, float, int, int], tuple[list[int], list[float], str]]
+"""``generate(prompt_ids, max_tokens, temperature, top_p, seed, episode) -> (ids, logprobs,
+finish_reason)``: one completion from the engine (finish_reason ``stop`` or ``length``);
+``episode`` names the session the call belongs to (its calls go to one engine)."""
 
 
 class ChatTokenizer(Protocol):
@@ -172,7 +173,7 @@ class AgentEndpoint:
         temperature = s.temperature if s.pin_sampling or req.temperature is None else req.temperature
         top_p = s.top_p if s.pin_sampling or req.top_p is None else req.top_p
         number, seed = session.begin()
-        ids, logprobs, finish = self.generate(prompt, max_tokens, temperature, top_p, seed)
+        ids, logprobs, finish = self.generate(prompt, max_tokens, temperature, top_p, seed, session.seed)
         if len(logprobs) != len(ids):
             raise RuntimeError(f"generate returned {len(ids)} ids and {len(logprobs)} log-probs")
         ids, logprobs, text, stopped = self._cut_at_stop(list(ids), list(logprobs), req.stop)

@@ -36,32 +36,39 @@ from megarl.rollout.episodes import EnvReport
 
 log = logging.getLogger("megarl.rollout")
 
-_Request = tuple[list[int], int, float, float, int]
+_Request = tuple[list[int], int, float, float, int, int]
+"""(prompt ids, max_tokens, temperature, top_p, seed, episode)"""
+
+_REMEMBERED = 65_536
+"""Episodes whose engine :class:`BatchedGenerate` remembers (the oldest forgotten first)."""
 
 
 class BatchedGenerate:
-    """``generate(prompt_ids, max_tokens, temperature, top_p, seed)`` for many threads: requests
-    wait in a queue; a dispatcher thread sends every waiting request in one fleet call (grouped
-    by their sampling settings), one call at a time."""
+    """``generate(prompt_ids, max_tokens, temperature, top_p, seed, episode)`` for many threads:
+    requests wait in a queue; a dispatcher thread sends every waiting request in one fleet call
+    (grouped by their sampling settings), one call at a time. An episode's calls after its first
+    ask for the engine that served the one before (its prefix cache)."""
 
     def __init__(self, fleet: Fleet, stop_token_ids: list[int], logprobs: bool = True) -> None:
         self.fleet, self.stop_token_ids, self.logprobs = fleet, stop_token_ids, logprobs
         self._waiting: list[tuple[_Request, Future[tuple[list[int], list[float], str]]]] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._engine_of: dict[int, str] = {}
+        """The engine of each episode's last call (dispatcher thread only)."""
         self.calls = 0
         """Fleet calls made (for the tests: fewer than requests when requests overlap)."""
         self._thread = threading.Thread(target=self._dispatch, name="agent-generate", daemon=True)
         self._thread.start()
 
     def __call__(
-        self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int, episode: int
     ) -> tuple[list[int], list[float], str]:
         done: Future[tuple[list[int], list[float], str]] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the agent generator is closed")
-            self._waiting.append(((list(prompt_ids), max_tokens, temperature, top_p, seed), done))
+            self._waiting.append(((list(prompt_ids), max_tokens, temperature, top_p, seed, episode), done))
             self._cv.notify()
         return done.result()
 
@@ -81,7 +88,7 @@ class BatchedGenerate:
                 batch, self._waiting = self._waiting, []
             groups: dict[tuple[int, float, float], list[tuple[_Request, Future[Any]]]] = {}
             for item in batch:
-                _, max_tokens, temperature, top_p, _ = item[0]
+                _, max_tokens, temperature, top_p, _, _ = item[0]
                 groups.setdefault((max_tokens, temperature, top_p), []).append(item)
             for (max_tokens, temperature, top_p), items in groups.items():
                 self._send(items, max_tokens, temperature, top_p)
@@ -99,14 +106,19 @@ class BatchedGenerate:
                 stop_token_ids=self.stop_token_ids,
                 seeds=[req[4] for req, _ in items],
                 logprobs=self.logprobs,
+                prefer=[self._engine_of.get(req[5]) for req, _ in items],
             )
             self.calls += 1
         except BaseException as e:  # every waiting agent gets the fleet's error
             for _, done in items:
                 done.set_exception(e)
             return
-        for (_, done), out in zip(items, outs, strict=True):
+        for (req, done), out in zip(items, outs, strict=True):
             o = out[0]
+            self._engine_of.pop(req[5], None)  # (re-inserted: the most recent last)
+            self._engine_of[req[5]] = str(o["engine"])
+            if len(self._engine_of) > _REMEMBERED:
+                del self._engine_of[next(iter(self._engine_of))]
             done.set_result((list(o["token_ids"]), list(o["logprobs"]), str(o["finish_reason"])))
 
 

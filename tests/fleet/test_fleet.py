@@ -87,8 +87,22 @@ def test_balance_by_outstanding_tokens() -> None:
 
     engines = [Engine("e0", "a:1"), Engine("e1", "b:1")]
     prompts = [[0] * 100, [0] * 10, [0] * 10, [0] * 10, [0] * 10]
-    shares = dict((e.name, idx) for e, idx in Fleet._balance(list(range(5)), prompts, 1, 10, engines))
+    shares = dict((e.name, idx) for e, idx in Fleet._balance(list(range(5)), prompts, 1, 10, engines, [None] * 5))
     assert shares["e0"] == [0] and shares["e1"] == [1, 2, 3, 4]  # not round-robin
+
+
+def test_prompts_go_to_their_preferred_engine_and_the_rest_balance_around_them() -> None:
+    """An episode's later turns go to the engine of its earlier ones (its prefix cache) while it
+    serves; prompts without a preference, or preferring an engine not serving, fill the rest."""
+    from megarl.fleet.client import EngineClient as Engine
+
+    engines = [Engine("e0", "a:1"), Engine("e1", "b:1")]
+    prompts = [[0] * 10] * 6
+    prefer = ["e0", "e0", "e0", None, None, "e2"]  # e2: not among the engines serving (restarting)
+    shares = dict((e.name, idx) for e, idx in Fleet._balance(list(range(6)), prompts, 1, 10, engines, prefer))
+    assert shares["e0"] == [0, 1, 2] and shares["e1"] == [3, 4, 5]
+    shares = dict((e.name, idx) for e, idx in Fleet._balance([1, 3], prompts, 1, 10, engines, prefer))
+    assert shares["e0"] == [1] and shares["e1"] == [3]
 
 
 def test_corrupted_update_is_rejected_and_old_version_serves(fleet) -> None:
@@ -442,6 +456,11 @@ def test_one_engine_takes_an_update_in_one_request(tmp_path: Path, monkeypatch: 
         f.shutdown()
 
 
+def _samples(outs: list) -> list:
+    """What was sampled (ids, log-probs, why it stopped), not which engine sampled it."""
+    return [[{k: v for k, v in x.items() if k != "engine"} for x in g] for g in outs]
+
+
 def _wait_restarted(f: Fleet, timeout: float = 300.0) -> None:
     """Until the background restarts under way have finished (not yet collected by recover)."""
     for job in list(f.restarting.values()):
@@ -471,7 +490,8 @@ def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -
         victim.proc.kill()
         t.join(timeout=300)
         outs, version = result["out"]
-        assert outs == calm and version == 1  # every sample as if nothing had happened
+        assert _samples(outs) == _samples(calm) and version == 1  # every sample as if nothing had happened
+        assert {x["engine"] for g in outs for x in g} == {survivor.name}  # (the re-issued ones included)
         assert f.restarts == restarts + 1 and victim.proc.pid != pid
         assert victim.name in f.restarting and not f.restarting[victim.name].done.is_set()  # still starting
         assert f.serving() == [survivor]
@@ -480,7 +500,7 @@ def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -
         assert victim.name in f.joining and f.serving() == [survivor]
         f.pop_timings()
         again, _ = f.generate(prompts, **kw)
-        assert again == calm
+        assert _samples(again) == _samples(calm)
         assert set(k.split("/")[1] for k in f.timings if k.startswith("engine_s/")) == {survivor.name}
         f.update_weights(1, [_staged(f, hf / "model.safetensors")])  # the next update: it joins
         assert f.serving() == [victim, survivor] and not f.joining and f.rejoins == rejoins + 1
@@ -495,7 +515,7 @@ def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -
         survivor.proc.kill()
         survivor.proc.wait()
         out, version = f.generate(prompts, **kw)
-        assert out == calm and version == 1
+        assert _samples(out) == _samples(calm) and version == 1
         assert victim.name not in f.joining and victim in f.serving()
         f.recover()
         _wait_restarted(f)

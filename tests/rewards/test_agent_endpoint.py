@@ -92,7 +92,9 @@ class Scripted:
     def ids_of(self, question: str, turn: int) -> list[int]:
         return [*self.tok.encode(SCRIPT[question][turn], bos=False), self.tok.eos_ids[0]]
 
-    def __call__(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Any:
+    def __call__(
+        self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: int, episode: int
+    ) -> Any:
         if self.barrier is not None:
             self.barrier.wait(timeout=30)  # both sessions' calls are in flight at once
         text = self.tok.hf.decode(prompt)

@@ -69,7 +69,11 @@ class SleepyFleet:
             time.sleep(GEN_S * self.rng.uniform(0.6, 1.4))
             self.batches.append(len(prompts))
             outs = [_turn_ids(s, p) for s, p in zip(kw["seeds"], prompts, strict=True)]
-            return [[{"token_ids": o, "logprobs": [-0.5] * len(o), "finish_reason": "stop"}] for o in outs], 7
+            engines = [p or f"e{len(self.batches) % 2}" for p in kw["prefer"]]  # a first turn: either engine
+            return [
+                [{"token_ids": o, "logprobs": [-0.5] * len(o), "finish_reason": "stop", "engine": e}]
+                for o, e in zip(outs, engines, strict=True)
+            ], 7
         finally:
             self.busy.release()
 
@@ -151,6 +155,8 @@ def test_episodes_overlap_and_reproduce_whatever_the_timing(tmp_path: Path) -> N
         assert totals == [[pytest.approx(0.6)] * 2] * 4  # 0.1 + 0.2 + 0.3 from the environment, exact_match 0
         assert version == 7 and sum(fleet.batches) == 24
         assert (report.episodes, report.turns, report.tool_calls, report.failures) == (8, 24, 24.0, 0)
+        assert (report.later_turns, report.metrics()["env/same_engine_frac"]) == (16, 1.0)  # asked for its engine
+        assert 3 * 0.03 <= report.chain_s < wall  # three steps of 30-70 ms (and a reset), within the round
         results.append((flat, texts, totals))
         if workers == 8:  # every environment step in parallel: ~3 × (generation + step)
             assert wall < 0.4 * serial_s, (wall, fleet.batches)
