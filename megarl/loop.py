@@ -79,6 +79,8 @@ def rl_step(c: Components, step: int) -> StepResult:
         metrics.update(c.planner.metrics())
     metrics.update(timer.metrics())
     metrics["timing/step/total"] = total = time.perf_counter() - t0
+    if "env/time_s" in metrics:  # episodes: the share of the step spent waiting on environments alone
+        metrics["env/time_frac"] = metrics["env/time_s"] / total
     busy = c.rollouts.fleet_busy_s(t0, t0 + total, timer.times["generate"])
     metrics.update(pipeline_metrics(lag, timer.times["generate"], busy, total))
     return StepResult(batch.size, metrics)
@@ -251,5 +253,16 @@ def _log_step(step: int, total: int, m: dict[str, float]) -> None:
         m["timing/step/logprobs"],
         m["timing/step/update"],
         m["timing/step/sync"],
-        f" | val {m['val/reward']:.3f}" if "val/reward" in m else "",
+        _env_line(m) + (f" | val {m['val/reward']:.3f}" if "val/reward" in m else ""),
+    )
+
+
+def _env_line(m: dict[str, float]) -> str:
+    """Episodes' part of the step line ('' for single-turn runs)."""
+    if "env/turns_mean" not in m:
+        return ""
+    return (
+        f" | turns {m['env/turns_mean']:.1f} tools {m['env/tool_calls_mean']:.1f} "
+        f"(errors {100 * m['env/tool_error_rate']:.0f}%) env {m['env/time_s']:.2f}s "
+        f"({100 * m.get('env/time_frac', 0.0):.0f}%) truncated {100 * m['env/truncated_frac']:.0f}%"
     )

@@ -71,6 +71,19 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
     lr_keys = _keys(recs, "coord/lr/") or [k for k in ("train/lr", "critic/lr") if _keys(recs, k)]
     panels.append(("Learning rate", [(k, k) for k in lr_keys], {"log": True}))
     panels.append(("Generation throughput", [("coord/gen_tokens_per_s", "gen tokens/s (model)")], {}))
+    if _keys(recs, "env/turns_mean"):  # multi-turn episodes (env.fn / env.agent)
+        panels.append(("Episodes", [("env/turns_mean", "turns"), ("env/tool_calls_mean", "tool calls")], {}))
+        panels.append(
+            (
+                "Environment (fraction)",
+                [
+                    ("env/tool_error_rate", "tool error rate"),
+                    ("env/truncated_frac", "truncated"),
+                    ("env/time_frac", "step share waiting on environments"),
+                ],
+                {},
+            )
+        )
     panels.append(
         (
             "Step time split (s)",
@@ -176,6 +189,19 @@ def summary(
         # the high end is inf while |G|² is not yet resolved from zero: shown as such
         band = f"band {lo:.4g} .. {hi:.4g}" if _finite(lo) and _finite(hi) or hi == math.inf else "no band yet"
         yield f"B_noise {m} (responses, step {rec['step']})", f"{rec[keys[0]]:.4g} ({band})"
+    env = [r for r in recs if _finite(r.get("env/turns_mean"))]
+    if env:  # episodes: means over the run's steps
+        for key, label, fmt in (
+            ("env/turns_mean", "turns per episode", "{:.2f}"),
+            ("env/tool_calls_mean", "tool calls per episode", "{:.2f}"),
+            ("env/tool_error_rate", "tool error rate", "{:.1%}"),
+            ("env/truncated_frac", "episodes truncated", "{:.1%}"),
+            ("env/time_frac", "step share waiting on environments", "{:.1%}"),
+        ):
+            vals = [float(r[key]) for r in env if _finite(r.get(key))]
+            if vals:
+                yield f"{label} (mean of {len(vals)} steps)", fmt.format(sum(vals) / len(vals))
+        yield "episodes failed in their environment", f"{sum(float(r.get('env/failures', 0.0)) for r in env):.0f}"
     for k in ("coord/batch", "train/lr"):  # the last step's (the final record is often validation only)
         v = next((r[k] for r in reversed(recs) if _finite(r.get(k))), None)
         if v is not None:

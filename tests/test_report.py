@@ -77,3 +77,40 @@ def test_report_sweep_errors_name_the_file(capfd: pytest.CaptureFixture[str], tm
     (tmp_path / "sweep.json").write_text(json.dumps({"best": {"lr": 1e-4}}))
     assert cli.main(["report", str(tmp_path / "run"), "--sweep", str(tmp_path)]) == 2
     assert "expected 'best' with a numeric 'batch'" in capfd.readouterr().err
+
+
+def test_report_shows_what_episodes_did(tmp_path: Path) -> None:
+    """A multi-turn run's report: panels for turns and tool calls and for the environment's
+    error, truncation and time shares, and their means over the run in the table."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {
+            "step": s,
+            "rollout/reward_mean": 0.1 * s,
+            "env/turns_mean": 2.0 + s,
+            "env/tool_calls_mean": 1.0 + s,
+            "env/tool_error_rate": 0.1 * s,
+            "env/truncated_frac": 0.25,
+            "env/time_frac": 0.05 * s,
+            "env/failures": float(s),
+            "timing/step/update": 0.5,
+        }
+        for s in (1, 2)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert cli.main(["report", str(run)]) == 0
+    rows = _table(run / "report" / "report.html")
+    assert rows["turns per episode (mean of 2 steps)"] == "3.50"
+    assert rows["tool calls per episode (mean of 2 steps)"] == "2.50"
+    assert rows["tool error rate (mean of 2 steps)"] == "15.0%"
+    assert rows["episodes truncated (mean of 2 steps)"] == "25.0%"
+    assert rows["step share waiting on environments (mean of 2 steps)"] == "7.5%"
+    assert rows["episodes failed in their environment"] == "3"
+    titles = re.findall(r"<h3>(.*?)</h3>", (run / "report" / "report.html").read_text())
+    assert "Episodes" in titles and "Environment (fraction)" in titles
+    single = tmp_path / "single"  # a single-turn run: no episode panels, no rows
+    single.mkdir()
+    (single / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
+    assert cli.main(["report", str(single)]) == 0
+    assert "Episodes" not in (single / "report" / "report.html").read_text()
