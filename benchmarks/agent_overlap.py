@@ -1,0 +1,172 @@
+"""Do environments overlap generation? Multi-turn episodes on a real vLLM fleet (#43).
+
+One sampling round of ``--episodes`` episodes × 3 turns (``megarl.rollout.episodes.run_episodes``:
+the scheduler the trainer uses) on real engine processes, with environments in the real worker
+pool that answer each turn after ``--latency_ms`` (50) and end the episode at its third step.
+Variants, interleaved, ``--repeats`` times with fresh seeds (each repeat's seed is the same for
+both, so both generate the same ids):
+
+* ``gen``: the same episodes with environments that answer at once — the generation alone (G);
+* ``env``: environments of ``--latency_ms`` — the round's time (T) and its longest episode's
+  environment chain (C, ``env/chain_max_s``: the seconds from sending each call to its answer).
+
+Bar (#43): T ≤ 1.25 × max(G, C), where no overlap would give T ≈ G + C. The table lists per
+repeat G, C, T, T / max(G, C) and T / (G + C); the last line is a JSON object with the ratios,
+their mean and a one-sided 95 % t upper bound of T / max(G, C) (the bar holds when it is ≤ 1.25).
+
+    python -m benchmarks.agent_overlap [--episodes 32] [--engines 1] [--repeats 3]
+
+The model: a random Llama of the CPU example's shape (vLLM's dummy weights), 8 of its 64 ids
+stop a turn (a turn averages 8 ids; 64 at most), prompts of 8 ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import table
+from megarl.config import DataConfig, RewardConfig
+from megarl.data.prompts import PromptRecord
+from megarl.engine.staging import MANIFEST
+from megarl.fleet.fleet import Fleet
+from megarl.rewards.env_pool import EnvPool
+from megarl.rewards.runner import RewardRunner
+from megarl.rollout.episodes import EpisodeSettings, run_episodes
+
+VOCAB = 64
+STOPS = list(range(56, 64))
+ENV = """
+import time
+
+LATENCY_S = {latency}
+
+
+class Latency:
+    \"\"\"Answers each turn after LATENCY_S with a short text; the third step ends the episode.\"\"\"
+
+    def reset(self, row):
+        self.n = 0
+
+    def step(self, action):
+        time.sleep(LATENCY_S)
+        self.n += 1
+        return ("ok" if self.n < 3 else ""), 0.0, self.n >= 3, {{"tool_calls": 1}}
+"""
+
+
+class Renderer:
+    """Ids as text and back: an observation is a few fixed ids (no tokenizer needed here)."""
+
+    def encode_prompt(self, rec: PromptRecord) -> list[int]:
+        return [int(x) for x in rec.prompt.split()]
+
+    def observation_ids(self, observation: Any) -> list[int]:
+        return [3, 4, 5] if observation else []
+
+    def action_text(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+    answer_text = action_text
+
+
+def _model(folder: Path) -> Path:
+    """A random Llama of the CPU example's shape, saved as engines load it (with its manifest)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder)
+    (folder / MANIFEST).write_text(json.dumps({k: list(v.shape) for k, v in model.state_dict().items()}))
+    return folder
+
+
+def _start(base: Path, engines: int) -> Fleet:
+    """Engines started as a run starts them, given the model's weights (version 1)."""
+    model = _model(base / "model")
+    fleet = Fleet.start_local(model, num_engines=engines, engine_tp=1, kv_cache_gb=0.25, log_dir=base / "logs", seed=0)
+    staged = fleet.staging_dir / "bench" / "model.safetensors"
+    staged.parent.mkdir(exist_ok=True)
+    shutil.copy(model / "model.safetensors", staged)
+    fleet.update_weights(1, [str(staged)])
+    return fleet
+
+
+def _round(fleet: Fleet, pool: EnvPool, episodes: int, seed: int) -> tuple[float, float]:
+    """(seconds, longest environment chain) of one round of ``episodes`` episodes."""
+    prompts = [(PromptRecord(" ".join(str(8 + (seed + i + k) % 40) for k in range(8)), "", f"p{i}"), []) for i in
+               range(episodes // 4)]  # fmt: skip
+    prompts = [(rec, Renderer().encode_prompt(rec)) for rec, _ in prompts]
+    s = EpisodeSettings(max_turns=3, turn_tokens=64, max_tokens=400, failed_reward=0.0, temperature=1.0, top_p=1.0,
+                        stop_token_ids=STOPS)  # fmt: skip
+    rewards = RewardRunner(RewardConfig(fn=["exact_match"]), DataConfig())
+    t0 = time.perf_counter()
+    eps, _, _, _, _, report = run_episodes(fleet, Renderer(), rewards, pool, prompts, 4, s, seed, True)  # type: ignore[arg-type]
+    wall = time.perf_counter() - t0
+    assert report.failures == 0, report.examples
+    return wall, report.chain_s
+
+
+def summary(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Mean and spread of T / max(G, C) and T / (G + C) over the repeats, with a one-sided 95 %
+    t upper bound of the first (the bar holds when it is ≤ 1.25)."""
+    r = [row["T/max"] for row in rows]
+    mean = statistics.fmean(r)
+    sd = statistics.stdev(r) if len(r) > 1 else math.nan
+    t95 = {2: 6.314, 3: 2.920, 4: 2.353, 5: 2.132, 6: 2.015}.get(len(r), 1.833)
+    return {
+        "T_over_max": [round(x, 3) for x in r],
+        "T_over_sum": [round(row["T/sum"], 3) for row in rows],
+        "mean_T_over_max": round(mean, 3),
+        "upper95_T_over_max": round(mean + t95 * sd / math.sqrt(len(r)), 3) if len(r) > 1 else None,
+        "bar": 1.25,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--latency_ms", type=float, default=50.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=32)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        fleet = _start(base, args.engines)
+        pools = {}
+        for name, latency in (("gen", 0.0), ("env", args.latency_ms / 1000)):
+            (base / f"{name}.py").write_text(textwrap.dedent(ENV.format(latency=latency)))
+            pools[name] = EnvPool(f"{base / name}.py:Latency", workers=args.workers, timeout_s=30.0)
+        try:
+            for pool in pools.values():
+                _round(fleet, pool, args.episodes, 999)  # workers and engines warm
+            rows = []
+            for r in range(args.repeats):
+                seed = 1000 + r  # fresh: not a seed anything was tuned on
+                g, _ = _round(fleet, pools["gen"], args.episodes, seed)
+                t, c = _round(fleet, pools["env"], args.episodes, seed)
+                rows.append({"seed": seed, "G": g, "C": c, "T": t, "T/max": t / max(g, c), "T/sum": t / (g + c)})
+        finally:
+            for pool in pools.values():
+                pool.close()
+            fleet.shutdown()
+    print(table(rows, ["seed", "G", "C", "T", "T/max", "T/sum"]))
+    print(json.dumps({"agent_overlap": {"episodes": args.episodes, "engines": args.engines,
+                                        "latency_ms": args.latency_ms, **summary(rows)}}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
