@@ -272,29 +272,22 @@ class EnvPool:
                 self._failed_start(k, f"not ready after {START_TIMEOUT_S:g}s")
 
     def _drain(self, s: _Slot) -> bool:
-        """Read what ``s``'s worker sent; False if it died (pipe closed or process gone)."""
-        w = s.worker
-        try:
-            while w.conn.poll():
-                msg = w.conn.recv()
-                if msg[0] == "ready":
-                    w.ready = True
-                    self._start_failures = 0
-                elif msg[0] == "dead":
-                    w.ready, w.dead_reason = False, msg[1]
-                    return False
-                elif s.call is not None and w.task is not None and msg[1] == w.task[0]:
-                    op, key, _ = s.call
-                    s.call, w.task = None, None
-                    w.served += 1
-                    outcome = Outcome("ok", value=msg[2]) if msg[0] == "ok" else Outcome("error", error=msg[2])
-                    if op == "reset" and outcome.kind != "ok":
-                        s.held.discard(key)  # (the instance was not kept)
-                    if op != "drop":
-                        self._done.append((key, outcome))
-        except (EOFError, OSError):
-            return False
-        return w.proc.is_alive()
+        """Read what ``s``'s worker sent (:meth:`Worker.drain`); False if it died."""
+
+        def answered(outcome: Outcome) -> None:
+            if s.call is None:
+                return
+            op, key, _ = s.call
+            s.call = None
+            if op == "reset" and outcome.kind != "ok":
+                s.held.discard(key)  # (the instance was not kept)
+            if op != "drop":
+                self._done.append((key, outcome))
+
+        alive = s.worker.drain(answered)
+        if s.worker.ready:
+            self._start_failures = 0
+        return alive
 
     def _lose(self, k: int, kind: Literal["timeout", "crash"], why: str) -> None:
         """Slot ``k``'s worker is dead or hangs: its running call ends as ``kind``, every episode it

@@ -118,6 +118,26 @@ class Worker:
         self.dead_reason = ""
         """What a worker that failed to start reported."""
 
+    def drain(self, answered: Callable[[Outcome], None]) -> bool:
+        """Read what the worker sent: ``ready``, ``dead`` (with why), or the answer to its task,
+        handed to ``answered`` (the task still set) before the task is cleared. False if it died
+        (pipe closed or process gone)."""
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg[0] == "ready":
+                    self.ready = True
+                elif msg[0] == "dead":
+                    self.ready, self.dead_reason = False, msg[1]
+                    return False
+                elif self.task is not None and msg[1] == self.task[0]:
+                    answered(Outcome("ok", value=msg[2]) if msg[0] == "ok" else Outcome("error", error=msg[2]))
+                    self.task = None
+                    self.served += 1
+        except (EOFError, OSError):
+            return False
+        return bool(self.proc.is_alive())
+
 
 def kill_all(procs: list[Any]) -> None:
     """SIGKILL whatever of ``procs`` still runs (a pool's finalizer)."""
@@ -230,25 +250,16 @@ class RewardPool:
         w.task = (self._next_task, i, time.monotonic() + self.timeout_s)
 
     def _drain(self, w: Worker, out: list[Outcome | None]) -> bool:
-        """Read what ``w`` sent; False if it died (pipe closed or process gone)."""
-        try:
-            while w.conn.poll():
-                msg = w.conn.recv()
-                if msg[0] == "ready":
-                    w.ready = True
-                    self._start_failures = 0
-                elif msg[0] == "dead":
-                    w.ready = False
-                    w.dead_reason = msg[1]
-                    return False
-                elif w.task is not None and msg[1] == w.task[0]:
-                    i = w.task[1]
-                    out[i] = Outcome("ok", value=msg[2]) if msg[0] == "ok" else Outcome("error", error=msg[2])
-                    w.task = None
-                    w.served += 1
-        except (EOFError, OSError):
-            return False
-        return w.proc.is_alive()
+        """Read what ``w`` sent (:meth:`Worker.drain`); False if it died."""
+
+        def answered(outcome: Outcome) -> None:
+            assert w.task is not None
+            out[w.task[1]] = outcome
+
+        alive = w.drain(answered)
+        if w.ready:
+            self._start_failures = 0
+        return alive
 
     def _dead(self, w: Worker, out: list[Outcome | None]) -> Worker:
         w.proc.join(timeout=5)
