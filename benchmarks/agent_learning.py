@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, run_train, table
+from benchmarks.common import ROOT, mean_bound, run_train, table
 
 CONFIG = str(ROOT / "examples/agent_calc_cpu.yaml")
 SEEDS = [41, 42, 43]
@@ -50,7 +48,6 @@ RL_STEPS = 150
 """RL steps of both arms (60 in the tuning runs; raised for the judging runs because the tuning
 seed was still rising at 60, within the 15 minutes a seed)."""
 BARS = {"agent_gain": 0.15, "over_single": 0.2}
-T90 = {2: 3.078, 3: 1.886, 4: 1.638, 5: 1.533}
 
 
 def _run(arm: str, seed: int, warm: int, out: Path) -> dict[str, Any]:
@@ -62,15 +59,6 @@ def _run(arm: str, seed: int, warm: int, out: Path) -> dict[str, Any]:
     summary = run_train(CONFIG, sets, out.with_suffix(".log"), timeout=1800)
     return {"arm": arm, "seed": seed, "warm": warm, "start": summary["val/reward_start"],
             "end": summary["val/reward_end"], "minutes": (time.perf_counter() - t0) / 60}  # fmt: skip
-
-
-def _bound(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean, sample standard deviation and one-sided 90 % t lower bound of paired differences."""
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return mean, math.nan, math.nan
-    sd = statistics.stdev(diffs)
-    return mean, sd, mean - T90.get(len(diffs), 1.5) * sd / math.sqrt(len(diffs))
 
 
 def main() -> None:
@@ -96,7 +84,7 @@ def main() -> None:
     over = [by["agent", s]["end"] - by["single", s]["end"] for s in SEEDS]
     result = {"warm_steps": WARM_STEPS, "rl_steps": RL_STEPS, "seeds": SEEDS, "bars": BARS, "rows": rows}
     for name, diffs in (("agent_gain", gain), ("over_single", over)):
-        mean, sd, low = _bound(diffs)
+        mean, sd, low = mean_bound(diffs, 0.90)
         result[name] = {"per_seed": [round(d, 3) for d in diffs], "mean": round(mean, 3), "sd": round(sd, 3),
                         "lower90": round(low, 3), "passes": bool(mean >= BARS[name])}  # fmt: skip
     seed_minutes = [sum(r["minutes"] for r in rows if r["seed"] == s and r["arm"] == "agent") for s in SEEDS]

@@ -26,14 +26,13 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import table
+from benchmarks.common import mean_bound, table
 from megarl.config import DataConfig, RewardConfig
 from megarl.data.prompts import PromptRecord
 from megarl.engine.staging import MANIFEST
@@ -106,9 +105,9 @@ def _start(base: Path, engines: int) -> Fleet:
 
 def _round(fleet: Fleet, pool: EnvPool, episodes: int, seed: int) -> tuple[float, float]:
     """(seconds, longest environment chain) of one round of ``episodes`` episodes."""
-    prompts = [(PromptRecord(" ".join(str(8 + (seed + i + k) % 40) for k in range(8)), "", f"p{i}"), []) for i in
-               range(episodes // 4)]  # fmt: skip
-    prompts = [(rec, Renderer().encode_prompt(rec)) for rec, _ in prompts]
+    records = [PromptRecord(" ".join(str(8 + (seed + i + k) % 40) for k in range(8)), "", f"p{i}")
+               for i in range(episodes // 4)]  # fmt: skip
+    prompts = [(rec, Renderer().encode_prompt(rec)) for rec in records]
     s = EpisodeSettings(max_turns=3, turn_tokens=64, max_tokens=400, failed_reward=0.0, temperature=1.0, top_p=1.0,
                         stop_token_ids=STOPS)  # fmt: skip
     rewards = RewardRunner(RewardConfig(fn=["exact_match"]), DataConfig())
@@ -120,17 +119,14 @@ def _round(fleet: Fleet, pool: EnvPool, episodes: int, seed: int) -> tuple[float
 
 
 def summary(rows: list[dict[str, float]]) -> dict[str, Any]:
-    """Mean and spread of T / max(G, C) and T / (G + C) over the repeats, with a one-sided 95 %
-    t upper bound of the first (the bar holds when it is ≤ 1.25)."""
-    r = [row["T/max"] for row in rows]
-    mean = statistics.fmean(r)
-    sd = statistics.stdev(r) if len(r) > 1 else math.nan
-    t95 = {2: 6.314, 3: 2.920, 4: 2.353, 5: 2.132, 6: 2.015}.get(len(r), 1.833)
+    """T / max(G, C) and T / (G + C) per repeat, with the mean of the first and its one-sided 95 %
+    t upper bound (the bar holds when it is ≤ 1.25)."""
+    mean, _, upper = mean_bound([row["T/max"] for row in rows], 0.95, upper=True)
     return {
-        "T_over_max": [round(x, 3) for x in r],
+        "T_over_max": [round(row["T/max"], 3) for row in rows],
         "T_over_sum": [round(row["T/sum"], 3) for row in rows],
         "mean_T_over_max": round(mean, 3),
-        "upper95_T_over_max": round(mean + t95 * sd / math.sqrt(len(r)), 3) if len(r) > 1 else None,
+        "upper95_T_over_max": None if math.isnan(upper) else round(upper, 3),
         "bar": 1.25,
     }
 

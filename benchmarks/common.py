@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,22 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
+
+
+T_ONE_SIDED = {
+    0.90: [3.078, 1.886, 1.638, 1.533, 1.476, 1.440, 1.415, 1.397, 1.383],
+    0.95: [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833],
+}
+"""One-sided Student t quantiles for 1..9 degrees of freedom (more: the 9's, conservative)."""
+
+
+def mean_bound(xs: list[float], level: float = 0.90, upper: bool = False) -> tuple[float, float, float]:
+    """Mean, sample standard deviation and the one-sided ``level`` t bound of the mean of ``xs``
+    (the lower bound, or the upper with ``upper``); nan for the last two with one value."""
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, math.nan, math.nan
+    sd = statistics.stdev(xs)
+    t = T_ONE_SIDED[level][min(len(xs) - 1, 9) - 1]
+    half = t * sd / math.sqrt(len(xs))
+    return mean, sd, mean + half if upper else mean - half

@@ -264,5 +264,5 @@ def _env_line(m: dict[str, float]) -> str:
     return (
         f" | turns {m['env/turns_mean']:.1f} tools {m['env/tool_calls_mean']:.1f} "
         f"(errors {100 * m['env/tool_error_rate']:.0f}%) env {m['env/time_s']:.2f}s "
-        f"({100 * m.get('env/time_frac', 0.0):.0f}%) truncated {100 * m['env/truncated_frac']:.0f}%"
+        f"({100 * m['env/time_frac']:.0f}%) truncated {100 * m['env/truncated_frac']:.0f}%"
     )

@@ -10,12 +10,12 @@ An engine is in one of three states::
 every update): when one engine of several dies, the survivors keep generating — its prompts
 go to them with the same per-prompt seeds, so every sample is the one it would have been —
 while a thread respawns it (at nice 19, so that on a shared CPU the restart takes what the
-step leaves idle; latency-bound collectives of a trainer that fills every core still slow,
-up to ~2x on 2 cores: benchmarks/restart_contention.py) and waits until it answers. It then *joins* the next weight update like any
-other engine and serves from the version that update commits: no replay, no step waiting for
-it. Only when no serving engine is left does a step wait: a joining engine is given the
-current weights at once (the replay of the last committed update, ``Committed.replay``), and an
-engine still restarting is waited for.
+step leaves idle; latency-bound collectives of a trainer that fills every core still slow, up
+to ~2x on 2 cores: benchmarks/restart_contention.py) and waits until it answers. It then
+*joins* the next weight update like any other engine and serves from the version that update
+commits: no replay, no step waiting for it. Only when no serving engine is left does a step
+wait: a joining engine is given the current weights at once (the replay of the last committed
+update, ``Committed.replay``), and an engine still restarting is waited for.
 
 **Blocking** (``restart_in_background`` False, a fleet of one, or a transport that cannot
 bring a joining engine up to date): the dead engine is restarted and replayed before the

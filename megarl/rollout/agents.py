@@ -40,7 +40,8 @@ _Request = tuple[list[int], int, float, float, int, int]
 """(prompt ids, max_tokens, temperature, top_p, seed, episode)"""
 
 _REMEMBERED = 65_536
-"""Episodes whose engine :class:`BatchedGenerate` remembers (the oldest forgotten first)."""
+"""Episodes whose engine :class:`BatchedGenerate` remembers (the first to call forgotten first:
+far more than a round's episodes, so none still running is forgotten)."""
 
 
 class BatchedGenerate:
@@ -115,7 +116,6 @@ class BatchedGenerate:
             return
         for (req, done), out in zip(items, outs, strict=True):
             o = out[0]
-            self._engine_of.pop(req[5], None)  # (re-inserted: the most recent last)
             self._engine_of[req[5]] = str(o["engine"])
             if len(self._engine_of) > _REMEMBERED:
                 del self._engine_of[next(iter(self._engine_of))]

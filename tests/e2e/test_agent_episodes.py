@@ -21,6 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from megarl.data.tokenizer import Tokenizer
+from tests.e2e.test_resume import _steps
 from tests.helpers import megarl_train, read_json
 
 ENV = """
@@ -76,15 +77,6 @@ def _train(run: Path, steps: int, extra: list[str] | None = None) -> str:
                           f"train.run_dir={run}"]
     )  # fmt: skip
     return proc.stdout + proc.stderr
-
-
-def _steps(run: Path) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
-        if "rollout/reward_mean" in m:
-            assert m["step"] not in steps, f"step {m['step']} logged twice"
-            steps[m["step"]] = m
-    return steps
 
 
 def _assert_same_run(a: Path, b: Path, n: int, weights_tol: float = 0.0) -> None:
