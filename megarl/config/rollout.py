@@ -52,7 +52,7 @@ class RolloutConfig:
     """Linear layers of a CPU engine megarl starts: ``packed`` (vLLM's oneDNN kernels; an update
     is vLLM's layer-wise reload and repack), ``plain`` (``F.linear`` on the weights; an update is
     a copy in place); ``auto``: plain up to hidden size 256, where packing does not decode faster
-    (:func:`megarl.engine.vllm_engine.cpu_gemm_mode`). Engines started elsewhere take
+    (:func:`megarl.engine.worker_ext.cpu_gemm_mode`). Engines started elsewhere take
     ``--cpu-gemm`` (SLURM: ``MEGARL_ENGINE_ARGS``). No effect on GPU engines."""
     cpu_sampler: Literal["batched", "vllm"] = "batched"
     """How a CPU engine megarl starts seeds the noise of a seeded request's token: ``batched``

@@ -9,8 +9,10 @@ Endpoints (JSON in, JSON out, except the weight bytes and the generation frame; 
   GET  /health                       -> {"ok", "version"}   (liveness + weight version only)
   GET  /info                         -> {"ok", "version", "pid", "tp", "asleep", "lease_s"}
   POST /generate   {"prompts": [[ids]], "n", "max_tokens", "temperature", "top_p",
-                    "stop_token_ids", "seeds", "min_tokens", "ignore_eos", "logprobs"}  -> one binary frame:
-                   version, ids, log-probs, finish reasons, engine seconds (``megarl.engine.wire``)
+                    "stop_token_ids", "seeds", "min_tokens", "ignore_eos", "logprobs", "join"?}
+                   -> one binary frame: version, ids, log-probs, finish reasons, engine seconds
+                   (``megarl.engine.wire``); ``join``: run in the continuous batch
+                   (``megarl.engine.stepper``), returning when this call's requests end
   POST /logprobs   {"sequences": [[ids]]}       -> {"version", "logprobs": [[float]]}
   POST /heartbeat  {}                           (keeps the lease; the fleet sends it)
   POST /weights/begin  {"version"}
@@ -51,7 +53,8 @@ from megarl.engine.cpu_sampler import CPU_SAMPLERS
 from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, env_token, private_dir_problem
 from megarl.engine.http import Lifeline, Limits, make_handler
 from megarl.engine.staging import MANIFEST
-from megarl.engine.vllm_engine import CPU_GEMMS, VllmEngine
+from megarl.engine.vllm_engine import VllmEngine
+from megarl.engine.worker_ext import CPU_GEMMS
 from megarl.errors import CredentialError
 
 __all__ = ["MANIFEST", "main"]

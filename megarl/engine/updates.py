@@ -11,7 +11,6 @@ files/bytes: tensors cannot be handed to them).
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from megarl.engine.credentials import inside
 from megarl.engine.staging import Staged, check_meta, check_tensor
+from megarl.engine.stepper import EngineLock
 from megarl.errors import EngineError
 
 
@@ -34,7 +34,7 @@ class WeightUpdates:
     """The only folder ``/weights/load`` reads from (the run's private staging folder)."""
     in_process: bool
     """One worker in this very process: staged tensors are handed over without a copy."""
-    lock: threading.Lock
+    lock: EngineLock
     """Held by every request that touches vLLM (generation included)."""
     staged: Staged | None
     """The update between begin and commit (None: none open)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,10 @@ import torch
 
 from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, use_cpu_sampler
 from megarl.engine.staging import MANIFEST, Staged
+from megarl.engine.stepper import Call, EngineLock, Stepper
 from megarl.engine.updates import WeightUpdates
 from megarl.engine.wire import encode_generation
-from megarl.engine.worker_ext import CPU_GEMM_ENV, EXTENSION, use_plain_cpu_gemm
+from megarl.engine.worker_ext import CPU_GEMM_ENV, EXTENSION, cpu_gemm_mode, use_plain_cpu_gemm
 from megarl.errors import EngineError, EngineUnhealthy
 
 log = logging.getLogger("megarl.engine")
@@ -43,30 +43,6 @@ serving latency choice): a GRPO round of 512 (the demo's 32 × 16) is one wave o
 requests, not two — per demo step 4 ms less model time (one forward over 512 rows, not two
 over 256) and 3 ms less of vLLM's per-step work (docs/LOG.md, session 24). verl's rollout
 default is 1024 as well."""
-
-
-CPU_GEMMS = ("auto", "packed", "plain")
-"""The values of ``rollout.cpu_gemm`` / ``--cpu-gemm`` (see :func:`cpu_gemm_mode`)."""
-
-PLAIN_GEMM_MAX_HIDDEN = 256
-"""``cpu_gemm=auto`` keeps a CPU engine's weights plain up to this hidden size: there a packed
-oneDNN GEMM decodes no faster than ``F.linear`` (0.4-1.05x its time at 128-256 wide layers, 8-256
-rows) and every update would pay vLLM's layer-wise reload; from 512 wide packing is 1.1-1.5x
-faster (docs/LOG.md, 2026-12-05)."""
-
-
-def cpu_gemm_mode(requested: str, hidden_size: int, on_cpu: bool) -> str:
-    """The GEMM a CPU engine's linear layers use: ``packed`` (vLLM's oneDNN/SGL kernels, its
-    default) or ``plain`` (``F.linear`` on the parameters, updated by a copy in place);
-    ``auto`` picks plain up to :data:`PLAIN_GEMM_MAX_HIDDEN`. A GPU engine: ``packed`` (the
-    choice does not exist there; weights are always its parameters)."""
-    if requested not in CPU_GEMMS:
-        raise EngineError(f"cpu_gemm {requested!r} unknown ({', '.join(CPU_GEMMS)})")
-    if not on_cpu:
-        return "packed"
-    if requested == "auto":
-        return "plain" if hidden_size <= PLAIN_GEMM_MAX_HIDDEN else "packed"
-    return requested
 
 
 def waves(
@@ -205,7 +181,9 @@ class VllmEngine(WeightUpdates):
         self.sleep_mode = sleep_mode
         self.asleep: set[str] = set()
         self.version = -1
-        self.lock = threading.Lock()
+        self.lock = EngineLock()
+        self.stepper = Stepper(self)
+        """Joined calls (``"join": true``): continuous batching (``megarl.engine.stepper``)."""
         self.staged: Staged | None = None
         self.block_size, self.kv_tokens = self._kv_capacity(kv_cache_gb, tp)
         sched = self.llm.llm_engine.vllm_config.scheduler_config
@@ -239,32 +217,18 @@ class VllmEngine(WeightUpdates):
 
     # -- generation ----------------------------------------------------------------
     def generate(self, req: dict[str, Any]) -> bytes:
-        """Sample ``n`` responses per prompt; the reply is one binary frame (``wire.encode_generation``)."""
-        from vllm import SamplingParams
+        """Sample ``n`` responses per prompt; the reply is one binary frame (``wire.encode_generation``).
+        ``"join": true`` runs the call in the engine's continuous batch (``megarl.engine.stepper``):
+        it joins the requests already running and returns when its own end."""
         from vllm.inputs import TokensPrompt
 
         prompts = token_lists("prompts", req.get("prompts"), self.vocab)
         seeds = req.get("seeds") or [None] * len(prompts)
         want_logprobs = bool(req.get("logprobs", True))  # False: the samples' "logprobs" are []
-        params = [
-            SamplingParams(
-                n=int(req.get("n", 1)),
-                max_tokens=int(req["max_tokens"]),
-                temperature=float(req.get("temperature", 1.0)),
-                top_p=float(req.get("top_p", 1.0)),
-                stop_token_ids=list(req.get("stop_token_ids", [])),
-                logprobs=0 if want_logprobs else None,
-                flat_logprobs=True,  # one list per request, not a dict + Logprob object per token
-                seed=s,
-                ignore_eos=bool(req.get("ignore_eos", False)),
-                min_tokens=int(req.get("min_tokens", 0)),
-                detokenize=False,
-            )
-            for s in seeds
-        ]
+        params = [self._sampling(req, s, want_logprobs) for s in seeds]
         n, max_tokens = int(req.get("n", 1)), int(req["max_tokens"])
         seeded = any(s is not None for s in seeds)
-        parts = waves(
+        parts = waves(  # (also refuses, naming it, a prompt no engine step could take)
             [len(p) for p in prompts],
             n,
             max_tokens,
@@ -272,6 +236,17 @@ class VllmEngine(WeightUpdates):
             self.kv_tokens,
             prefill=self.cpu_prefill if seeded else None,
         )
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        if req.get("join"):
+            if self.failed:
+                raise EngineUnhealthy(f"engine failed earlier ({self.failed}); it must be restarted")
+            from vllm.sampling_params import RequestOutputKind
+
+            for p in params:
+                p.output_kind = RequestOutputKind.FINAL_ONLY  # (what LLM.generate asks for)
+            need = [n * -(-(len(p) + max_tokens) // self.block_size) * self.block_size for p in prompts]
+            call = self.stepper.run(Call(inputs, params, need, [n * len(p) for p in prompts], n))
+            return self._encode(call.version, call.outputs, {"engine_s": call.engine_s}, want_logprobs)
         if len(parts) > 1:
             log.info(
                 "%d prompts × %d samples exceed the KV cache or step budget: %d waves", len(prompts), n, len(parts)
@@ -283,10 +258,32 @@ class VllmEngine(WeightUpdates):
             t0 = time.perf_counter()
             results = []
             for lo, hi in parts:
-                results += self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts[lo:hi]], params[lo:hi])
+                results += self._run(inputs[lo:hi], params[lo:hi])
             timings = {"engine_s": time.perf_counter() - t0}
             if self.time_model:  # the model's forward only (the rest is vLLM's scheduling and sampling)
                 timings["model_s"] = max(self.llm.collective_rpc("megarl_model_seconds"))
+        return self._encode(version, results, timings, want_logprobs)
+
+    @staticmethod
+    def _sampling(req: dict[str, Any], seed: int | None, want_logprobs: bool) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=int(req.get("n", 1)),
+            max_tokens=int(req["max_tokens"]),
+            temperature=float(req.get("temperature", 1.0)),
+            top_p=float(req.get("top_p", 1.0)),
+            stop_token_ids=list(req.get("stop_token_ids", [])),
+            logprobs=0 if want_logprobs else None,
+            flat_logprobs=True,  # one list per request, not a dict + Logprob object per token
+            seed=seed,
+            ignore_eos=bool(req.get("ignore_eos", False)),
+            min_tokens=int(req.get("min_tokens", 0)),
+            detokenize=False,
+        )
+
+    @staticmethod
+    def _encode(version: int, results: list[Any], timings: dict[str, float], want_logprobs: bool) -> bytes:
         outputs = []
         for r in results:
             group = []
@@ -328,17 +325,22 @@ class VllmEngine(WeightUpdates):
         try:
             return list(self.llm.generate(prompts, params, use_tqdm=False))
         except Exception as error:
-            engine, cause = self.llm.llm_engine, error
-            try:
-                if engine.has_unfinished_requests():
-                    engine.abort_request(list(getattr(engine.output_processor, "request_states", {})))
-                stuck = engine.has_unfinished_requests()
-            except Exception as abort_error:  # any failure here means: restart
-                stuck, cause = True, abort_error
-            if stuck:
-                self.failed = f"{type(cause).__name__}: {cause}"
-                log.error("vLLM holds requests it cannot abort after %s: reporting unhealthy", self.failed)
+            self.abort_all(error)
             raise
+
+    def abort_all(self, error: BaseException) -> None:
+        """After ``error`` inside vLLM's step loop: abort every request it holds (the next call
+        would step them again); an engine that still holds some is marked failed."""
+        engine, cause = self.llm.llm_engine, error
+        try:
+            if engine.has_unfinished_requests():
+                engine.abort_request(list(getattr(engine.output_processor, "request_states", {})))
+            stuck = engine.has_unfinished_requests()
+        except Exception as abort_error:  # any failure here means: restart
+            stuck, cause = True, abort_error
+        if stuck:
+            self.failed = f"{type(cause).__name__}: {cause}"
+            log.error("vLLM holds requests it cannot abort after %s: reporting unhealthy", self.failed)
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:

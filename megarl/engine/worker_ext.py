@@ -35,6 +35,31 @@ import torch
 from megarl.engine import wire
 from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, CPU_SAMPLERS, use_cpu_sampler
 from megarl.engine.staging import all_finite
+from megarl.errors import EngineError
+
+CPU_GEMMS = ("auto", "packed", "plain")
+"""The values of ``rollout.cpu_gemm`` / ``--cpu-gemm`` (see :func:`cpu_gemm_mode`)."""
+
+PLAIN_GEMM_MAX_HIDDEN = 256
+"""``cpu_gemm=auto`` keeps a CPU engine's weights plain up to this hidden size: there a packed
+oneDNN GEMM decodes no faster than ``F.linear`` (0.4-1.05x its time at 128-256 wide layers, 8-256
+rows) and every update would pay vLLM's layer-wise reload; from 512 wide packing is 1.1-1.5x
+faster (docs/LOG.md, 2026-12-05)."""
+
+
+def cpu_gemm_mode(requested: str, hidden_size: int, on_cpu: bool) -> str:
+    """The GEMM a CPU engine's linear layers use: ``packed`` (vLLM's oneDNN/SGL kernels, its
+    default) or ``plain`` (``F.linear`` on the parameters, updated by a copy in place);
+    ``auto`` picks plain up to :data:`PLAIN_GEMM_MAX_HIDDEN`. A GPU engine: ``packed`` (the
+    choice does not exist there; weights are always its parameters)."""
+    if requested not in CPU_GEMMS:
+        raise EngineError(f"cpu_gemm {requested!r} unknown ({', '.join(CPU_GEMMS)})")
+    if not on_cpu:
+        return "packed"
+    if requested == "auto":
+        return "plain" if hidden_size <= PLAIN_GEMM_MAX_HIDDEN else "packed"
+    return requested
+
 
 EXTENSION = "megarl.engine.worker_ext.MegarlWorkerExtension"
 
@@ -51,7 +76,7 @@ def use_plain_cpu_gemm() -> None:
     by the layers at that moment, so replacing the module attribute reaches them). Packed, an
     update must go through the layer-wise reload (6.9 ms for the demo model against 0.6 ms
     for a copy); plain, decoding is as fast for layers up to ~256 wide and slower for wider ones
-    (``vllm_engine.PLAIN_GEMM_MAX_HIDDEN``). Idempotent; call it before the model is built."""
+    (:data:`PLAIN_GEMM_MAX_HIDDEN`). Idempotent; call it before the model is built."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "megarl_plain", False):

@@ -34,6 +34,7 @@ GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -54,6 +55,11 @@ class Fleet(WeightUpdates):
         self.reissued_prompts = 0
         self.timings: dict[str, float] = {}
         """Seconds of the generations since :meth:`pop_timings` (see there)."""
+        self._calls = threading.RLock()
+        """Taken by a generation around recovery and its counts: joined calls run concurrently."""
+        self._in_flight, self._busy_since = 0, 0.0
+        """Generations under way, and since when one has been (``fleet/generate_s`` is the wall
+        time with at least one under way: concurrent calls are not counted twice)."""
 
     # ------------------------------------------------------------------ generation
 
@@ -71,27 +77,64 @@ class Fleet(WeightUpdates):
         min_tokens: int = 0,
         logprobs: bool = True,
         prefer: list[str | None] | None = None,
+        join: bool = False,
     ) -> tuple[list[list[dict[str, Any]]], int]:
         """Sample ``n`` responses per prompt. Returns (outputs per prompt, min policy version);
         each sample's ``"logprobs"`` are the sampled tokens' (empty when ``logprobs`` is False)
         and its ``"engine"`` the name of the engine that generated it. ``prefer``: per prompt,
         the engine to send it to when that engine serves (an episode's earlier turns are in its
-        prefix cache); the others are balanced around them."""
+        prefix cache); the others are balanced around them.
+
+        ``join``: the engines run the call in their continuous batch (``megarl.engine.stepper``)
+        beside the joined calls already running, and it returns when its own requests end. Joined
+        calls may come from several threads at once (multi-turn episodes: each turn as its
+        environment answers); recovery from a dead engine is then done once, by the first call
+        that finds it dead, and the others re-issue their prompts to the engines serving."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
         prefer = prefer or [None] * len(prompts)
-        t0 = time.perf_counter()
-        self.recover()  # an engine that died while idle is restarted before it is given prompts
+        with self._calls:
+            self._in_flight += 1
+            if self._in_flight == 1:
+                self._busy_since = time.perf_counter()
+        try:
+            return self._generate(prompts, n, max_tokens, temperature, top_p, stop_token_ids, seeds, ignore_eos,
+                                  min_tokens, logprobs, prefer, join)  # fmt: skip
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._count("generate_s", time.perf_counter() - self._busy_since)
+
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        seeds: list[int | None],
+        ignore_eos: bool,
+        min_tokens: int,
+        logprobs: bool,
+        prefer: list[str | None],
+        join: bool,
+    ) -> tuple[list[list[dict[str, Any]]], int]:
+        with self._calls:
+            self.recover()  # an engine that died while idle is restarted before it is given prompts
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)
         versions: list[int] = []
         todo = list(range(len(prompts)))
         while todo:
-            live = [e for e in self.serving() if e.alive()]
-            if not live:
-                self.recover()
+            with self._calls:
                 live = [e for e in self.serving() if e.alive()]
+                if not live:
+                    self.recover()
+                    live = [e for e in self.serving() if e.alive()]
             if not live:
                 raise RolloutError("no live engine in the fleet")
             shares = [(e, i) for e, i in self._balance(todo, prompts, n, max_tokens, live, prefer) if i]
+            processes = {e.name: e.proc for e, _ in shares}
             faults.inject("generate", self.version, [e for e, _ in shares])
             failed: list[int] = []
 
@@ -108,6 +151,8 @@ class Fleet(WeightUpdates):
                     "min_tokens": min_tokens,
                     "logprobs": logprobs,
                 }
+                if join:
+                    body["join"] = True
                 try:
                     return engine, idx, engine.generate(body, self.timeout)
                 except EngineDead as err:
@@ -117,25 +162,29 @@ class Fleet(WeightUpdates):
             for engine, idx, out in concurrently(lambda kv: run(*kv), shares):
                 if isinstance(out, Exception):
                     log.warning("%s died mid-generation (%s); re-issuing %d prompts", engine.name, out, len(idx))
-                    self.reissued_prompts += len(idx)
                     failed.extend(idx)
                     dead.append(engine)
                     continue
                 version, groups, timings = out
-                self._count("engine_s", timings.get("engine_s", 0.0), engine.name)
-                self._count("model_s", timings.get("model_s", 0.0), engine.name)
                 versions.append(version)
                 for i, group in zip(idx, groups):
                     for sample in group:
                         sample["engine"] = engine.name
                     results[i] = group
-            self.lost(dead)  # the same seeds on another engine: the same samples
-            todo = sorted(failed)
-        self.timings["generate_s"] = self.timings.get("generate_s", 0.0) + time.perf_counter() - t0
+                if not join:  # (joined calls overlap in the engine: their seconds do not add up)
+                    with self._calls:
+                        self._count("engine_s", timings.get("engine_s", 0.0), engine.name)
+                        self._count("model_s", timings.get("model_s", 0.0), engine.name)
+            with self._calls:
+                self.reissued_prompts += len(failed)
+                # (a concurrent call may have restarted it already, or be restarting it)
+                self.lost([e for e in dead if e.proc is processes[e.name] and e.name not in self.restarting])
+            todo = sorted(failed)  # the same seeds on another engine: the same samples
         return [r for r in results if r is not None], min(versions) if versions else -1
 
-    def _count(self, key: str, seconds: float, engine: str) -> None:
-        self.timings[f"{key}/{engine}"] = self.timings.get(f"{key}/{engine}", 0.0) + seconds
+    def _count(self, key: str, seconds: float, engine: str = "") -> None:
+        key = f"{key}/{engine}" if engine else key
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
 
     def pop_timings(self) -> dict[str, float]:
         """Metrics of the generations since the last call, then reset: ``fleet/generate_s`` (the

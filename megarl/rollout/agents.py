@@ -7,10 +7,11 @@ request with the run's chat template and records the prompt ids and the engine's
 of every call; the calls chain into one episode when each request continues the previous call's
 ids (prompt ⊕ generated ⊕ observation). The agent's return value is the episode's reward.
 
-Generation: the agents' requests are gathered into fleet calls by :class:`BatchedGenerate`, one
-fleet call in flight at a time over every request waiting when it starts (engines batch a
-call's prompts; the fleet is not made for concurrent callers). Each request keeps its own seed
-(the session's seed and its call number), so a run reproduces whatever the threads' timing.
+Generation: the agents' requests are gathered into joined fleet calls by :class:`BatchedGenerate`
+(every request waiting when the dispatcher looks, in one call), several in flight at once: the
+engines run them in one continuous batch (``megarl.engine.stepper``), so no request waits for
+another call to end. Each request keeps its own seed (the session's seed and its call number),
+so a run reproduces whatever the threads' timing.
 
 What trains: an episode whose agent rewrote its history (a request that does not continue the
 ids before it) trains on its last segment — the ids that led to its final answer — and the
@@ -32,7 +33,7 @@ from megarl.fleet.fleet import Fleet
 from megarl.rewards.agent import AgentResult, run_agent
 from megarl.rewards.agent_endpoint import AgentEndpoint, EndpointSettings
 from megarl.rollout.episode import Episode
-from megarl.rollout.episodes import EnvReport
+from megarl.rollout.episodes import MAX_CALLS, EnvReport
 
 log = logging.getLogger("megarl.rollout")
 
@@ -46,9 +47,10 @@ far more than a round's episodes, so none still running is forgotten)."""
 
 class BatchedGenerate:
     """``generate(prompt_ids, max_tokens, temperature, top_p, seed, episode)`` for many threads:
-    requests wait in a queue; a dispatcher thread sends every waiting request in one fleet call
-    (grouped by their sampling settings), one call at a time. An episode's calls after its first
-    ask for the engine that served the one before (its prefix cache)."""
+    requests wait in a queue; a dispatcher thread sends every waiting request in one joined fleet
+    call (grouped by their sampling settings) without waiting for the calls before it. An
+    episode's calls after its first ask for the engine that served the one before (its prefix
+    cache)."""
 
     def __init__(self, fleet: Fleet, stop_token_ids: list[int], logprobs: bool = True) -> None:
         self.fleet, self.stop_token_ids, self.logprobs = fleet, stop_token_ids, logprobs
@@ -56,7 +58,8 @@ class BatchedGenerate:
         self._cv = threading.Condition()
         self._closed = False
         self._engine_of: dict[int, str] = {}
-        """The engine of each episode's last call (dispatcher thread only)."""
+        """The engine of each episode's last call (under ``_cv``)."""
+        self._calls = ThreadPoolExecutor(max_workers=MAX_CALLS, thread_name_prefix="agent-call")
         self.calls = 0
         """Fleet calls made (for the tests: fewer than requests when requests overlap)."""
         self._thread = threading.Thread(target=self._dispatch, name="agent-generate", daemon=True)
@@ -78,6 +81,7 @@ class BatchedGenerate:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=5)
+        self._calls.shutdown(wait=True)
 
     def _dispatch(self) -> None:
         while True:
@@ -92,11 +96,13 @@ class BatchedGenerate:
                 _, max_tokens, temperature, top_p, _, _ = item[0]
                 groups.setdefault((max_tokens, temperature, top_p), []).append(item)
             for (max_tokens, temperature, top_p), items in groups.items():
-                self._send(items, max_tokens, temperature, top_p)
+                self._calls.submit(self._send, items, max_tokens, temperature, top_p)
 
     def _send(
         self, items: list[tuple[_Request, Future[Any]]], max_tokens: int, temperature: float, top_p: float
     ) -> None:
+        with self._cv:
+            prefer = [self._engine_of.get(req[5]) for req, _ in items]
         try:
             outs, _ = self.fleet.generate(
                 [req[0] for req, _ in items],
@@ -107,18 +113,21 @@ class BatchedGenerate:
                 stop_token_ids=self.stop_token_ids,
                 seeds=[req[4] for req, _ in items],
                 logprobs=self.logprobs,
-                prefer=[self._engine_of.get(req[5]) for req, _ in items],
+                prefer=prefer,
+                join=True,
             )
-            self.calls += 1
         except BaseException as e:  # every waiting agent gets the fleet's error
             for _, done in items:
                 done.set_exception(e)
             return
-        for (req, done), out in zip(items, outs, strict=True):
+        with self._cv:
+            self.calls += 1
+            for (req, _), out in zip(items, outs, strict=True):
+                self._engine_of[req[5]] = str(out[0]["engine"])
+                if len(self._engine_of) > _REMEMBERED:
+                    del self._engine_of[next(iter(self._engine_of))]
+        for (_, done), out in zip(items, outs, strict=True):
             o = out[0]
-            self._engine_of[req[5]] = str(o["engine"])
-            if len(self._engine_of) > _REMEMBERED:
-                del self._engine_of[next(iter(self._engine_of))]
             done.set_result((list(o["token_ids"]), list(o["logprobs"]), str(o["finish_reason"])))
 
 

@@ -7,12 +7,13 @@ trusted built-ins). An episode ends when its environment says done, at ``env.max
 turn hits its token limit, or when the next observation would pass the context budget
 (``env.max_tokens`` ids after the prompt: generated and observation ids together).
 
-**Scheduling.** Episodes advance independently: an episode whose environment has answered joins
-the next generation; one generation is in flight at a time (a fleet call, in a thread, over
-every episode ready when it starts, grouped by the tokens each may still take) while the
-environments of the others work in their workers. Engines run one generation at a time each
-and batch its prompts, so gathering the ready episodes into one call keeps vLLM's batching;
-one call per episode would run them one by one. Each turn is seeded by (step, round, episode,
+**Scheduling.** Episodes advance independently: the episodes whose environments have answered
+go to the fleet at once, in one call (in a thread; grouped by the tokens each may still take),
+while earlier calls still run and the environments of the others work in their workers. The
+calls are *joined* (``Fleet.generate(join=True)``): each engine runs them in one continuous
+batch (``megarl.engine.stepper``), a call's requests joining those already running, and each
+call returns when its own turns end — so no turn waits for a longer response of another call,
+and the engine does not idle while environments work. Each turn is seeded by (step, round, episode,
 turn), and an episode's course depends only on its own turns and environment, so a run
 reproduces whatever order calls finish in; results are laid out by episode index. An episode's
 later turns go to the engine that generated its earlier ones while that engine serves (its
@@ -46,6 +47,9 @@ from megarl.rewards.runner import RewardReport, RewardRunner, RewardSample
 from megarl.rollout.episode import Episode, Turn
 
 log = logging.getLogger("megarl.rollout")
+
+MAX_CALLS = 16
+"""Fleet calls in flight at once: each carries the episodes that became ready together."""
 
 
 @dataclass(frozen=True)
@@ -217,26 +221,28 @@ class _Rounds:
             by_key[e.key] = e
         waiting = len(live)  # episodes with an environment call outstanding
         ready: list[_Live] = []
-        gen: Future[list[tuple[_Live, Turn]]] | None = None
+        gens: set[Future[list[tuple[_Live, Turn]]]] = set()
         wake_r, wake_w = os.pipe()
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes-generate")
+        os.set_blocking(wake_r, False)
+        threads = ThreadPoolExecutor(max_workers=MAX_CALLS, thread_name_prefix="episodes-generate")
         try:
-            while waiting or ready or gen is not None:
-                if gen is None and ready:
-                    gen = thread.submit(self._generate, sorted(ready, key=lambda e: e.index))
+            while waiting or ready or gens:
+                if ready and len(gens) < MAX_CALLS:
+                    gen = threads.submit(self._generate, sorted(ready, key=lambda e: e.index))
                     gen.add_done_callback(lambda _: os.write(wake_w, b"."))
+                    gens.add(gen)
                     ready = []
                 t0 = time.perf_counter()
-                generating = gen is not None
+                generating = bool(gens)
                 outcomes = self.envs.poll([wake_r] if generating else [])
                 if not generating:
                     self.report.env_s += time.perf_counter() - t0
-                if gen is not None and gen.done():
-                    os.read(wake_r, 1)
+                _drain_pipe(wake_r)  # (before looking: a call that ends after it wakes the next poll)
+                for gen in [g for g in gens if g.done()]:
+                    gens.discard(gen)
                     for e, turn in gen.result():  # (a fleet error propagates)
                         self._turn(e, turn)
                         waiting += 1
-                    gen = None
                 for key, outcome in outcomes:
                     e = by_key[key]
                     e.env_s += time.perf_counter() - e.sent
@@ -250,7 +256,7 @@ class _Rounds:
             self.envs.abandon()
             raise
         finally:
-            thread.shutdown(wait=True)
+            threads.shutdown(wait=True)
             os.close(wake_r)
             os.close(wake_w)
         return self.version
@@ -273,6 +279,7 @@ class _Rounds:
                 seeds=[(self.seed * 100_003 + e.index) * 1_009 + len(e.episode.turns) for e in group],
                 logprobs=self.logprobs,
                 prefer=[e.engine for e in group],
+                join=True,
             )
             self.version = min(self.version, v)
             for e, o in zip(group, outs, strict=True):
@@ -316,6 +323,15 @@ class _Rounds:
             e.episode.truncated, e.done = True, True  # no room for another turn
             return
         last.observation = observation
+
+
+def _drain_pipe(fd: int) -> None:
+    """Read every wake-up byte written so far (``fd`` is non-blocking)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _number(value: Any) -> float:

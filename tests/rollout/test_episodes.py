@@ -1,5 +1,6 @@
 """Scheduling multi-turn episodes (``megarl.rollout.episodes``): environments in the real worker
-pool overlap generation, one fleet call at a time over the episodes that are ready; the results
+pool overlap generation, joined fleet calls over the episodes ready together, several in flight
+at once (the engines' continuous batch is ``tests/engine/test_stepper.py``); the results
 equal a slow serial reference whatever order calls finish in; failing environments end only
 their episodes, counted. The fleet is a stand-in whose generate sleeps (it isolates the
 scheduling: the engines are not what is tested here) and derives each turn from its seed."""
@@ -56,18 +57,25 @@ def _turn_ids(seed: int, context: list[int]) -> list[int]:
 
 
 class SleepyFleet:
-    """Generates ``_turn_ids`` per prompt after ~``GEN_S`` (jittered); refuses concurrent calls."""
+    """Generates ``_turn_ids`` per prompt after ~``GEN_S`` (jittered), each joined call on its own
+    (as an engine's continuous batch serves them); counts the calls in flight at once."""
 
     def __init__(self, jitter_seed: int) -> None:
         self.rng = random.Random(jitter_seed)
-        self.busy = threading.Lock()
+        self.lock = threading.Lock()
         self.batches: list[int] = []
+        self.in_flight = self.most_in_flight = 0
 
     def generate(self, prompts: list[list[int]], **kw: Any) -> tuple[list[list[dict[str, Any]]], int]:
-        assert self.busy.acquire(blocking=False), "two generations in flight"
+        assert kw["join"] is True
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            pause = GEN_S * self.rng.uniform(0.6, 1.4)
         try:
-            time.sleep(GEN_S * self.rng.uniform(0.6, 1.4))
-            self.batches.append(len(prompts))
+            time.sleep(pause)
+            with self.lock:
+                self.batches.append(len(prompts))
             outs = [_turn_ids(s, p) for s, p in zip(kw["seeds"], prompts, strict=True)]
             engines = [p or f"e{len(self.batches) % 2}" for p in kw["prefer"]]  # a first turn: either engine
             return [
@@ -75,7 +83,8 @@ class SleepyFleet:
                 for o, e in zip(outs, engines, strict=True)
             ], 7
         finally:
-            self.busy.release()
+            with self.lock:
+                self.in_flight -= 1
 
 
 class Renderer:
@@ -160,6 +169,7 @@ def test_episodes_overlap_and_reproduce_whatever_the_timing(tmp_path: Path) -> N
         results.append((flat, texts, totals))
         if workers == 8:  # every environment step in parallel: ~3 × (generation + step)
             assert wall < 0.4 * serial_s, (wall, fleet.batches)
+            assert fleet.most_in_flight > 1  # episodes ready at other times do not wait for a call to end
     assert results[0][0] == results[1][0] and results[0][1:] == results[1][1:]
 
 
