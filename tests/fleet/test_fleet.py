@@ -525,6 +525,36 @@ def test_survivor_serves_while_a_dead_engine_restarts_in_the_background(fleet) -
         f.restart_in_background = False
 
 
+def test_an_engine_killed_under_concurrent_joined_calls_is_restarted_once(fleet) -> None:
+    """Joined calls (multi-turn episodes) come from many threads at once: when an engine dies
+    under them, every call re-issues its prompts and gets the samples of an undisturbed run (the
+    same ids; log-probs to rounding, as the batch they share changes), and the engine is
+    restarted once, not once per call that saw it die."""
+    f, _, _, _ = fleet
+    calls = [[[1, 5 + (8 * c + i) % 40, 7] for i in range(8)] for c in range(8)]
+    kw = dict(n=2, max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True, join=True)
+    calm = [f.generate(p, seeds=[100 * c + i for i in range(8)], **kw)[0] for c, p in enumerate(calls)]
+    restarts, victim = f.restarts, f.engines[0]
+    results: dict[int, tuple] = {}
+
+    def run(c: int) -> None:
+        results[c] = f.generate(calls[c], seeds=[100 * c + i for i in range(8)], **kw)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert any(t.is_alive() for t in threads), "the calls finished before the kill; make them longer"
+    victim.proc.kill()
+    for t in threads:
+        t.join(timeout=300)
+    got = [x for c in range(8) for g in results[c][0] for x in g]
+    want = [x for o in calm for g in o for x in g]
+    assert [x["token_ids"] for x in got] == [x["token_ids"] for x in want]
+    assert _max_diff([x["logprobs"] for x in got], [x["logprobs"] for x in want]) < 1e-4
+    assert f.restarts == restarts + 1 and f.versions() == [1, 1]
+
+
 def test_an_engine_that_dies_again_while_restarting_is_quoted_from_its_own_log(tmp_path: Path) -> None:
     """All starts append to one log: the error quotes only what the last process wrote."""
     from megarl.errors import RolloutError
