@@ -135,11 +135,9 @@ class Stepper:
     def _drain(self) -> None:
         """Admit and step until nothing runs (under the engine's lock)."""
         running: dict[str, tuple[Call, int]] = {}
-        reserved = 0  # KV tokens the running requests may take
-        seqs = 0  # sequences they run
         engine = self.engine.llm.llm_engine
         while True:
-            reserved, seqs = self._admit(running, reserved, seqs)
+            self._admit(running)
             if not running:
                 return
             try:
@@ -152,18 +150,18 @@ class Stepper:
                 if not out.finished or out.request_id not in running:
                     continue
                 call, i = running.pop(out.request_id)
-                reserved -= call.needs[i]
-                seqs -= call.seqs
                 call.outputs[i] = out
                 call.finished += 1
                 if call.finished == len(call.prompts):
                     call.engine_s = time.perf_counter() - call.t0
                     call.done.set()
 
-    def _admit(self, running: dict[str, tuple[Call, int]], reserved: int, seqs: int) -> tuple[int, int]:
-        """Add queued requests while they fit (module docstring); returns (reserved, seqs)."""
+    def _admit(self, running: dict[str, tuple[Call, int]]) -> None:
+        """Add queued requests to ``running`` while they fit (module docstring)."""
         kv = self.engine.kv_tokens
         prefill: tuple[int, int] | None = self.engine.cpu_prefill
+        reserved = sum(c.needs[i] for c, i in running.values())  # KV tokens the running requests may take
+        seqs = sum(c.seqs for c, _ in running.values())  # sequences they run
         step_tokens = seqs  # each running sequence decodes one token in the next step
         with self._cv:
             while self._queue:
@@ -200,7 +198,6 @@ class Stepper:
                 call.admitted += 1
                 if call.admitted == len(call.prompts):
                     self._queue.popleft()
-        return reserved, seqs
 
     def _abort(self, ids: list[str], running: dict[str, tuple[Call, int]]) -> None:
         if ids:
