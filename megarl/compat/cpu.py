@@ -9,7 +9,8 @@ megatron-core assumes CUDA in a handful of places (see ../shared/FACTS.md):
    optimizer, grad clipping, tensor-parallel mappings and dist_checkpointing.
    -> :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that rewrites those devices to CPU.
 2. ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` (RoPE, mappings, p2p).
-   -> replaced by CPU-safe functions while installed.
+   -> replaced by CPU-safe functions while installed; the device is ``torch.device("cpu")``,
+   which also holds in backward passes, where the mode of patch 1 is not active.
 3. ``assert grad.type() == 'torch.cuda.FloatTensor'`` in grad clipping / optimizers.
    -> the mode reports fp32 CPU tensors with their CUDA type name.
 4. The CUDA RNG tracker (``torch.cuda.get_rng_state``).
@@ -26,6 +27,15 @@ megatron-core assumes CUDA in a handful of places (see ../shared/FACTS.md):
    (``parallel.cpu_keep_freed_memory``), glibc's ``mallopt`` told to serve every block from
    the heap and keep what is freed; the process then holds its peak, as a GPU caching
    allocator does.
+
+7. CUDA streams and events in megatron's MoE alltoall token dispatcher (it copies the token
+   counts to the host on a side stream, then waits on an event). -> ``torch.cuda.Stream`` /
+   ``current_stream`` / ``stream`` replaced by :class:`CpuStream`, whose waits and events are
+   no-ops: CPU work is already ordered.
+8. The same dispatcher hands ``all_to_all_single`` its split sizes as host numpy arrays, made by
+   ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` — which leaves a tensor already on the CPU
+   as a tensor, and the gloo binding refuses a tensor there. -> :func:`_host_copy`, the same
+   function returning the numpy array for CPU tensors too.
 
 Each patch has its own test in ``tests/compat/test_cpu_compat.py``.
 """
@@ -67,7 +77,12 @@ _CUDA_TYPE_NAMES = {
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirect CUDA device requests to the CPU (patches 1 and 3 above)."""
+    """Redirect CUDA device requests to the CPU (patches 1 and 3 above).
+
+    Not active inside backward passes: torch 2.13 dispatches ``torch.autograd.backward`` itself
+    through the mode, and a mode is off while it handles a call, so the whole pass runs
+    without it (re-entering it there only dispatches the call again). What megatron's autograd
+    functions allocate in their backward uses ``torch.cuda.current_device()``: patch 2."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = dict(kwargs or {})
@@ -145,12 +160,79 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
 
 
-def _current_device() -> int:
-    return 0
+def _current_device() -> torch.device:
+    """The CPU itself, not CUDA device 0: an ``int`` device means ``cuda:<n>``, and megatron's
+    backward passes (the MoE all-to-all, sequence parallelism's gathers) allocate with
+    ``device=torch.cuda.current_device()`` where :class:`CudaToCpuMode` is not active."""
+    return _CPU
+
+
+class CpuEvent:
+    """``torch.cuda.Event`` stand-in: CPU work is done when the call returns (patch 7)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """``torch.cuda.Stream`` stand-in (patch 7): one ordered CPU stream, so waits are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = CpuStream()
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Patch 8: megatron's ``maybe_move_tensor_to_cpu`` for tensors that are on the CPU already."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _current_stream(device: Any = None) -> CpuStream:
+    return _CPU_STREAM
+
+
+def _stream_context(stream: Any) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
 
 
 def _synchronize(device: Any = None) -> None:
     return None
+
+
+_CUDA_FUNCTIONS: dict[str, Any] = {
+    "current_device": _current_device,  # patch 2
+    "synchronize": _synchronize,
+    "Stream": CpuStream,  # patch 7
+    "Event": CpuEvent,
+    "current_stream": _current_stream,
+    "stream": _stream_context,
+}
+"""``torch.cuda`` attributes replaced while installed."""
 
 
 def install() -> bool:
@@ -169,12 +251,15 @@ def install() -> bool:
         )
     from megatron.core.models.common.embeddings import rope_utils
 
-    _installed["current_device"] = torch.cuda.current_device
-    _installed["synchronize"] = torch.cuda.synchronize
+    for name, replacement in _CUDA_FUNCTIONS.items():
+        _installed[name] = getattr(torch.cuda, name)
+        setattr(torch.cuda, name, replacement)
     _installed["rope_bshd"] = rope_utils._apply_rotary_pos_emb_bshd
-    torch.cuda.current_device = _current_device  # type: ignore[assignment]
-    torch.cuda.synchronize = _synchronize  # type: ignore[assignment]
     rope_utils._apply_rotary_pos_emb_bshd = _rope_bshd
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _installed["host_copy"] = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     mode = CudaToCpuMode()
     mode.__enter__()
     _installed["mode"] = mode
@@ -186,11 +271,14 @@ def uninstall() -> None:
     if not _installed:
         return
     _installed["mode"].__exit__(None, None, None)
-    torch.cuda.current_device = _installed["current_device"]
-    torch.cuda.synchronize = _installed["synchronize"]
+    for name in _CUDA_FUNCTIONS:
+        setattr(torch.cuda, name, _installed[name])
     from megatron.core.models.common.embeddings import rope_utils
 
     rope_utils._apply_rotary_pos_emb_bshd = _installed["rope_bshd"]
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _installed["host_copy"]
     _installed.clear()
 
 
@@ -249,7 +337,7 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
-def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0) -> None:
+def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """CPU twin of ``megatron.core.tensor_parallel.model_parallel_cuda_manual_seed``.
 
     Same stream names and seed offsets as megatron, so runs are comparable across builds.
@@ -262,4 +350,4 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0) ->
     torch.manual_seed(seed)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)

@@ -37,7 +37,7 @@ def test_current_device_and_synchronize() -> None:
         with pytest.raises((AssertionError, RuntimeError)):
             torch.cuda.synchronize()
         cpu.install()
-        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_device() == torch.device("cpu")
         torch.cuda.synchronize()
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -158,3 +158,63 @@ def test_keep_freed_memory_stops_page_faults_of_reallocated_tensors() -> None:
         faults[variant] = int(out.stdout.strip().splitlines()[-1])
     assert faults["default"] > 8 * 16_000 * 0.9, faults  # 4 KiB pages: 16k per tensor
     assert faults["keep"] < faults["default"] / 20, faults
+
+
+def test_backward_passes_allocate_on_the_current_device(installed) -> None:
+    """The device mode is off inside a backward pass (torch dispatches ``torch.autograd.backward``
+    through it); megatron's autograd functions allocate there on
+    ``torch.cuda.current_device()``, which is the CPU itself (patch 2)."""
+
+    class AllocatesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            out = g.new_empty(g.shape, device=torch.cuda.current_device())  # as megatron's _AllToAll
+            return out.copy_(g * 2)
+
+    x = torch.ones(3, requires_grad=True)
+    AllocatesInBackward.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_cuda_streams_and_events_are_ordered_no_ops(installed) -> None:
+    """Patch 7: the MoE alltoall dispatcher's side stream, its context and its event."""
+    side = torch.cuda.Stream()
+    assert torch.cuda.current_stream() != side
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        t = torch.arange(4) * 2
+    side.record_event().synchronize()
+    assert t.tolist() == [0, 2, 4, 6]
+
+
+def test_moe_split_sizes_become_host_arrays(installed) -> None:
+    """Patch 8: the dispatcher's split sizes reach ``all_to_all_single`` as numpy arrays (what
+    its gloo binding accepts); other tensors stay tensors."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+    counts = torch.tensor([2, 2])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(counts) is counts
+
+
+def test_moe_router_gemm_without_transformer_engine() -> None:
+    """megarl.compat.megatron_moe: without TE, megatron's router GEMM needs the name it only
+    imports with TE; patched, it is torch's fp32 matmul, forward and backward."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megarl.compat import megatron_moe
+
+    megatron_moe.install()
+    assert moe_utils.te_general_gemm is None
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    out = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert torch.allclose(out, x @ w.t())
+    out.square().sum().backward()
+    assert torch.allclose(w.grad, 2 * (x @ w.t()).t() @ x, atol=1e-5)
