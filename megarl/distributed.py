@@ -2,7 +2,8 @@
 ``parallel_state``.
 
 :func:`init_distributed` starts torch.distributed (gloo on CPU, nccl on GPU), builds
-megatron's TP/PP/DP groups and seeds the RNGs, then returns a :class:`ParallelDims` that is
+megatron's TP/PP/DP groups (and EP: expert parallelism over DP ranks, expert TP = TP) and
+seeds the RNGs, then returns a :class:`ParallelDims` that is
 passed down explicitly. Nothing else in megarl reads ``parallel_state`` directly.
 
 :func:`init_layout` builds a second, independent layout over the same ranks (the PPO
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import cpu as cpu_compat
+from megarl.compat import megatron_moe
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,14 @@ class ParallelDims:
     a model on it (the groups above plus the embedding / context / expert groups)."""
     global_layout: bool
     """These are megatron's global ``parallel_state`` groups (False: an :func:`init_layout`)."""
+    ep: int = 1
+    """Expert-parallel size: each MoE layer's experts are split over the ``ep_group``'s ranks."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds global experts
+    ``ep_rank × local … (ep_rank + 1) × local − 1`` (local = num_experts / ep)."""
+    ep_group: Any = None
+    """Expert-parallel group: ranks of one TP rank and PP stage that hold different experts
+    (consecutive DP ranks in megatron's order); None when ep = 1."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -77,14 +87,16 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> ParallelDims:
-    """Initialise torch.distributed + megatron parallel groups for this process."""
+def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1) -> ParallelDims:
+    """Initialise torch.distributed + megatron parallel groups for this process; ``ep``: expert
+    parallelism over DP ranks (expert TP = TP, so EP must divide world / (TP × PP))."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu_compat.install()
+    megatron_moe.install()
     if not dist.is_initialized():
         # On CUDA both backends: megatron's and megarl's groups (backend=None) then carry GPU
         # tensors over NCCL and the small CPU tensors megarl broadcasts and reduces (rollout
@@ -107,18 +119,22 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"expert_parallel={ep} does not divide the data-parallel size {world // (tp * pp)}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
         create_gloo_process_groups=use_cuda,
     )
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     if use_cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        cpu_compat.model_parallel_cpu_manual_seed(seed, tp_rank)
+        cpu_compat.model_parallel_cpu_manual_seed(seed, tp_rank, ep_rank, ps.get_expert_tensor_parallel_rank())
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ParallelDims(
@@ -138,6 +154,9 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600) -> Paral
         # exactly the groups megatron objects pick up when given no collection
         pgs=ProcessGroupCollection.use_mpu_process_groups(),
         global_layout=True,
+        ep=ep,
+        ep_rank=ep_rank,
+        ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
     )
 
 
@@ -172,11 +191,17 @@ def init_layout(base: ParallelDims, tp: int, pp: int) -> ParallelDims:
     """A second parallel layout (TP × PP, DP = world / (TP × PP)) over ``base``'s ranks.
 
     Collective over all ranks. Returns ``base`` itself when ``(tp, pp)`` is its layout.
-    Context and expert parallelism are 1 in both layouts, so the size-1 CP / EP groups, and
+    Context and expert parallelism are 1 in both layouts (a ``base`` with EP > 1 is refused),
+    so the size-1 CP / EP groups, and
     the one distributed-optimizer instance group (all ranks), are shared with ``base``.
     """
     if (tp, pp) == (base.tp, base.pp):
         return base
+    if base.ep > 1:
+        raise ValueError(
+            f"a second layout TP×PP={tp}×{pp} beside expert parallelism EP={base.ep} is not supported: "
+            "give the critic the actor's layout"
+        )
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world, rank = base.world_size, base.rank

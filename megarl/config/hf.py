@@ -1,4 +1,4 @@
-"""What megarl can represent of an HF Llama / Qwen2 / Qwen3 checkpoint, decided before any work starts.
+"""What megarl can represent of an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint, decided before any work starts.
 
 A converter that drops what it does not understand builds a *different model* and exits 0.
 So the HF ``config.json`` is read key by key: every key that changes the forward pass is
@@ -11,7 +11,11 @@ norms, an explicit ``head_dim`` with head_dim × heads ≠ hidden_size (``model.
 Llama and Qwen3). Refused: other RoPE types (``linear``, ``dynamic``, ``yarn``, ...), partial
 rotary, activations other than SiLU, one of ``attention_bias`` / ``mlp_bias`` without the
 other, Qwen3 ``attention_bias``, sliding-window layers, a Qwen2 ``head_dim`` that vLLM would
-ignore, quantized checkpoints. Keys that only matter for training regularisation or generation
+ignore, quantized checkpoints. Qwen3-MoE: ``num_experts`` (transformers 5 writes it as
+``num_local_experts``), ``moe_intermediate_size``, ``num_experts_per_tok`` and ``norm_topk_prob``
+are mapped; MoE in only some layers (``decoder_sparse_step`` ≠ 1, ``mlp_only_layers``), shared
+experts, aux-free bias routing, group-limited routing, sigmoid scores and a routing scale are
+refused (:func:`_moe`). Keys that only matter for training regularisation or generation
 (dropout, ``use_cache``, token ids) are not refused.
 
 This is config's side because the config's own checks need it at load time
@@ -94,8 +98,9 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
         raise _refuse("rms_norm_eps", eps, "must be a positive number")
     arch = hf_cfg.get("model_type", "llama")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3")
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+        raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3, qwen3_moe")
+    moe = _moe(hf_cfg) if arch == "qwen3_moe" else {}
     act = hf_cfg.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "megarl builds SwiGLU with SiLU only")
@@ -105,12 +110,12 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     partial = hf_cfg.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise _refuse("partial_rotary_factor", partial, "megarl rotates the whole head")
-    if arch in ("qwen2", "qwen3") and hf_cfg.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
         raise _refuse("use_sliding_window", hf_cfg["use_sliding_window"], "megarl attends over the full context")
     for i, kind in enumerate(hf_cfg.get("layer_types") or []):
         if kind != "full_attention":
             raise _refuse(f"layer_types[{i}]", kind, "megarl attends over the full context in every layer")
-    if arch == "qwen3" and hf_cfg.get("attention_bias"):
+    if arch in ("qwen3", "qwen3_moe") and hf_cfg.get("attention_bias"):
         raise _refuse("attention_bias", hf_cfg["attention_bias"], "megarl builds Qwen3 without q/k/v/o biases")
     linear_bias = False
     if arch == "llama":
@@ -147,7 +152,59 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
         tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", False)),
         linear_bias=linear_bias,
         **_rope(hf_cfg),
+        **moe,
     )
+
+
+# MoE keys of other families (DeepSeek-V3, Qwen2-MoE, Mixtral-likes, GLM-4.5) with the value that
+# means "not used": any other value changes the routing or adds experts megarl does not build
+_MOE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "topk_method": (None, "greedy"),
+    "scoring_func": (None, "softmax"),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "moe_layer_freq": (None, 1),
+    "first_k_dense_replace": (None, 0),
+    "use_expert_bias": (None, False),
+    "moe_router_enable_expert_bias": (None, False),
+}
+
+
+def _moe(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig MoE fields of a Qwen3-MoE config.json, or the first key megarl would not reproduce."""
+    for key, neutral in _MOE_NEUTRAL.items():
+        if hf_cfg.get(key) not in neutral:
+            raise _refuse(key, hf_cfg[key], "megarl builds top-k softmax routing over routed experts only")
+    step = hf_cfg.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise _refuse("decoder_sparse_step", step, "megarl builds a mixture of experts in every layer")
+    if hf_cfg.get("mlp_only_layers"):
+        raise _refuse("mlp_only_layers", hf_cfg["mlp_only_layers"], "megarl builds a mixture of experts in every layer")
+    names = [k for k in ("num_experts", "num_local_experts") if k in hf_cfg]
+    if not names:
+        raise _refuse("num_experts", None, "a qwen3_moe config needs it (or num_local_experts)")
+    if len(names) == 2 and hf_cfg["num_experts"] != hf_cfg["num_local_experts"]:
+        raise _refuse(
+            "num_local_experts", hf_cfg["num_local_experts"], f"differs from num_experts={hf_cfg['num_experts']}"
+        )
+    out: dict[str, Any] = {}
+    for field, key in (
+        ("num_experts", names[0]),
+        ("moe_ffn_hidden_size", "moe_intermediate_size"),
+        ("moe_router_topk", "num_experts_per_tok"),
+    ):
+        value = hf_cfg.get(key)
+        if not (type(value) is int and value > 0):
+            raise _refuse(key, value, "must be a positive integer")
+        out[field] = value
+    if out["moe_router_topk"] > out["num_experts"]:
+        raise _refuse("num_experts_per_tok", out["moe_router_topk"], f"exceeds num_experts={out['num_experts']}")
+    # transformers' default is False (Qwen3-30B-A3B's config.json sets true)
+    return {**out, "moe_norm_topk_prob": bool(hf_cfg.get("norm_topk_prob", False))}
 
 
 def resolved_model(m: ModelConfig) -> ModelConfig:

@@ -14,9 +14,10 @@ from megarl.config.rules import fail
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    arch: Literal["llama", "qwen2", "qwen3"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     """HF architecture family used for export and the vLLM engines (qwen3: RMSNorm on each
-    query and key head before RoPE, megatron's qk_layernorm)."""
+    query and key head before RoPE, megatron's qk_layernorm; qwen3_moe: qwen3 attention with a
+    mixture of routed experts as every layer's MLP, no shared experts)."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 128
@@ -29,7 +30,26 @@ class ModelConfig:
     """Channels per attention head (HF head_dim; megatron kv_channels); 0 = hidden_size /
     num_attention_heads. Qwen3 and some Llamas have head_dim × heads ≠ hidden_size."""
     ffn_hidden_size: int = 256
-    """SwiGLU inner width."""
+    """SwiGLU inner width (qwen3_moe: HF intermediate_size, kept for export; every layer is MoE)."""
+    num_experts: int = 0
+    """Routed experts per layer (HF num_experts), arch=qwen3_moe only; 0 = a dense MLP."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU inner width of one expert (HF moe_intermediate_size); 0 = ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to (HF num_experts_per_tok)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the k chosen experts' routing weights to sum to 1 (HF norm_topk_prob): a softmax
+    over the k largest router logits. False: softmax over all experts, then the k largest
+    (megatron moe_router_pre_softmax)."""
+    moe_router_fp32: bool = True
+    """Router logits, softmax and top-k in fp32 whatever model.dtype (megatron moe_router_dtype)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss added to the training loss (Switch Transformer,
+    Fedus et al. 2021, eq. 4: E·Σᵢ fᵢ·Pᵢ per micro-batch, token-weighted mean over the update's
+    micro-batches); 0 = off. HF router_aux_loss_coef only acts in HF training."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: mean over tokens of
+    logsumexp(router logits)², token-weighted over micro-batches like the aux loss); 0 = off."""
     vocab_size: int = 0
     """Tokenizer vocabulary (0 = take it from the tokenizer)."""
     max_position_embeddings: int = 128
@@ -74,11 +94,22 @@ class ModelConfig:
         """Channels per attention head: ``kv_channels``, or hidden_size / num_attention_heads."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
-    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size")
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One expert's SwiGLU inner width."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size")
 
     def validate(self) -> None:
         """The architecture is one megatron can build and the HF mapping can express."""
         _check_architecture(self)
+        _check_experts(self)
 
 
 def _check_architecture(m: ModelConfig) -> None:
@@ -109,3 +140,15 @@ def _check_architecture(m: ModelConfig) -> None:
             m.num_query_groups,
             f"must divide model.num_attention_heads={m.num_attention_heads}",
         )
+
+
+def _check_experts(m: ModelConfig) -> None:
+    if m.arch == "qwen3_moe" and not m.is_moe:
+        fail("model.num_experts", m.num_experts, "must be >= 1 with arch=qwen3_moe (routed experts)")
+    if m.is_moe and m.arch != "qwen3_moe":
+        fail("model.num_experts", m.num_experts, f"needs arch=qwen3_moe; arch={m.arch} has a dense MLP")
+    if m.is_moe and m.moe_router_topk > m.num_experts:
+        fail("model.moe_router_topk", m.moe_router_topk, f"exceeds model.num_experts={m.num_experts}")
+    for name, value in (("moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("moe_z_loss_coeff", m.moe_z_loss_coeff)):
+        if value < 0:
+            fail(f"model.{name}", value, "must be >= 0")

@@ -1,13 +1,17 @@
-"""The ``parallel`` section: how the trainer ranks split the actor and reference (TP / PP / DP),
-micro-batches and token budgets, and its own check. The rules it shares with the model, the
-batch and the world size are :mod:`megarl.config.cross`'s."""
+"""The ``parallel`` section: how the trainer ranks split the actor and reference (TP / PP / DP /
+EP), micro-batches and token budgets, and its own checks (:meth:`ParallelConfig.check_experts`
+needs the model and DP, so :mod:`megarl.config.cross` calls it). The other rules it shares with
+the model, the batch and the world size are :mod:`megarl.config.cross`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from megarl.config.rules import fail
+
+if TYPE_CHECKING:
+    from megarl.config.model import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -18,6 +22,11 @@ class ParallelConfig:
     """Pipeline-parallel stages."""
     data_parallel: int = 1
     """Data-parallel replicas; trainer world size = TP × PP × DP."""
+    expert_parallel: int = 1
+    """Expert-parallel size (MoE models): each layer's experts are split over this many ranks
+    of a DP × TP slice, each holding model.num_experts / EP of them (tokens travel to their
+    experts by megatron's alltoall dispatcher); experts are TP-split like a dense MLP. Must
+    divide model.num_experts and DP (EP × TP ranks hold one copy of the experts)."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on one DP rank."""
     logprob_micro_batch_size: int = 0
@@ -53,4 +62,36 @@ class ParallelConfig:
                 "parallel.pack_sequences",
                 True,
                 "packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch",
+            )
+
+    def check_experts(self, m: ModelConfig, dp: int) -> None:
+        """Expert parallelism splits a MoE model's experts over DP ranks (megatron's expert
+        layout, expert TP = TP: EP × TP must divide the TP × DP ranks of a pipeline stage)."""
+        ep, tp = self.expert_parallel, self.tensor_parallel
+        if ep > 1 and not m.is_moe:
+            fail("parallel.expert_parallel", ep, f"needs a mixture-of-experts model (model.arch={m.arch} is dense)")
+        if m.is_moe and m.num_experts % ep:
+            fail("parallel.expert_parallel", ep, f"does not divide model.num_experts={m.num_experts}")
+        if dp % ep:
+            fail(
+                "parallel.expert_parallel",
+                ep,
+                f"does not divide the data-parallel size {dp} (EP × TP={ep * tp} must divide TP × DP={dp * tp}, "
+                "megatron's expert layout)",
+            )
+        if m.is_moe and m.expert_ffn_hidden_size % tp:
+            fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
+        if tp > 1 and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+            fail(
+                "parallel.tensor_parallel",
+                tp,
+                "with router losses (model.moe_aux_loss_coeff, model.moe_z_loss_coeff): megatron counts their "
+                "tokens as split over TP (sequence parallelism), which megarl does not use",
+            )
+        if ep > 1 and self.max_tokens_per_micro_batch:
+            fail(
+                "parallel.max_tokens_per_micro_batch",
+                self.max_tokens_per_micro_batch,
+                f"with parallel.expert_parallel={ep}: DP ranks may then run different numbers of micro-batches, "
+                "and every expert all-to-all needs all EP ranks",
             )

@@ -37,6 +37,7 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
 
     dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
     return TransformerConfig(
+        **_moe_fields(mcfg, pcfg),
         num_layers=mcfg.num_layers,
         hidden_size=mcfg.hidden_size,
         num_attention_heads=mcfg.num_attention_heads,
@@ -51,7 +52,7 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
         activation_func=F.silu,
         add_bias_linear=mcfg.linear_bias,
         add_qkv_bias=mcfg.arch == "qwen2",
-        qk_layernorm=mcfg.arch == "qwen3",  # also makes finalize_model_grads sum their grads over TP
+        qk_layernorm=_qk_norm(mcfg),  # also makes finalize_model_grads sum their grads over TP
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -69,18 +70,48 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
     )
 
 
+def _qk_norm(mcfg: ModelConfig) -> bool:
+    return mcfg.arch in ("qwen3", "qwen3_moe")
+
+
+def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE fields: Qwen3-MoE's router (HF ``Qwen3MoeTopKRouter``: softmax
+    over all experts, top-k, optionally renormalised; renormalised it equals megatron's top-k
+    of the logits then a softmax over the k) and megatron's alltoall token dispatcher."""
+    if not mcfg.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=mcfg.num_experts,
+        moe_ffn_hidden_size=mcfg.expert_ffn_hidden_size,
+        moe_router_topk=mcfg.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not mcfg.moe_norm_topk_prob,
+        moe_router_dtype="fp32" if mcfg.moe_router_fp32 else None,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=mcfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=mcfg.moe_z_loss_coeff or None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=pcfg.expert_parallel,
+        expert_tensor_parallel_size=pcfg.tensor_parallel,
+    )
+
+
 def layer_spec(mcfg: ModelConfig) -> Any:
+    experts = mcfg.num_experts or None  # every layer's MLP a MoELayer (megatron moe_layer_freq=1)
     if mcfg.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mcfg.arch == "qwen3")
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=_qk_norm(mcfg))
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # qwen3: per-head RMSNorm (torch.nn.RMSNorm, eps=norm_eps) on q and k before RoPE; its
-    # [head_dim] weights are whole on every TP rank
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mcfg.arch == "qwen3")
+    # [head_dim] weights are whole on every TP rank. MoE: megatron's SequentialMLP, one
+    # ColumnParallel/RowParallel pair per local expert (the legacy GroupedMLP needs bf16 and
+    # the grouped_gemm package, TE's needs a GPU)
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm", qk_layernorm=_qk_norm(mcfg))
     if mcfg.attention == "sdpa":
         from megarl.model.sdpa import SDPAttention
 
@@ -138,10 +169,10 @@ def build_gpt(
 
     if mcfg.vocab_size <= 0:
         raise ValueError("model.vocab_size must be set (from the tokenizer) before building")
-    if (pcfg.tensor_parallel, pcfg.pipeline_parallel) != (dims.tp, dims.pp):
+    if (pcfg.tensor_parallel, pcfg.pipeline_parallel, pcfg.expert_parallel) != (dims.tp, dims.pp, dims.ep):
         raise ValueError(
-            f"parallel config TP×PP={pcfg.tensor_parallel}×{pcfg.pipeline_parallel} does not match the "
-            f"process groups' layout {dims.tp}×{dims.pp}"
+            f"parallel config TP×PP×EP={pcfg.tensor_parallel}×{pcfg.pipeline_parallel}×{pcfg.expert_parallel} "
+            f"does not match the process groups' layout {dims.tp}×{dims.pp}×{dims.ep}"
         )
     tcfg = transformer_config(mcfg, pcfg)
     padded = padded_vocab_size(mcfg.vocab_size, pcfg.tensor_parallel)

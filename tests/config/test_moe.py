@@ -1,0 +1,123 @@
+"""Mixture-of-experts settings: a Qwen3-MoE config.json maps onto the model section, what megarl
+would not reproduce is refused naming the key, and the expert-parallel layout's rules name
+the field, the value and the rule (pure: no processes)."""
+
+import re
+
+import pytest
+
+from megarl.config import ConfigError, ModelConfig, load_config, validate
+from megarl.config.hf import UnsupportedHFModel, model_config_from_hf
+
+# Qwen3-30B-A3B's shape and routing, as its config.json on the hub holds them
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_30b_a3b_config_maps_experts_and_routing() -> None:
+    m = model_config_from_hf(QWEN3_30B_A3B, ModelConfig())
+    assert (m.arch, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk) == ("qwen3_moe", 128, 768, 8)
+    assert m.moe_norm_topk_prob and m.head_dim == 128 and m.kv_channels == 128
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (0.0, 0.0)  # router_aux_loss_coef is HF training's
+    m.validate()
+
+
+def test_transformers5_spelling_of_the_expert_count() -> None:
+    """transformers 5 writes ``num_local_experts`` (its attribute map), the hub ``num_experts``."""
+    cfg = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    assert model_config_from_hf({**cfg, "num_local_experts": 64}, ModelConfig()).num_experts == 64
+    with pytest.raises(UnsupportedHFModel, match="num_local_experts=64: differs from num_experts=128"):
+        model_config_from_hf({**QWEN3_30B_A3B, "num_local_experts": 64}, ModelConfig())
+    assert not model_config_from_hf({**QWEN3_30B_A3B, "norm_topk_prob": False}, ModelConfig()).moe_norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2: megarl builds a mixture of experts in every layer"),
+        ({"mlp_only_layers": [0, 47]}, "mlp_only_layers=[0, 47]: megarl builds a mixture of experts in every layer"),
+        ({"shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size=5632"),
+        ({"n_shared_experts": 1}, "n_shared_experts=1"),
+        ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),  # aux-free bias routing (DeepSeek-V3)
+        ({"n_group": 8}, "n_group=8"),  # group-limited routing
+        ({"topk_group": 4}, "topk_group=4"),
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+        ({"num_experts_per_tok": 129}, "num_experts_per_tok=129: exceeds num_experts=128"),
+        ({"num_experts": 0}, "num_experts=0: must be a positive integer"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"use_sliding_window": True}, "use_sliding_window=True"),
+    ],
+)
+def test_unsupported_moe_configs_are_refused_naming_the_key(change: dict, message: str) -> None:
+    with pytest.raises(UnsupportedHFModel, match="unsupported HF config " + re.escape(message)):
+        model_config_from_hf({**QWEN3_30B_A3B, **change}, ModelConfig())
+
+
+def _moe(*sets: str) -> list[str]:
+    return ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64", *sets]
+
+
+@pytest.mark.parametrize(
+    ("sets", "world", "message"),
+    [
+        (_moe("parallel.expert_parallel=3"), 3, "parallel.expert_parallel=3 does not divide model.num_experts=4"),
+        (_moe("parallel.expert_parallel=2"), 1, "parallel.expert_parallel=2 does not divide the data-parallel size 1"),
+        (
+            _moe("parallel.expert_parallel=2", "parallel.tensor_parallel=2"),
+            2,
+            "parallel.expert_parallel=2 does not divide the data-parallel size 1 (EP × TP=4 must divide TP × DP=2",
+        ),
+        (["parallel.expert_parallel=2"], 2, "parallel.expert_parallel=2 needs a mixture-of-experts model"),
+        (["model.num_experts=4"], 1, "model.num_experts=4 needs arch=qwen3_moe"),
+        (["model.arch=qwen3_moe"], 1, "model.num_experts=0 must be >= 1 with arch=qwen3_moe"),
+        (_moe("model.moe_router_topk=5"), 1, "model.moe_router_topk=5 exceeds model.num_experts=4"),
+        (_moe("model.moe_aux_loss_coeff=-0.1"), 1, "model.moe_aux_loss_coeff=-0.1 must be >= 0"),
+        (
+            _moe("model.moe_z_loss_coeff=0.001", "parallel.tensor_parallel=2"),
+            2,
+            "parallel.tensor_parallel=2 with router losses",
+        ),
+        (
+            _moe("parallel.expert_parallel=2", "parallel.max_tokens_per_micro_batch=512"),
+            2,
+            "parallel.max_tokens_per_micro_batch=512 with parallel.expert_parallel=2",
+        ),
+        # a valid layout: what is missing before a MoE model trains is said, not run into
+        (_moe("parallel.expert_parallel=2"), 2, "model.arch='qwen3_moe' cannot train yet: the MoE weight sync"),
+    ],
+)
+def test_moe_layout_rules_name_the_field(sets: list[str], world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(None, sets), world)
