@@ -24,6 +24,7 @@ from megarl.model.builder import Model
 from megarl.model.forward import model_logits, run_schedule
 from megarl.model.microbatch import MicroBatch
 from megarl.model.packing import packings_of
+from megarl.model.router_loss import scale_router_losses
 from megarl.model.rows import Rows, micro_batches, take_rows
 from megarl.types import LossTerms
 
@@ -90,7 +91,9 @@ def train_step(
     if lr is not None:
         for group in model.optimizer.param_groups:
             group["lr"] = lr
-    store = run_schedule(model, mbs, schedule_loss, False, None if groups is None else packings_of(groups))
+    packings = None if groups is None else packings_of(groups)
+    scale_router_losses(model, mbs, packings)
+    store = run_schedule(model, mbs, schedule_loss, False, packings)
     ok, grad_norm, _ = model.optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")
