@@ -1,7 +1,7 @@
-"""HF ⇄ megarl checkpoint conversion for Llama-, Qwen2- and Qwen3-family decoders.
+"""HF ⇄ megarl checkpoint conversion for Llama-, Qwen2-, Qwen3- and Qwen3-MoE-family decoders.
 
-    python tools/convert.py hf-to-megarl --hf HF_DIR --out CKPT_ROOT [--tp N] [--pp M]
-    python tools/convert.py megarl-to-hf --ckpt CKPT --out HF_DIR [--tp N] [--pp M]
+    python tools/convert.py hf-to-megarl --hf HF_DIR --out CKPT_ROOT [--tp N] [--pp M] [--ep E]
+    python tools/convert.py megarl-to-hf --ckpt CKPT --out HF_DIR [--tp N] [--pp M] [--ep E]
 
 ``hf-to-megarl`` writes a megarl checkpoint (the format of
 :func:`megarl.checkpoint.dist_ckpt.save_checkpoint`: model "actor", no optimizer state) as
@@ -11,12 +11,13 @@ and tokenizer files travel inside it. ``megarl-to-hf`` writes ``model.safetensor
 load, in the source model's dtype unless ``--dtype`` says otherwise. An HF model megarl would
 not reproduce exactly (RoPE type, activation, bias layout, unexpected tensors: see
 :mod:`megarl.config.hf`, :mod:`megarl.checkpoint.hf_config`) is refused in one line naming the key and value,
-before any process starts. ``--tp/--pp`` give the layout the model is built in; the
-checkpoint itself reshards, so any layout reads any checkpoint. Run with TP×PP > 1 outside torchrun, the tool re-launches
-itself under torchrun with TP×PP processes.
+before any process starts. ``--tp/--pp/--ep`` give the layout the model is built in (``--ep``:
+expert parallelism of a MoE model over as many DP ranks); the checkpoint itself reshards, so
+any layout reads any checkpoint. Run with TP×PP×EP > 1 outside torchrun, the tool re-launches
+itself under torchrun with TP×PP×EP processes.
 
 Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,
-tied embeddings, Qwen2 QKV bias, Qwen3 q/k norms) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
+tied embeddings, Qwen2 QKV bias, Qwen3 q/k norms, Qwen3-MoE routers and experts) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
 Megatron ⇄ HF mapping that weight sync uses too.
 """
 
@@ -42,7 +43,12 @@ logger = logging.getLogger("megarl.convert")
 
 HF_CONFIG_IN_CKPT = "hf_config.json"
 """The source HF ``config.json`` as stored inside a converted checkpoint."""
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_DTYPE = "hf_dtype"
 """Key of the converted checkpoint's state.json holding the source tensors' dtype name."""
@@ -106,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     for p in (imp, exp):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the layout used")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the layout used")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel size of the layout used (MoE models)")
     return ap
 
 
@@ -113,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point (``megarl convert ...`` calls this). Returns the exit code."""
     args = _parser().parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if args.tp < 1 or args.pp < 1:
-        raise SystemExit(f"--tp={args.tp} and --pp={args.pp} must be >= 1")
+    if min(args.tp, args.pp, args.ep) < 1:
+        raise SystemExit(f"--tp={args.tp}, --pp={args.pp} and --ep={args.ep} must be >= 1")
     if Path(args.out).is_file():
         raise SystemExit(f"--out {args.out} is a file: give a folder")
     if args.command == "hf-to-megarl":
         check_hf_source(args.hf)
-        _check_hf_model(args.hf, args.tp, args.pp)
+        _check_hf_model(args.hf, args.tp, args.pp, args.ep)
         run: Any = hf_to_megarl
     else:
         from megarl.checkpoint.dist_ckpt import checkpoint_model_config
@@ -129,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             replaceable_hf_folder(Path(args.out))
         except FileExistsError as e:
             raise SystemExit(f"--out: {e}") from None
-        checkpoint_model_config(args.ckpt, args.model)  # a missing/partial checkpoint fails here
+        saved = checkpoint_model_config(args.ckpt, args.model)  # a missing/partial checkpoint fails here
+        if saved.num_experts % args.ep or (args.ep > 1 and not saved.is_moe):
+            raise SystemExit(f"--ep={args.ep} does not split the {saved.num_experts} experts of {args.ckpt}")
         if args.tokenizer is not None and not args.tokenizer.exists():
             raise SystemExit(f"--tokenizer {args.tokenizer} does not exist")
         run = megarl_to_hf
-    nproc = args.tp * args.pp
+    nproc = args.tp * args.pp * args.ep
     if "RANK" not in os.environ and nproc > 1:
         return _relaunch(argv, nproc)
     _setup_logging()
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()
     if owned and "RANK" not in os.environ:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dims = init_distributed(args.tp, args.pp, seed=0)
+    dims = init_distributed(args.tp, args.pp, seed=0, ep=args.ep)
     try:
         run(args, dims)
     finally:
@@ -170,7 +179,7 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     hf_dir: Path = args.hf
     hf_cfg = json.loads((hf_dir / "config.json").read_text())
     mcfg = model_config_from_hf(hf_cfg, ModelConfig(dtype=args.dtype))
-    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep)
     model = build_gpt(mcfg, pcfg, dims, trainable=False)
     source = LazyHFTensors(hf_dir)
     load_hf_tensors(model, LlamaQwen2Adapter(mcfg), source)
@@ -182,7 +191,7 @@ def hf_to_megarl(args: argparse.Namespace, dims: Any) -> Path:
     extra = {"step": 0, "converted_from": str(hf_dir.resolve()), "arch": mcfg.arch, SOURCE_DTYPE: dtype}
     path = save_checkpoint(args.out, {"actor": model}, extra, keep_last=sys.maxsize, name=args.name, files=files)
     if dims.is_rank0:
-        logger.info("wrote %s (%s, TP=%d PP=%d)", path, mcfg.arch, args.tp, args.pp)
+        logger.info("wrote %s (%s, TP=%d PP=%d EP=%d)", path, mcfg.arch, args.tp, args.pp, args.ep)
     return path
 
 
@@ -210,7 +219,7 @@ def check_hf_source(hf_dir: Path) -> None:
         raise ConvertError(f"no *.safetensors weights in {hf_dir}{hint}")
 
 
-def _check_hf_model(hf_dir: Path, tp: int, pp: int) -> None:
+def _check_hf_model(hf_dir: Path, tp: int, pp: int, ep: int = 1) -> None:
     """Fail with one line, before any process starts, when megarl would not reproduce the HF
     model exactly (config key and value named) or the layout cannot split it."""
     from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
@@ -233,9 +242,13 @@ def _check_hf_model(hf_dir: Path, tp: int, pp: int) -> None:
         ("--tp", tp, "num_attention_heads", mcfg.num_attention_heads),
         ("--tp", tp, "num_key_value_heads", mcfg.num_query_groups),
         ("--pp", pp, "num_hidden_layers", mcfg.num_layers),
+        ("--ep", ep, "num_experts", mcfg.num_experts),
+        ("--tp", tp, "moe_intermediate_size", mcfg.moe_ffn_hidden_size),
     ):
         if value % div:
             raise ConvertError(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
+    if ep > 1 and not mcfg.is_moe:
+        raise ConvertError(f"--ep={ep} needs a mixture-of-experts model; {cfg_file} describes a dense one")
 
 
 # --------------------------------------------------------------------------- megarl -> HF
@@ -254,7 +267,7 @@ def megarl_to_hf(args: argparse.Namespace, dims: Any) -> Path | None:
 
     ckpt = resolve_checkpoint(args.ckpt)
     mcfg = checkpoint_model_config(ckpt, args.model)
-    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep)
     model = build_gpt(mcfg, pcfg, dims, trainable=False)
     load_checkpoint(ckpt, {args.model: model}, load_optimizer=False)
     adapter = LlamaQwen2Adapter(mcfg)

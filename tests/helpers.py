@@ -57,11 +57,15 @@ def tiny_hf_model(
     dtype: str = "float32",
     qk_gain: float = 1.0,
 ) -> Path:
-    """A random tiny Llama/Qwen2/Qwen3 model saved by transformers itself (the independent oracle).
+    """A random tiny Llama/Qwen2/Qwen3/Qwen3-MoE model saved by transformers itself (the
+    independent oracle).
 
-    ``extra``: more config keys (rope_scaling, attention_bias, ...); ``dtype``: the saved
-    tensors' dtype; ``qk_gain`` scales q/k projections so attention is sharp and position
-    (RoPE) visibly changes the logits (random init attends almost uniformly).
+    ``extra``: more config keys (rope_scaling, attention_bias, norm_topk_prob, ...); ``dtype``:
+    the saved tensors' dtype; ``qk_gain`` scales q/k projections so attention is sharp and
+    position (RoPE) visibly changes the logits (random init attends almost uniformly).
+    qwen3_moe: 4 experts of width 64, top-2, renormalised; its routers are scaled up so that
+    routing margins stand far above fp32 noise (at init the routing probabilities are almost
+    uniform, and a 1e-7 difference could swap an expert).
     """
     import torch
 
@@ -79,6 +83,11 @@ def tiny_hf_model(
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 64, **common}))
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        moe = dict(head_dim=32, num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2, norm_topk_prob=True)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, **common}))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,6 +100,8 @@ def tiny_hf_model(
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(qk_gain)
+            if name.endswith("mlp.gate.weight"):  # a MoE router (std 0.02 at init)
+                p.mul_(50.0)
     model.to(getattr(torch, dtype)).save_pretrained(str(path), safe_serialization=True)
     return path
 

@@ -1,4 +1,4 @@
-"""The ONE Megatron ⇄ HF name/layout mapping for Llama-, Qwen2- and Qwen3-family decoders.
+"""The ONE Megatron ⇄ HF name/layout mapping for Llama-, Qwen2-, Qwen3- and Qwen3-MoE-family decoders.
 
 Used by weight sync, checkpoint export and ``tools/`` alike, so export and sync can never
 disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat them):
@@ -19,6 +19,11 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
 * head_dim (``model.kv_channels``) may differ from hidden_size / heads: q/k/v/o shapes use it.
 * Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
   fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
+* Qwen3-MoE: the router ``mlp.router.weight`` is HF's ``mlp.gate.weight``; expert g's
+  ``linear_fc1`` ([gate; up] per TP shard, as the dense MLP) and ``linear_fc2`` are HF's
+  ``mlp.experts.{g}.gate_proj/up_proj/down_proj``, in both megatron naming forms
+  (:mod:`megarl.checkpoint.experts`). The adapter sees GLOBAL expert indices: EP ranks' local
+  indices are renumbered by :mod:`megarl.checkpoint.hf_io`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megarl.checkpoint.experts import expert_target, hf_expert_shapes
 from megarl.config import ModelConfig
 from megarl.config.hf import model_config_from_hf
 from megarl.errors import AdapterError
@@ -53,6 +59,7 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "mlp.linear_fc1.bias": ("@fc1.bias", 0),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
     "mlp.linear_fc2.bias": ("mlp.down_proj.bias", None),
+    "mlp.router.weight": ("mlp.gate.weight", None),
 }
 _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
@@ -62,7 +69,7 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
 
 
 class LlamaQwen2Adapter:
-    """Name/layout mapping for one model config (Llama, Qwen2 or Qwen3 family)."""
+    """Name/layout mapping for one model config (Llama, Qwen2, Qwen3 or Qwen3-MoE family)."""
 
     def __init__(self, mcfg: ModelConfig) -> None:
         self.cfg = mcfg
@@ -91,12 +98,19 @@ class LlamaQwen2Adapter:
                     p + "self_attn.k_proj.weight": [kv, H],
                     p + "self_attn.v_proj.weight": [kv, H],
                     p + "self_attn.o_proj.weight": [H, q],
-                    p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H],
-                    p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
-                    p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
                 }
             )
-            if m.arch == "qwen3":
+            if m.is_moe:
+                shapes.update(hf_expert_shapes(p, m.num_experts, H, m.expert_ffn_hidden_size))
+            else:
+                shapes.update(
+                    {
+                        p + "mlp.gate_proj.weight": [m.ffn_hidden_size, H],
+                        p + "mlp.up_proj.weight": [m.ffn_hidden_size, H],
+                        p + "mlp.down_proj.weight": [H, m.ffn_hidden_size],
+                    }
+                )
+            if m.arch in ("qwen3", "qwen3_moe"):
                 shapes.update({p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd]})
             if m.arch == "qwen2" or m.linear_bias:
                 shapes.update(
@@ -127,6 +141,8 @@ class LlamaQwen2Adapter:
             suffix = m.group(2)
             if suffix in _LAYER_MAP:
                 return _LAYER_MAP[suffix]
+            if (expert := expert_target(suffix)) is not None:
+                return expert
         elif mname in _GLOBAL_MAP:
             return _GLOBAL_MAP[mname]
         raise AdapterError(f"no HF mapping for megatron parameter '{mname}'")
@@ -154,6 +170,10 @@ class LlamaQwen2Adapter:
             kind = target.split(".")[1]
             gate, up = self._split_fc1(full, tp)
             return [(f"{prefix}mlp.gate_proj.{kind}", gate), (f"{prefix}mlp.up_proj.{kind}", up)]
+        if target.startswith("@efc1."):
+            gate, up = self._split_fc1(full, tp)
+            e = f"{prefix}mlp.experts.{target.removeprefix('@efc1.')}."
+            return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
         if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[: self.vocab]
         return [(prefix + target, full)]
@@ -210,10 +230,13 @@ class LlamaQwen2Adapter:
                 ],
                 dim=1,
             ).reshape(-1, *rest)
-        elif target in ("@fc1.weight", "@fc1.bias"):
-            kind = target.split(".")[1]
-            gate = get(f"{prefix}mlp.gate_proj.{kind}").chunk(tp, dim=0)
-            up = get(f"{prefix}mlp.up_proj.{kind}").chunk(tp, dim=0)
+        elif target in ("@fc1.weight", "@fc1.bias") or target.startswith("@efc1."):
+            # per TP shard [gate; up]
+            if target.startswith("@efc1."):
+                names = [f"{prefix}mlp.experts.{target.removeprefix('@efc1.')}.{w}_proj.weight" for w in ("gate", "up")]
+            else:
+                names = [f"{prefix}mlp.{w}_proj.{target.split('.')[1]}" for w in ("gate", "up")]
+            gate, up = (get(n).chunk(tp, dim=0) for n in names)
             full = torch.cat([torch.cat([g, u], dim=0) for g, u in zip(gate, up)], dim=0)
         elif mname == "output_layer.weight" and "lm_head.weight" not in hf:
             full = get("model.embed_tokens.weight")  # tied embeddings
@@ -278,6 +301,22 @@ class LlamaQwen2Adapter:
             from transformers import Qwen2Config
 
             return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+        if c.arch == "qwen3_moe":
+            from transformers import Qwen3MoeConfig
+
+            # head_dim is no declared field of Qwen3MoeConfig: its attention reads it when present
+            moe: dict[str, Any] = dict(common, head_dim=c.head_dim)
+            return Qwen3MoeConfig(
+                **moe,
+                attention_bias=False,
+                num_experts=c.num_experts,
+                moe_intermediate_size=c.expert_ffn_hidden_size,
+                num_experts_per_tok=c.moe_router_topk,
+                norm_topk_prob=c.moe_norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                architectures=["Qwen3MoeForCausalLM"],
+            )
         if c.arch == "qwen3":
             from transformers import Qwen3Config
 

@@ -1,7 +1,9 @@
 """Move weights between a running megatron model and HF-named tensors / HF folders.
 
-* :func:`gather_hf_tensors` — collective over the TP group: each PP stage's owner rank gets
-  that stage's parameters as full HF-named tensors (others get an empty list).
+* :func:`gather_hf_tensors` — collective over the TP (and expert-parallel) group: each PP
+  stage's owner rank gets that stage's parameters as full HF-named tensors (others get an
+  empty list). Experts split over EP ranks are gathered onto EP rank 0 first, under their
+  global indices (:mod:`megarl.checkpoint.experts`).
 * :func:`all_hf_tensors` — collective over all ranks: every rank gets every full HF-named
   tensor (to load a model into a different layout, e.g. the critic from the actor).
 * :func:`load_hf_tensors` — every rank copies its own TP shard out of an HF state dict.
@@ -23,18 +25,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.experts import is_expert, to_global
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter
-from megarl.distributed import layer_offset
+from megarl.distributed import ParallelDims, layer_offset
 from megarl.model.builder import Model
 
 
 def _named_params(model: Model) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameters, experts under their GLOBAL index (``ep_rank × local + i``)."""
+    local = _local_experts(model)
     out: list[tuple[str, torch.Tensor]] = []
     for name, p in model.core.named_parameters():
         if name.startswith("output_layer.") and getattr(model.core.output_layer, "is_value_head", False):
             continue  # a critic's value head has no HF counterpart
-        out.append((name, p))
+        out.append((to_global(name, model.dims.ep_rank, local), p))
     return out
+
+
+def _local_experts(model: Model) -> int:
+    """Experts per MoE layer on one EP rank (0 for a dense model)."""
+    return (getattr(model.config, "num_moe_experts", None) or 0) // model.dims.ep
+
+
+def _gather_experts(
+    params: list[tuple[str, torch.Tensor]], dims: ParallelDims, local: int
+) -> list[tuple[str, torch.Tensor]]:
+    """``params`` (this rank's, global names) with, on EP rank 0, every EP rank's ``local``
+    experts per layer instead of its own; collective over the EP group. Each rank of one TP group has the same EP rank, so the TP
+    gather that follows sees the same tensor list on all of them."""
+    experts = [(n, t) for n, t in params if is_expert(n)]
+    if dims.ep == 1 or not experts:
+        return params
+    gathered = gather_flat([t for _, t in experts], dims.ep_group, dst=0)
+    if dims.ep_rank != 0:
+        return params
+    names = [n for n, _ in experts]  # EP rank 0's global index = its local index
+    others = [(n, t) for n, t in params if not is_expert(n)]
+    every = [(to_global(n, r, local), parts[r]) for n, parts in zip(names, gathered) for r in range(dims.ep)]
+    return others + every
 
 
 def _skip_for_export(model: Model, name: str) -> bool:
@@ -61,6 +89,7 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
     dims = model.dims
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
     params = [(n, p.detach()) for n, p in _named_params(model) if not (adapter.skip(n) or _skip_for_export(model, n))]
+    params = _gather_experts(params, dims, _local_experts(model))
     dim_of = {n: d for n, _ in params if (d := adapter.split_dim(n)) is not None} if dims.tp > 1 else {}
     split = [(n, t) for n, t in params if n in dim_of]
     full = dict(params)
@@ -175,7 +204,7 @@ def copy_weights(src: Model, dst: Model, adapter: LlamaQwen2Adapter) -> None:
     if src.dims is not dst.dims:
         load_hf_tensors(dst, adapter, all_hf_tensors(src, adapter))
         return
-    params = dict(src.core.named_parameters())
+    params = dict(_named_params(src))
     for name, p in _named_params(dst):
         p.copy_(params[name])
     if dst.optimizer is not None and hasattr(dst.optimizer, "reload_model_params"):

@@ -21,7 +21,14 @@ from megarl.model.builder import Model
 FORMAT_VERSION = 1
 DTYPE_FIELD = "dtype"
 """The one model-config field that may differ at load time (values are cast)."""
-_ADDED_FIELD_DEFAULTS: dict[str, Any] = {"linear_bias": False, "rope_scaling": "none"}
+_ADDED_FIELD_DEFAULTS: dict[str, Any] = {
+    "linear_bias": False,
+    "rope_scaling": "none",
+    "num_experts": 0,
+    "moe_ffn_hidden_size": 0,
+    "moe_router_topk": 2,
+    "moe_norm_topk_prob": True,
+}
 """Model-config fields added after the first checkpoints: their values in older checkpoints."""
 
 logger = logging.getLogger("megarl.checkpoint")
@@ -34,9 +41,9 @@ def model_config_dict(model: Model) -> dict[str, Any]:
     the model (``megarl-to-hf``) from the checkpoint alone. Collective over the PP group.
     """
     cfg, core = model.config, model.core
+    experts = cfg.num_moe_experts or 0
     return {
-        # builder: add_qkv_bias == (arch == "qwen2"), qk_layernorm == (arch == "qwen3")
-        "arch": "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama",
+        "arch": _arch(cfg),
         "num_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -49,10 +56,25 @@ def model_config_dict(model: Model) -> dict[str, Any]:
         "norm_eps": float(cfg.layernorm_epsilon),
         "tie_embeddings": bool(getattr(core, "share_embeddings_and_output_weights", False)),
         "linear_bias": bool(cfg.add_bias_linear),
+        # the router's function (not its coefficients or dtype: they change training, not the model)
+        "num_experts": experts,
+        "moe_ffn_hidden_size": int(cfg.moe_ffn_hidden_size or 0) if experts else 0,
+        "moe_router_topk": int(cfg.moe_router_topk) if experts else 2,
+        "moe_norm_topk_prob": not cfg.moe_router_pre_softmax if experts else True,
         **getattr(core, "megarl_rope_scaling", {"rope_scaling": "none"}),  # set by the builder
         "value_head": has_value_head(model),
         DTYPE_FIELD: "bf16" if cfg.bf16 else "fp32",
     }
+
+
+def _arch(cfg: Any) -> str:
+    # builder: add_qkv_bias == (arch == "qwen2"), qk_layernorm == (arch in qwen3, qwen3_moe),
+    # routed experts only with qwen3_moe
+    if cfg.add_qkv_bias:
+        return "qwen2"
+    if cfg.qk_layernorm:
+        return "qwen3_moe" if cfg.num_moe_experts else "qwen3"
+    return "llama"
 
 
 def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelConfig:
@@ -76,7 +98,8 @@ def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelC
 
 def check_model_config(path: Path, mname: str, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise naming every model-config field that differs (dtype only logs: values are cast)."""
-    saved = {**_ADDED_FIELD_DEFAULTS, **saved}  # checkpoints written before these fields existed
+    # checkpoints (and callers' dicts) from before these fields existed meant their defaults
+    saved, current = {**_ADDED_FIELD_DEFAULTS, **saved}, {**_ADDED_FIELD_DEFAULTS, **current}
     keys = sorted(set(saved) | set(current))
     diff = [k for k in keys if k != DTYPE_FIELD and saved.get(k) != current.get(k)]
     if diff:
@@ -123,7 +146,8 @@ def read_json(path: Path, name: str) -> dict[str, Any]:
 
 
 def layout_of(dims: Any) -> dict[str, int]:
-    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+    ep = {"ep": dims.ep} if dims.ep > 1 else {}  # (absent at EP 1: checkpoints from before EP)
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, **ep}
 
 
 def meta_of(models: dict[str, Model]) -> dict[str, Any]:

@@ -47,3 +47,15 @@ def test_scaling_and_bias_differences_are_named() -> None:
     with pytest.raises(CheckpointError, match=r"rope_scaling_factor=8\.0"):
         _check_model_config(Path("ckpt"), "actor", LLAMA3, NEW)
     _check_model_config(Path("ckpt"), "actor", LLAMA3, dict(LLAMA3))
+
+
+def test_old_checkpoints_are_dense_and_expert_differences_are_named() -> None:
+    """Checkpoints from before MoE meant no experts; a MoE checkpoint loaded into another
+    expert count (or routing) names the field."""
+    moe = {**NEW, "arch": "qwen3_moe", "num_experts": 4, "moe_ffn_hidden_size": 64, "moe_router_topk": 2,
+           "moe_norm_topk_prob": True}  # fmt: skip
+    _check_model_config(Path("ckpt"), "actor", OLD, {**NEW, "num_experts": 0, "moe_router_topk": 2})
+    with pytest.raises(CheckpointError, match=r"saved with .*num_experts=0.*the model has .*num_experts=4"):
+        _check_model_config(Path("ckpt"), "actor", OLD, moe)
+    with pytest.raises(CheckpointError, match=r"saved with moe_norm_topk_prob=True; the model has moe_norm_topk_prob=False"):
+        _check_model_config(Path("ckpt"), "actor", moe, {**moe, "moe_norm_topk_prob": False})

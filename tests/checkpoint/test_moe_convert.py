@@ -1,0 +1,109 @@
+"""``megarl convert`` with a Qwen3-MoE model: HF → checkpoint at EP=2 (the command re-launches
+itself on two ranks, each holding half the experts) → HF at EP=1 gives the identical tensors,
+and a config transformers rebuilds the same model from; MoE models megarl would not reproduce,
+and expert splits that do not fit, are refused in one line before any work."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import ROOT, tiny_hf_model
+
+TOOL = ROOT / "tools/convert.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+
+
+def _convert(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(TOOL), *argv], env=ENV, capture_output=True, text=True, timeout=300, cwd=str(cwd)
+    )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("moe_convert")
+    hf = tiny_hf_model(base / "hf", arch="qwen3_moe", seed=3, qk_gain=4.0)
+    for argv in (
+        ["hf-to-megarl", "--hf", str(hf), "--out", str(base / "ckpt"), "--ep", "2"],
+        ["megarl-to-hf", "--ckpt", str(base / "ckpt"), "--out", str(base / "back")],
+    ):
+        proc = _convert(*argv, cwd=base)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return base
+
+
+def test_ep2_checkpoint_exports_identical_tensors(base: Path) -> None:
+    a, b = load_file(str(base / "hf/model.safetensors")), load_file(str(base / "back/model.safetensors"))
+    assert set(a) == set(b) and "model.layers.3.mlp.experts.3.down_proj.weight" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_exported_config_rebuilds_the_same_model(base: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((base / "back/config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (cfg["moe_intermediate_size"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (64, 2, True)
+    tokens = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in ("hf", "back"):
+        model = AutoModelForCausalLM.from_pretrained(str(base / folder), dtype=torch.float32)
+        assert model.config.num_experts == 4 and model.config.head_dim == 32
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+_PROBE = """
+import json, sys
+from megarl.convert import main
+from megarl.errors import ConvertError
+out = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    try:
+        main(argv)
+        out[case] = "exit 0"
+    except ConvertError as e:
+        out[case] = str(e)
+out["_megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_unsupported_moe_models_and_splits_are_refused_before_any_work(tmp_path: Path) -> None:
+    good = tiny_hf_model(tmp_path / "good", arch="qwen3_moe", seed=1)
+    dense = tiny_hf_model(tmp_path / "dense", arch="qwen3", seed=1)
+    cases = {  # case -> (config.json changes, extra flags, the text the one line names)
+        "sparse_step": ({"decoder_sparse_step": 2}, [], "decoder_sparse_step=2"),
+        "shared_experts": ({"shared_expert_intermediate_size": 64}, [], "shared_expert_intermediate_size=64"),
+        "group_limited": ({"n_group": 2, "topk_group": 1}, [], "n_group=2"),
+        "ep_3": ({}, ["--ep", "3"], "--ep=3 does not divide num_experts=4"),
+        "tp_3": ({}, ["--tp", "3"], "--tp=3 does not divide num_attention_heads=4"),
+    }
+    argvs = {}
+    for case, (changes, flags, _) in cases.items():
+        d = tmp_path / case
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+        argvs[case] = ["hf-to-megarl", "--hf", str(d), "--out", str(d) + "_ckpt", *flags]
+    argvs["dense_ep"] = ["hf-to-megarl", "--hf", str(dense), "--out", str(dense) + "_ckpt", "--ep", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(argvs)], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("_megatron_imported") is False  # refused before megatron (or torchrun) started
+    expected = {case: needle for case, (_, _, needle) in cases.items()}
+    expected["dense_ep"] = "--ep=2 needs a mixture-of-experts model"
+    for case, needle in expected.items():
+        assert needle in got[case] and "\n" not in got[case], (case, got[case])
+        assert not Path(argvs[case][4]).exists(), case
