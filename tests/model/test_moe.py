@@ -1,0 +1,127 @@
+"""A Qwen3-MoE model (4 experts, top-2) at expert parallelism 2 against EP=1 and against
+transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``:
+
+* logits at EP=1 and EP=2 equal transformers' within 1e-4 (and each other exactly: the same
+  tokens meet the same experts, wherever they live), with renormalised top-k weights
+  (``norm_topk_prob``, as Qwen3-30B-A3B) and without; the weights read back out of either
+  layout are the HF tensors, bitwise;
+* one optimizer step at EP=2 equals EP=1 within 1e-6 — log-probs, loss, grad norm, every
+  gradient (experts keyed by their global index on both ranks) and the weights after the step
+  — with the plain and the distributed optimizer, and with the router losses on;
+* the router losses' gradient equals a direct implementation of their formulas (Switch
+  Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import ROOT, tiny_hf_model, torchrun
+
+WORKER = ROOT / "tests/model/worker_moe.py"
+VARIANTS = ["plain", "distopt", "aux", "aux_only"]
+B, S = 8, 16
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("moe")
+    hf = tiny_hf_model(base / "hf", arch="qwen3_moe", qk_gain=4.0)
+    # HF's other routing: softmax over all experts, top-k, no renormalisation
+    hf_all = tiny_hf_model(base / "hf_all", arch="qwen3_moe", seed=1, extra={"norm_topk_prob": False})
+    out = base / "out"
+    out.mkdir()
+    torchrun(WORKER, 2, ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all)])
+    return {"hf": hf, "hf_all": hf_all, "ranks": [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _hf_forward(hf_dir: Path, **config: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, **config)
+    tokens = torch.randint(3, model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        out = model(tokens, output_router_logits=True)
+    return out.logits, list(out.router_logits)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_logits_match_transformers(run: dict, ep: int) -> None:
+    logits, routers = _hf_forward(run["hf"])
+    for r, rank in enumerate(run["ranks"]):
+        diff = _max_diff(rank[f"ep{ep}/logits"], logits)
+        print(f"EP={ep} rank {r}: max |logit - transformers| = {diff:.3g}")
+        assert diff < 1e-4, diff
+    assert torch.equal(run["ranks"][0]["ep2/logits"], run["ranks"][0]["ep1/logits"])
+    # the check means something: every layer sends tokens to every expert (both EP ranks work)
+    for layer in routers:
+        chosen = layer.topk(2, dim=-1).indices.flatten()
+        assert set(chosen.tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_unnormalised_top_k_matches_transformers(run: dict, ep: int) -> None:
+    """norm_topk_prob=false (megatron moe_router_pre_softmax): the k weights keep their share of
+    the softmax over all experts; renormalising them would change these logits."""
+    logits, _ = _hf_forward(run["hf_all"])
+    diff = _max_diff(run["ranks"][1][f"ep{ep}/softmax_all_logits"], logits)
+    print(f"EP={ep} norm_topk_prob=false: max |logit - transformers| = {diff:.3g}")
+    assert diff < 1e-4, diff
+    renormalised, _ = _hf_forward(run["hf_all"], norm_topk_prob=True)
+    assert _max_diff(renormalised, logits) > 1e-3  # (7.7e-3 here: 77× the tolerance above)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ep2_step_matches_ep1(run: dict, variant: str) -> None:
+    r0, r1 = run["ranks"]
+    a, b = f"ep1/{variant}", f"ep2/{variant}"
+    diffs = {
+        "log-probs": _max_diff(r0[f"{b}/logprobs"], r0[f"{a}/logprobs"]),
+        "loss": abs(r0[f"{b}/loss"].item() - r0[f"{a}/loss"].item()),
+        "grad norm": abs(r0[f"{b}/grad_norm"].item() - r0[f"{a}/grad_norm"].item()),
+    }
+    if variant != "distopt":
+        diffs["gradients"] = 0.0  # (the distributed optimizer keeps only a shard of each gradient)
+        for rank in (r0, r1):  # EP=2 rank r holds experts 2r, 2r+1; EP=1 rank 0 holds them all
+            names = [k.removeprefix(f"{b}/grad/") for k in rank if k.startswith(f"{b}/grad/")]
+            assert len(names) == 47  # 3 globals + 4 layers × (6 + router + 2 experts × 2)
+            for n in names:
+                diffs["gradients"] = max(diffs["gradients"], _max_diff(rank[f"{b}/grad/{n}"], r0[f"{a}/grad/{n}"]))
+        experts = [k for k in r1 if k.startswith(f"{b}/grad/") and "local_experts.3." in k]
+        assert experts and max(r1[k].abs().max().item() for k in experts) > 1e-3  # real gradients
+    weights = [k.removeprefix(f"{a}/w/") for k in r0 if k.startswith(f"{a}/w/")]
+    assert len(weights) == 87
+    diffs["weights after the step"] = max(_max_diff(r0[f"{b}/w/{n}"], r0[f"{a}/w/{n}"]) for n in weights)
+    g = r0[f"{a}/grad_norm"].item()
+    print(f"{variant}: EP2 - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()) + f" (grad norm {g:.4g})")
+    assert g > 0 and diffs["grad norm"] < 1e-6 * max(1.0, g)
+    assert max(v for k, v in diffs.items() if k != "grad norm") < 1e-6, diffs
+
+
+def test_weights_read_back_bitwise_and_the_step_moved_them(run: dict) -> None:
+    init = load_file(str(run["hf"] / "model.safetensors"))
+    r0 = run["ranks"][0]
+    for ep in (1, 2):
+        loaded = {k.removeprefix(f"ep{ep}/loaded/"): v for k, v in r0.items() if k.startswith(f"ep{ep}/loaded/")}
+        assert loaded.keys() == init.keys()
+        assert all(torch.equal(loaded[k], init[k]) for k in init)
+    moved = max(_max_diff(r0[f"ep2/plain/w/{k}"], v) for k, v in init.items())
+    assert moved > 1e-4
+
+
+def test_router_losses_match_their_formulas(run: dict) -> None:
+    r0 = run["ranks"][0]
+    for ep in (1, 2):
+        got, ref = r0[f"ep{ep}/aux_only/router_grad"], r0[f"ep{ep}/aux_only/router_grad_ref"]
+        print(f"EP={ep}: router-loss gradient vs formulas {_max_diff(got, ref):.3g} (of {ref.abs().max().item():.3g})")
+        assert ref.abs().max() > 1e-3
+        assert _max_diff(got, ref) <= 1e-6 * ref.abs().max().item()
+    # and they change the update (the aux variant's router gradients differ from plain's)
+    router = "decoder.layers.3.mlp.router.weight"
+    assert _max_diff(r0[f"ep1/aux/grad/{router}"], r0[f"ep1/plain/grad/{router}"]) > 1e-3

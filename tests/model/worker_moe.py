@@ -1,0 +1,138 @@
+"""torchrun worker (2 ranks): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
+(DP=2, each rank holding 2 of the 4 experts) in the same process group: full logits, log-probs,
+and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
+the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
+router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
+router's gradient is checked against a direct implementation of their formulas. Each rank
+saves its own results; expert gradients are keyed by their GLOBAL expert index."""
+
+import argparse
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from megarl import algo  # noqa: E402
+from megarl.checkpoint.experts import to_global  # noqa: E402
+from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf  # noqa: E402
+from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
+from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from megarl.distributed import init_distributed  # noqa: E402
+from megarl.model.builder import build_gpt  # noqa: E402
+from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
+from megarl.model.train import train_step  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--hf", required=True)
+ap.add_argument("--out", required=True)
+ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
+args = ap.parse_args()
+
+B, S, MBS = 8, 16, 2
+AUX, Z = 1e-2, 1e-3
+hf_cfg, hf = read_hf_folder(args.hf)
+base = model_config_from_hf(hf_cfg, ModelConfig())
+adapter = LlamaQwen2Adapter(base)
+# adam_eps well above fp32 gradient noise (see tests/model/worker_parity.py)
+OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-4)
+VARIANTS = {  # name: (distributed optimizer, router losses on, main loss weight)
+    "plain": (False, False, 1.0),
+    "distopt": (True, False, 1.0),
+    "aux": (False, True, 1.0),
+    "aux_only": (False, True, 0.0),  # the router losses' gradient alone, against a reference
+}
+
+g = torch.Generator().manual_seed(123)
+tokens = torch.randint(3, base.vocab_size, (B, S), generator=g)
+mask = torch.zeros(B, S)
+for b in range(B):  # ragged responses after a 5-token prompt
+    mask[b, 4 : 4 + 3 + (b % 8)] = 1.0
+adv = algo.grpo_advantages(torch.rand(B, generator=g), torch.arange(B) // 4)
+denom = algo.global_denominator("token-mean", mask)
+
+
+def loss_fn(weight):
+    def fn(mb, logits):
+        cur = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 1.0)
+        per_tok, _ = algo.policy_loss(cur, mb["old"], algo.sequence_to_token(mb["adv"], mb["mask"]), mb["mask"])
+        loss = algo.aggregate(per_tok, mb["mask"], mode="token-mean", global_denominator=denom)
+        return loss * weight, {"loss": loss.detach()}
+
+    return fn
+
+
+def reference_router_grad(inputs, weight, k, total):
+    """d/dW of Σ_mb (n_mb / N)·(AUX·aux_mb + Z·z_mb) for the last layer's router W (E, H), its
+    micro-batch inputs held fixed (no later layer depends on W): Switch Transformer eq. 4,
+    aux = E·Σᵢ fᵢ·Pᵢ with fᵢ = (tokens sending to i) / (k·n), Pᵢ = mean router probability of
+    i (softmax over all experts); ST-MoE eq. 5, z = mean over tokens of logsumexp(logits)²."""
+    w = weight.detach().clone().requires_grad_(True)
+    objective = 0.0
+    for x in inputs:
+        x = x.reshape(-1, x.shape[-1]).float()
+        n, experts = x.shape[0], w.shape[0]
+        logits = x @ w.t()
+        probs = logits.softmax(-1)
+        counts = torch.zeros(experts).scatter_add_(0, probs.topk(k, -1).indices.reshape(-1), torch.ones(n * k))
+        aux = experts * ((counts / (k * n)) * probs.mean(0)).sum()
+        z = logits.logsumexp(-1).square().mean()
+        objective = objective + (n / total) * (AUX * aux + Z * z)
+    objective.backward()
+    return w.grad
+
+
+def full_logits(model):
+    model.module.eval()
+    with torch.no_grad():  # every rank runs the whole batch (its experts serve both)
+        positions = torch.arange(S).expand_as(tokens)
+        return model.core(tokens, positions, None)[..., : model.vocab_size].clone()
+
+
+result: dict[str, torch.Tensor] = {}
+for ep in (1, 2):
+    dims = init_distributed(1, 1, seed=7, ep=ep)
+    local = base.num_experts // ep
+    if args.hf_softmax_all:
+        cfg2, hf2 = read_hf_folder(args.hf_softmax_all)
+        m2 = model_config_from_hf(cfg2, ModelConfig())
+        assert not m2.moe_norm_topk_prob
+        other = build_gpt(m2, ParallelConfig(expert_parallel=ep), dims, trainable=False)
+        load_hf_tensors(other, LlamaQwen2Adapter(m2), hf2)
+        result[f"ep{ep}/softmax_all_logits"] = full_logits(other)
+    for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
+        mcfg = dataclasses.replace(base, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z) if router_losses else base
+        pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt)
+        model = build_gpt(mcfg, pcfg, dims, optim=OPTIM)
+        load_hf_tensors(model, adapter, hf)
+        key = f"ep{ep}/{variant}"
+        if variant == "plain":
+            result[f"ep{ep}/logits"] = full_logits(model)
+            result.update({f"ep{ep}/loaded/{k}": v for k, v in hf_state_dict(model, adapter).items()})
+        old = forward_logprobs(model, tokens, micro_batch_size=MBS, temperature=1.0)["logprobs"]
+        result[f"{key}/logprobs"] = old
+        rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
+        batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
+        router = model.core.decoder.layers[-1].mlp.router
+        router_before = router.weight.detach().clone()
+        seen: list[torch.Tensor] = []
+        hook = router.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].detach().clone()))
+        stats, gnorm = train_step(model, batch, loss_fn(weight), micro_batch_size=MBS)
+        hook.remove()
+        result[f"{key}/loss"] = torch.tensor([stats["loss"]], dtype=torch.float64)
+        result[f"{key}/grad_norm"] = torch.tensor([gnorm], dtype=torch.float64)
+        if not dist_opt:  # (the distributed optimizer leaves only this rank's shard of each gradient)
+            for name, p in model.core.named_parameters():  # this rank's gradients after the DP reduction
+                result[f"{key}/grad/{to_global(name, dims.ep_rank, local)}"] = p.main_grad.detach().clone()
+        if variant == "aux_only":
+            ref = reference_router_grad(seen, router_before, base.moe_router_topk, B * S)
+            torch.distributed.all_reduce(ref, group=dims.dp_group)  # the DP reduction of this replicated weight
+            result[f"{key}/router_grad"] = router.weight.main_grad.detach().clone()
+            result[f"{key}/router_grad_ref"] = ref
+        result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
+        print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
+save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))
