@@ -23,10 +23,10 @@ class ParallelConfig:
     data_parallel: int = 1
     """Data-parallel replicas; trainer world size = TP × PP × DP."""
     expert_parallel: int = 1
-    """Expert-parallel size (MoE models): each layer's experts are split over this many ranks
-    of a DP × TP slice, each holding model.num_experts / EP of them (tokens travel to their
-    experts by megatron's alltoall dispatcher); experts are TP-split like a dense MLP. Must
-    divide model.num_experts and DP (EP × TP ranks hold one copy of the experts)."""
+    """Expert-parallel size (MoE models): each layer's experts are split over this many DP ranks,
+    each holding model.num_experts / EP of them; tokens travel to their experts through
+    megatron's alltoall dispatcher. Must divide model.num_experts and DP. (A MoE model trains at
+    tensor_parallel 1: megatron trains MoE under TP only with sequence parallelism.)"""
     micro_batch_size: int = 8
     """Sequences per micro-batch on one DP rank."""
     logprob_micro_batch_size: int = 0
@@ -81,12 +81,12 @@ class ParallelConfig:
             )
         if m.is_moe and m.expert_ffn_hidden_size % tp:
             fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
-        if tp > 1 and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+        if m.is_moe and tp > 1:
             fail(
                 "parallel.tensor_parallel",
                 tp,
-                "with router losses (model.moe_aux_loss_coeff, model.moe_z_loss_coeff): megatron counts their "
-                "tokens as split over TP (sequence parallelism), which megarl does not use",
+                "with a mixture-of-experts model: megatron trains MoE layers under TP only with sequence "
+                "parallelism (tokens split over TP), which megarl does not build (conversion at TP > 1 works)",
             )
         if ep > 1 and self.max_tokens_per_micro_batch:
             fail(

@@ -1,7 +1,7 @@
 """A Qwen3-MoE model (4 experts, top-2) at expert parallelism 2 against EP=1 and against
 transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``:
 
-* logits at EP=1 and EP=2 equal transformers' within 1e-4 (and each other exactly: the same
+* logits at EP=1, EP=2 and TP=2 equal transformers' within 1e-4 (and each other exactly: the same
   tokens meet the same experts, wherever they live), with renormalised top-k weights
   (``norm_topk_prob``, as Qwen3-30B-A3B) and without; the weights read back out of either
   layout are the HF tensors, bitwise;
@@ -51,12 +51,12 @@ def _hf_forward(hf_dir: Path, **config: object) -> tuple[torch.Tensor, list[torc
     return out.logits, list(out.router_logits)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_logits_match_transformers(run: dict, ep: int) -> None:
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2"])
+def test_logits_match_transformers(run: dict, layout: str) -> None:
     logits, routers = _hf_forward(run["hf"])
     for r, rank in enumerate(run["ranks"]):
-        diff = _max_diff(rank[f"ep{ep}/logits"], logits)
-        print(f"EP={ep} rank {r}: max |logit - transformers| = {diff:.3g}")
+        diff = _max_diff(rank[f"{layout}/logits"], logits)
+        print(f"{layout} rank {r}: max |logit - transformers| = {diff:.3g}")
         assert diff < 1e-4, diff
     assert torch.equal(run["ranks"][0]["ep2/logits"], run["ranks"][0]["ep1/logits"])
     # the check means something: every layer sends tokens to every expert (both EP ranks work)
@@ -104,11 +104,19 @@ def test_ep2_step_matches_ep1(run: dict, variant: str) -> None:
     assert max(v for k, v in diffs.items() if k != "grad norm") < 1e-6, diffs
 
 
+def test_tp2_logprobs_match_ep1(run: dict) -> None:
+    """Experts split over TP like a dense SwiGLU MLP ([gate; up] per shard), the router whole on
+    each TP rank (forward only: megatron trains MoE under TP only with sequence parallelism)."""
+    diff = _max_diff(run["ranks"][0]["tp2/plain/logprobs"], run["ranks"][0]["ep1/plain/logprobs"])
+    print(f"TP2 - EP1 log-probs {diff:.3g}")
+    assert diff < 1e-6
+
+
 def test_weights_read_back_bitwise_and_the_step_moved_them(run: dict) -> None:
     init = load_file(str(run["hf"] / "model.safetensors"))
     r0 = run["ranks"][0]
-    for ep in (1, 2):
-        loaded = {k.removeprefix(f"ep{ep}/loaded/"): v for k, v in r0.items() if k.startswith(f"ep{ep}/loaded/")}
+    for layout in ("ep1", "ep2", "tp2"):
+        loaded = {k.removeprefix(f"{layout}/loaded/"): v for k, v in r0.items() if k.startswith(f"{layout}/loaded/")}
         assert loaded.keys() == init.keys()
         assert all(torch.equal(loaded[k], init[k]) for k in init)
     moved = max(_max_diff(r0[f"ep2/plain/w/{k}"], v) for k, v in init.items())

@@ -1,5 +1,6 @@
 """torchrun worker (2 ranks): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
-(DP=2, each rank holding 2 of the 4 experts) in the same process group: full logits, log-probs,
+(DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP;
+forward only: megatron trains MoE under TP only with sequence parallelism) in the same process group: full logits, log-probs,
 and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
@@ -90,31 +91,43 @@ def full_logits(model):
     model.module.eval()
     with torch.no_grad():  # every rank runs the whole batch (its experts serve both)
         positions = torch.arange(S).expand_as(tokens)
-        return model.core(tokens, positions, None)[..., : model.vocab_size].clone()
+        logits = model.core(tokens, positions, None)
+    if model.dims.tp > 1:  # vocabulary shards
+        parts = [torch.empty_like(logits) for _ in range(model.dims.tp)]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=model.dims.tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., : model.vocab_size].clone()
 
 
+LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1)}  # name: (TP, EP); DP = 2 / TP
 result: dict[str, torch.Tensor] = {}
-for ep in (1, 2):
-    dims = init_distributed(1, 1, seed=7, ep=ep)
+for layout, (tp, ep) in LAYOUTS.items():
+    dims = init_distributed(tp, 1, seed=7, ep=ep)
     local = base.num_experts // ep
-    if args.hf_softmax_all:
+    if args.hf_softmax_all and tp == 1:
         cfg2, hf2 = read_hf_folder(args.hf_softmax_all)
         m2 = model_config_from_hf(cfg2, ModelConfig())
         assert not m2.moe_norm_topk_prob
         other = build_gpt(m2, ParallelConfig(expert_parallel=ep), dims, trainable=False)
         load_hf_tensors(other, LlamaQwen2Adapter(m2), hf2)
-        result[f"ep{ep}/softmax_all_logits"] = full_logits(other)
+        result[f"{layout}/softmax_all_logits"] = full_logits(other)
     for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
+        if tp > 1 and variant != "plain":
+            continue
         mcfg = dataclasses.replace(base, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z) if router_losses else base
-        pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt)
+        pcfg = ParallelConfig(
+            tensor_parallel=tp, micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt
+        )
         model = build_gpt(mcfg, pcfg, dims, optim=OPTIM)
         load_hf_tensors(model, adapter, hf)
-        key = f"ep{ep}/{variant}"
+        key = f"{layout}/{variant}"
         if variant == "plain":
-            result[f"ep{ep}/logits"] = full_logits(model)
-            result.update({f"ep{ep}/loaded/{k}": v for k, v in hf_state_dict(model, adapter).items()})
+            result[f"{layout}/logits"] = full_logits(model)
+            result.update({f"{layout}/loaded/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         old = forward_logprobs(model, tokens, micro_batch_size=MBS, temperature=1.0)["logprobs"]
         result[f"{key}/logprobs"] = old
+        if tp > 1:  # megatron trains MoE under TP only with sequence parallelism (megarl refuses it)
+            continue
         rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
         batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
         router = model.core.decoder.layers[-1].mlp.router
@@ -125,7 +138,7 @@ for ep in (1, 2):
         hook.remove()
         result[f"{key}/loss"] = torch.tensor([stats["loss"]], dtype=torch.float64)
         result[f"{key}/grad_norm"] = torch.tensor([gnorm], dtype=torch.float64)
-        if not dist_opt:  # (the distributed optimizer leaves only this rank's shard of each gradient)
+        if not dist_opt and tp == 1:  # (the distributed optimizer leaves only its shard of each gradient)
             for name, p in model.core.named_parameters():  # this rank's gradients after the DP reduction
                 result[f"{key}/grad/{to_global(name, dims.ep_rank, local)}"] = p.main_grad.detach().clone()
         if variant == "aux_only":
