@@ -4,7 +4,7 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
 * logits at EP=1, EP=2 and TP=2 equal transformers' within 1e-4 (and each other exactly: the same
   tokens meet the same experts, wherever they live), with renormalised top-k weights
   (``norm_topk_prob``, as Qwen3-30B-A3B) and without; the weights read back out of either
-  layout are the HF tensors, bitwise;
+  layout are the HF tensors, bitwise; and at TP 2 × EP 2 (four ranks);
 * one optimizer step at EP=2 equals EP=1 within 1e-6 — log-probs, loss, grad norm, every
   gradient (experts keyed by their global index on both ranks) and the weights after the step
   — with the plain and the distributed optimizer, and with the router losses on;
@@ -35,6 +35,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out.mkdir()
     torchrun(WORKER, 2, ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all)])
     return {"hf": hf, "hf_all": hf_all, "ranks": [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]}
+
+
+@pytest.fixture(scope="module")
+def run_tp2ep2(run: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """TP 2 × EP 2 on four ranks (forward only: see test_tp2_logprobs_match_ep1)."""
+    out = tmp_path_factory.mktemp("moe_tp2ep2")
+    torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2"])
+    return load_file(str(out / "rank0.safetensors"))
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,6 +118,18 @@ def test_tp2_logprobs_match_ep1(run: dict) -> None:
     diff = _max_diff(run["ranks"][0]["tp2/plain/logprobs"], run["ranks"][0]["ep1/plain/logprobs"])
     print(f"TP2 - EP1 log-probs {diff:.3g}")
     assert diff < 1e-6
+
+
+def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep2: dict) -> None:
+    """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP."""
+    logits, _ = _hf_forward(run["hf"])
+    diff = _max_diff(run_tp2ep2["tp2ep2/logits"], logits)
+    print(f"TP2×EP2: max |logit - transformers| = {diff:.3g}")
+    assert diff < 1e-4
+    assert _max_diff(run_tp2ep2["tp2ep2/plain/logprobs"], run["ranks"][0]["ep1/plain/logprobs"]) < 1e-6
+    init = load_file(str(run["hf"] / "model.safetensors"))
+    loaded = {k.removeprefix("tp2ep2/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith("tp2ep2/loaded/")}
+    assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
 
 
 def test_weights_read_back_bitwise_and_the_step_moved_them(run: dict) -> None:

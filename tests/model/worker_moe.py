@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
+"""torchrun worker (2 ranks; 4 for ``--layouts tp2ep2``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
 (DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP;
 forward only: megatron trains MoE under TP only with sequence parallelism) in the same process group: full logits, log-probs,
 and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
@@ -32,6 +32,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
+ap.add_argument("--layouts", default="ep1,ep2,tp2", help="which of LAYOUTS to run, in order")
 args = ap.parse_args()
 
 B, S, MBS = 8, 16, 2
@@ -99,9 +100,10 @@ def full_logits(model):
     return logits[..., : model.vocab_size].clone()
 
 
-LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1)}  # name: (TP, EP); DP = 2 / TP
+LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # name: (TP, EP); DP = world / TP
 result: dict[str, torch.Tensor] = {}
-for layout, (tp, ep) in LAYOUTS.items():
+for layout in args.layouts.split(","):
+    tp, ep = LAYOUTS[layout]
     dims = init_distributed(tp, 1, seed=7, ep=ep)
     local = base.num_experts // ep
     if args.hf_softmax_all and tp == 1:
