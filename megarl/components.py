@@ -69,6 +69,10 @@ class Start:
     """The checkpoint the run resumes from (``train.resume``), None for a fresh run."""
     warm_start_nll: float | None = None
     """A fresh run's warm start: its last supervised NLL (None: no warm start)."""
+    warm_start_exact: float | None = None
+    """Its last step's share of examples reproduced exactly (``megarl.warm_start``)."""
+    warm_start_steps: int | None = None
+    """Its steps taken (fewer than ``warm_start.steps`` when ``stop_at_exact`` stopped it)."""
     warm_start_s: float | None = None
     """Seconds the warm start took."""
 
@@ -274,7 +278,9 @@ def _start(
     start = Start(resume_from=state.find_resume(cfg.train.run_dir, cfg.train.resume))
     if start.resume_from is None and cfg.warm_start.steps:
         t0 = time.perf_counter()
-        start.warm_start_nll = warm_start(WarmStartSettings.of(cfg), dims, actor, tok, rows, example)[-1]
+        done = warm_start(WarmStartSettings.of(cfg), dims, actor, tok, rows, example)
+        start.warm_start_nll, start.warm_start_exact = done.nll[-1], done.exact[-1]
+        start.warm_start_steps = len(done.nll)
         start.warm_start_s = time.perf_counter() - t0
     return start
 

@@ -110,7 +110,9 @@ def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> RunSu
     state.install_preemption_handlers()
     c = build(cfg)
     t, rank0 = cfg.train, c.dims.is_rank0
-    summary = RunSummary(warm_start_final_nll=c.start.warm_start_nll, warm_start_s=c.start.warm_start_s)
+    ws = c.start
+    summary = RunSummary(warm_start_final_nll=ws.warm_start_nll, warm_start_final_exact=ws.warm_start_exact,
+                         warm_start_steps=ws.warm_start_steps, warm_start_s=ws.warm_start_s)  # fmt: skip
     progress = Progress()
     files = {f.name: f for f in c.tok.files()}  # the tokenizer travels with each checkpoint
     ckpt = CheckpointManager(c.run_dir, t, c.models(), {**c.stateful(), "progress": progress}, files)

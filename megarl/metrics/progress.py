@@ -102,6 +102,8 @@ class Progress:
 
 SUMMARY_KEYS = {
     "warm_start_final_nll": "warm_start/final_nll",
+    "warm_start_final_exact": "warm_start/final_exact",
+    "warm_start_steps": "warm_start/steps",
     "val_reward_start": "val/reward_start",
     "val_reward_end": "val/reward_end",
 }
@@ -116,6 +118,10 @@ class RunSummary:
     resumed_from_step: int | None = None
     warm_start_final_nll: float | None = None
     """The warm start's last supervised NLL."""
+    warm_start_final_exact: float | None = None
+    """Its last step's share of examples reproduced exactly, teacher-forced (``megarl.warm_start``)."""
+    warm_start_steps: int | None = None
+    """Its steps taken (``warm_start.stop_at_exact`` may stop it before ``warm_start.steps``)."""
     warm_start_s: float | None = None
     """Seconds of warm start (part of ``startup_s``)."""
     val_reward_start: float | None = None

@@ -315,7 +315,7 @@ def _forward_collect_budget(
     return result
 
 
-def _vocab_parallel_argmax(logits: torch.Tensor, tp_rank: int, tp_group: Any) -> torch.Tensor:
+def vocab_parallel_argmax(logits: torch.Tensor, tp_rank: int, tp_group: Any) -> torch.Tensor:
     """Global argmax over the TP-sharded vocabulary (ties → lowest id). (b, s, v/tp) -> (b, s)."""
     v_local = logits.shape[-1]
     val, idx = logits.float().max(dim=-1)
@@ -343,7 +343,7 @@ def greedy_generate(
             tokens[i, : len(s)] = torch.tensor(s)
 
         def loss_fn(mb: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[Any, ...]:
-            am = _vocab_parallel_argmax(model_logits(model, logits), dims.tp_rank, dims.tp_group)
+            am = vocab_parallel_argmax(model_logits(model, logits), dims.tp_rank, dims.tp_group)
             return torch.zeros(()), torch.tensor(1), {"argmax": am}
 
         model.module.eval()

@@ -115,6 +115,7 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(algo={"kl_coef": -1.0}), 1, "algo.kl_coef=-1.0 must be >= 0"),
         (_cfg(algo={"clip_high": -0.2}), 1, "algo.clip_high=-0.2 must be >= 0"),
         (_cfg(algo={"lam": 1.5}), 1, r"algo.lam=1.5 must be in \[0, 1\]"),
+        (_cfg(warm_start={"stop_at_exact": 1.5}), 1, r"warm_start.stop_at_exact=1.5 must be in \[0, 1\] .a share"),
         (_cfg(reward={"stop_after_failed_steps": -1}), 1, "reward.stop_after_failed_steps=-1 must be a positive integer"),
         (_cfg(coordinator={"noise_kind": "fisher"}), 1,
          "coordinator.noise_kind='fisher' must be 'plain' .raw gradients. or 'adam'"),
