@@ -166,6 +166,7 @@ def test_episodes_overlap_and_reproduce_whatever_the_timing(tmp_path: Path) -> N
         assert (report.episodes, report.turns, report.tool_calls, report.failures) == (8, 24, 24.0, 0)
         assert (report.later_turns, report.metrics()["env/same_engine_frac"]) == (16, 1.0)  # asked for its engine
         assert 3 * 0.03 <= report.chain_s < wall  # three steps of 30-70 ms (and a reset), within the round
+        assert report.chain_s + 3 * 0.6 * GEN_S <= report.critical_s <= wall  # + its three turns' calls
         results.append((flat, texts, totals))
         if workers == 8:  # every environment step in parallel: ~3 × (generation + step)
             assert wall < 0.4 * serial_s, (wall, fleet.batches)
