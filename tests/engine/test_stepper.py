@@ -210,25 +210,24 @@ def test_nothing_is_admitted_past_a_waiting_update_but_a_started_call_finishes()
     stepper, fake = _stepper(kv=64, budget=None)  # one request at a time
     fake.step_s = 0.005  # call a: 2 × 20 steps, 0.2 s; the update comes at 0.05 s, call b at 0.1 s
     engine = stepper.engine
-    order: list[str] = []
-    a = _call([8, 8], 20)  # two requests: the second waits for the first's room
+    a, b = _call([8, 8], 20), _call([8], 20)  # a's second request waits for its first's room
+    seen: dict[str, object] = {}
 
     def update() -> None:
         time.sleep(0.05)
-        with engine.lock:
-            order.append("update")
+        with engine.lock:  # (what an update's commit does)
+            seen.update(a_done=a.done.is_set(), b_admitted=b.admitted)
             engine.version = 5
 
-    def call(name: str, c: Call, delay: float) -> None:
+    def call(c: Call, delay: float) -> None:
         time.sleep(delay)
         stepper.run(c)
-        order.append(f"{name}@{c.version}")
 
-    b = _call([8], 20)
-    threads = [threading.Thread(target=call, args=("a", a, 0.0)), threading.Thread(target=update),
-               threading.Thread(target=call, args=("b", b, 0.1))]  # fmt: skip
+    threads = [threading.Thread(target=call, args=(a, 0.0)), threading.Thread(target=update),
+               threading.Thread(target=call, args=(b, 0.1))]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert order == ["a@4", "update", "b@5"]
+    assert seen == {"a_done": True, "b_admitted": 0}  # a (started) ran to its end; b waited for the update
+    assert (a.version, b.version) == (4, 5) and None not in a.outputs + b.outputs

@@ -531,14 +531,14 @@ def test_an_engine_killed_under_concurrent_joined_calls_is_restarted_once(fleet)
     same ids; log-probs to rounding, as the batch they share changes), and the engine is
     restarted once, not once per call that saw it die."""
     f, _, _, _ = fleet
-    calls = [[[1, 5 + (8 * c + i) % 40, 7] for i in range(8)] for c in range(8)]
-    kw = dict(n=2, max_tokens=40, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True, join=True)
-    calm = [f.generate(p, seeds=[100 * c + i for i in range(8)], **kw)[0] for c, p in enumerate(calls)]
+    calls = [[[1, 5 + (32 * c + i) % 40, 7] for i in range(32)] for c in range(8)]  # 512 sequences of 48 ids
+    kw = dict(n=2, max_tokens=48, temperature=1.0, top_p=1.0, stop_token_ids=[], ignore_eos=True, join=True)
+    calm = [f.generate(p, seeds=[100 * c + i for i in range(32)], **kw)[0] for c, p in enumerate(calls)]
     restarts, victim = f.restarts, f.engines[0]
     results: dict[int, tuple] = {}
 
     def run(c: int) -> None:
-        results[c] = f.generate(calls[c], seeds=[100 * c + i for i in range(8)], **kw)
+        results[c] = f.generate(calls[c], seeds=[100 * c + i for i in range(32)], **kw)
 
     threads = [threading.Thread(target=run, args=(c,)) for c in range(8)]
     for t in threads:
