@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,20 @@ def tiny_hf_model(
                 p.mul_(50.0)
     model.to(getattr(torch, dtype)).save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def one_rank_group(tmp_path_factory: Any) -> Iterator[None]:
+    """A one-rank gloo process group for a test module (``pytest.fixture``-wrapped by the module:
+    code that broadcasts or all-reduces over it runs in the test process); kept if one exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -7,21 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megarl.warm_start import exact_rows
+from tests.helpers import one_rank_group
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank(tmp_path_factory: pytest.TempPathFactory):
-    """The argmax is vocab-parallel (all-reduces over the TP group): a one-rank gloo group."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+_one_rank = pytest.fixture(scope="module", autouse=True)(
+    one_rank_group
+)  # The argmax is vocab-parallel (all-reduces over the TP group): a one-rank gloo group.
 
 
 @dataclass

@@ -33,9 +33,11 @@ GPUs and wake them in two steps around a sync (``sleep`` / ``wake_up``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from megarl.engine import routes
@@ -92,34 +94,28 @@ class Fleet(WeightUpdates):
         that finds it dead, and the others re-issue their prompts to the engines serving."""
         seeds = seeds or [None] * len(prompts)  # None: the engine's own RNG
         prefer = prefer or [None] * len(prompts)
+        with self._busy():
+            return self._generate(prompts, n, max_tokens, temperature, top_p, stop_token_ids, seeds, ignore_eos,
+                                  min_tokens, logprobs, prefer, join)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Around a generation: ``fleet/generate_s`` counts the time with at least one under way."""
         with self._calls:
             self._in_flight += 1
             if self._in_flight == 1:
                 self._busy_since = time.perf_counter()
         try:
-            return self._generate(prompts, n, max_tokens, temperature, top_p, stop_token_ids, seeds, ignore_eos,
-                                  min_tokens, logprobs, prefer, join)  # fmt: skip
+            yield
         finally:
             with self._calls:
                 self._in_flight -= 1
                 if not self._in_flight:
                     self._count("generate_s", time.perf_counter() - self._busy_since)
 
-    def _generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop_token_ids: list[int],
-        seeds: list[int | None],
-        ignore_eos: bool,
-        min_tokens: int,
-        logprobs: bool,
-        prefer: list[str | None],
-        join: bool,
-    ) -> tuple[list[list[dict[str, Any]]], int]:
+    def _generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
+                  stop_token_ids: list[int], seeds: list[int | None], ignore_eos: bool, min_tokens: int,
+                  logprobs: bool, prefer: list[str | None], join: bool) -> tuple[list[list[dict[str, Any]]], int]:  # fmt: skip
         with self._calls:
             self.recover()  # an engine that died while idle is restarted before it is given prompts
         results: list[list[dict[str, Any]] | None] = [None] * len(prompts)

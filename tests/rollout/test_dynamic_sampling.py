@@ -14,26 +14,19 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.data.prompts import PromptRecord
 from megarl.rollout.collector import RewardReport, RolloutCollector
 from megarl.rollout.sampling import CollectSettings
+from tests.helpers import one_rank_group
 
 SAMPLES = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank(tmp_path_factory: pytest.TempPathFactory):
-    """``collect`` broadcasts rank 0's counts and batch: a one-rank gloo group."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+_one_rank = pytest.fixture(scope="module", autouse=True)(
+    one_rank_group
+)  # ``collect`` broadcasts rank 0's counts and batch: a one-rank gloo group.
 
 
 @dataclass
