@@ -68,13 +68,12 @@ class Start:
     resume_from: Path | None
     """The checkpoint the run resumes from (``train.resume``), None for a fresh run."""
     warm_start_nll: float | None = None
-    """A fresh run's warm start: its last supervised NLL (None: no warm start)."""
+    """A fresh run's warm start (None: none): its last supervised NLL, its last step's share of
+    examples reproduced exactly, its steps (fewer than ``warm_start.steps`` when ``stop_at_exact``
+    stopped it) and its seconds (``megarl.warm_start``)."""
     warm_start_exact: float | None = None
-    """Its last step's share of examples reproduced exactly (``megarl.warm_start``)."""
     warm_start_steps: int | None = None
-    """Its steps taken (fewer than ``warm_start.steps`` when ``stop_at_exact`` stopped it)."""
     warm_start_s: float | None = None
-    """Seconds the warm start took."""
 
 
 @dataclass
