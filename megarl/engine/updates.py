@@ -3,10 +3,12 @@ broadcast, CUDA IPC), check, commit, abort.
 
 Invariant: the engine never serves a half-updated model. Every transport stages and checks
 tensors (``megarl.engine.staging``) before anything touches the model; commit applies the
-whole update in one ``reload_weights`` call while the request lock is held, so no generation
-interleaves. A rejected update leaves the old version. Staged CPU tensors are kept in memory,
-so commit does not read the sources a second time (with TP>1 the worker processes re-read
-files/bytes: tensors cannot be handed to them).
+whole update in one call per worker (``megarl.engine.loading``) while the request lock is held,
+so no generation interleaves. A rejected update leaves the old version; an applied one that did
+not cover the model (a parameter not written, a sent tensor used by no loader) is refused
+after the fact and marks the engine failed, so the fleet restarts it. Staged CPU tensors are
+kept in memory, so commit does not read the sources a second time (with TP>1 the worker
+processes re-read files/bytes: tensors cannot be handed to them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megarl.engine.coverage import coverage_problem, refusal
 from megarl.engine.credentials import inside
 from megarl.engine.staging import Staged, check_meta, check_tensor
 from megarl.engine.stepper import EngineLock
@@ -40,6 +43,9 @@ class WeightUpdates:
     """The update between begin and commit (None: none open)."""
     version: int
     """The weight version the engine serves (-1: the dummy weights it started with)."""
+    failed: str
+    """Why the engine must be restarted ('' if it need not): set when an applied update did not
+    cover its model (the weights are then neither the old version nor the new one)."""
 
     def begin(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -157,16 +163,31 @@ class WeightUpdates:
             if missing:
                 raise EngineError(f"update {version} incomplete: missing {missing[:5]} ({len(missing)} tensors)")
             t0 = time.perf_counter()
-            if st.in_workers:
-                self.llm.collective_rpc("megarl_apply_staged")
-            elif self.in_process:
-                self.llm.collective_rpc("megarl_apply", args=(list(st.tensors.items()),))
-            else:
-                self.llm.collective_rpc("megarl_apply_sources", args=(st.files, st.blobs, sorted(st.names)))
-            self.llm.reset_prefix_cache()
-            self.version = version
             self.staged = None
+            try:
+                reports = self._apply(st)
+            except Exception as err:  # half-written, or workers out of step: restart the engine
+                self.failed = f"update {version} failed while it was applied: {err}"
+                raise
+            finally:
+                self.llm.reset_prefix_cache()
+            refused = refusal(reports, version)
+            if refused:  # nothing was written: the old version still serves
+                raise EngineError(refused)
+            problem = coverage_problem(reports, version)
+            if problem:  # the model is no longer version's predecessor either: restart it
+                self.failed = problem
+                raise EngineError(problem)
+            self.version = version
         return {"ok": True, "version": version, "apply_s": time.perf_counter() - t0}
+
+    def _apply(self, st: Staged) -> list[dict[str, list[str]]]:
+        """Every worker writes the whole update; their coverage records (``megarl.engine.coverage``)."""
+        if st.in_workers:
+            return list(self.llm.collective_rpc("megarl_apply_staged"))
+        if self.in_process:
+            return list(self.llm.collective_rpc("megarl_apply", args=(list(st.tensors.items()),)))
+        return list(self.llm.collective_rpc("megarl_apply_sources", args=(st.files, st.blobs, sorted(st.names))))
 
     def abort(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:

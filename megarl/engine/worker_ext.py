@@ -2,13 +2,10 @@
 
 vLLM mixes this class into its worker, so ``llm.collective_rpc("megarl_...")`` runs these
 methods on every worker of one engine (all TP ranks). Every update is ONE call with HF
-names, so fused targets (q/k/v, gate/up) stay together:
-  ``model.load_weights``   a copy into the parameters in place: a CPU engine whose layers
-                           compute ``F.linear`` on their parameters (``--cpu-gemm plain``)
-  ``reload_weights``       vLLM's layer-wise reload, everywhere else: a packed CPU layer
-                           (vLLM's default) has dropped its weight for a oneDNN kernel, so
-                           ``model.load_weights`` fails there (see FACTS); the reload restores
-                           each layer, loads it and runs its post-load processing again
+names, so fused targets (q/k/v, gate/up) stay together, written by
+``megarl.engine.loading.apply_update``: ``model.load_weights`` in place (``--cpu-gemm plain``)
+or vLLM's layer-wise reload, routed experts in their kernel layout (never through either),
+and a coverage record returned to the engine (every parameter written, every tensor used).
 
 Sources, by transport:
   in-process tensors  ``megarl_apply``          engine server and worker share a process (TP=1)
@@ -27,13 +24,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from megarl.engine import wire
 from megarl.engine.cpu_sampler import CPU_SAMPLER_ENV, CPU_SAMPLERS, use_cpu_sampler
+from megarl.engine.loading import apply_update
 from megarl.engine.staging import all_finite
 from megarl.errors import EngineError
 
@@ -100,46 +98,6 @@ if os.environ.get(CPU_SAMPLER_ENV) in CPU_SAMPLERS:  # likewise, for its sampler
     use_cpu_sampler(os.environ[CPU_SAMPLER_ENV])
 
 
-def loads_in_place(model: torch.nn.Module) -> bool:
-    """True if every layer computes from its parameters, so ``model.load_weights`` is a whole
-    update: no CPU layer holds a packed kernel of an older weight (a packed LM head keeps its
-    weight *and* a kernel built from it: a copy would leave the logits stale)."""
-    linear = torch.nn.functional.linear
-    return all(getattr(m, "cpu_linear", linear) is linear for m in model.modules())
-
-
-def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    model = worker.model_runner.get_model()
-    in_place = getattr(worker, "_megarl_in_place", None)
-    if in_place is None:  # the layers' kernels are chosen once, when the model is built
-        in_place = worker._megarl_in_place = loads_in_place(model) and not torch.cuda.is_available()
-    if in_place:
-        with torch.no_grad():
-            model.load_weights(weights=iter(weights))
-        return
-    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    _refresh_tied_lm_head(model)
-
-
-def _refresh_tied_lm_head(model: Any) -> None:
-    """Re-derive a tied LM head's kernel state from the (just reloaded) embedding.
-
-    With tied embeddings vLLM's ``lm_head`` is its own module sharing the embedding's
-    Parameter. ``reload_weights`` only loads ``model.embed_tokens.weight``, so it processes
-    the embedding and never the head: on CPU the head keeps the GEMM it packed at start-up
-    from the dummy weights (``dispatch_cpu_unquantized_gemm``), and the logits stay those of
-    the dummy model (0.5 off transformers' log-probs, tests/weight_sync/test_engine_model.py).
-    """
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if head is None or embed is None or weight is None or weight is not getattr(embed, "weight", None):
-        return
-    quant_method = getattr(head, "quant_method", None)
-    if quant_method is not None:
-        quant_method.process_weights_after_loading(head)
-
-
 def _non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [n for n, t in named if not all_finite(t)]
 
@@ -151,11 +109,11 @@ class MegarlWorkerExtension:
     _megarl_clock: dict[str, Any] | None = None
 
     # -- CPU sources ------------------------------------------------------------------
-    def megarl_apply(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        _reload(self, named)
-        return len(named)
+    def megarl_apply(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, list[str]]:
+        """Apply tensors handed over in this process; the coverage record (``megarl.engine.loading``)."""
+        return apply_update(self, named)
 
-    def megarl_apply_sources(self, files: list[str], blobs: list[bytes], names: list[str]) -> int:
+    def megarl_apply_sources(self, files: list[str], blobs: list[bytes], names: list[str]) -> dict[str, list[str]]:
         """Read safetensors files and byte buffers again in this worker process (TP>1)."""
         from safetensors import safe_open
         from safetensors.torch import load
@@ -171,8 +129,7 @@ class MegarlWorkerExtension:
             for b in blobs:
                 yield from ((k, t) for k, t in load(b).items() if k in wanted)
 
-        _reload(self, it())
-        return len(wanted)
+        return apply_update(self, it())
 
     # -- GPU sources (staged in the worker until commit) --------------------------------
     def megarl_nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> int:
@@ -204,12 +161,12 @@ class MegarlWorkerExtension:
         self._megarl_staged.extend(named)
         return _non_finite(named)
 
-    def megarl_apply_staged(self) -> int:
-        staged = self._megarl_staged or []
-        _reload(self, staged)
-        torch.cuda.synchronize()  # the trainer may reuse its IPC buffers once commit returns
-        self.megarl_drop_staged()
-        return len(staged)
+    def megarl_apply_staged(self) -> dict[str, list[str]]:
+        try:
+            return apply_update(self, self._megarl_staged or [])
+        finally:
+            torch.cuda.synchronize()  # the trainer may reuse its IPC buffers once commit returns
+            self.megarl_drop_staged()
 
     def megarl_drop_staged(self) -> None:
         self._megarl_staged, self._megarl_buffers = None, None

@@ -13,8 +13,9 @@ import torch
 
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.config import ModelConfig
+from megarl.engine.loading import loads_in_place
 from megarl.engine.staging import MANIFEST
-from megarl.engine.worker_ext import PLAIN_GEMM_MAX_HIDDEN, cpu_gemm_mode, loads_in_place
+from megarl.engine.worker_ext import PLAIN_GEMM_MAX_HIDDEN, cpu_gemm_mode
 from megarl.errors import EngineError
 from megarl.fleet.fleet import Fleet
 from tests.helpers import tiny_hf_model
