@@ -312,6 +312,12 @@ def _devices(cfg: RunConfig, m: ModelConfig) -> None:
             f"gives head_dim={m.head_dim} (hidden_size / num_attention_heads or kv_channels), which vLLM's CPU "
             f"attention cannot run (supported: {', '.join(map(str, CPU_ENGINE_HEAD_DIMS))})",
         )
+    if not cuda and not r.engine_addresses and m.is_moe and m.hidden_size % 32:
+        fail(
+            "model.hidden_size",
+            m.hidden_size,
+            "is not a multiple of 32, which vLLM's CPU fused-MoE kernel needs for a mixture-of-experts model",
+        )
     if cfg.weight_sync.transport in ("nccl", "cuda_ipc") and not cuda:
         fail("weight_sync.transport", cfg.weight_sync.transport, "needs CUDA; use 'auto', 'shm' or 'http' on CPU")
     if r.colocate and not cuda:

@@ -110,6 +110,8 @@ def _moe(*sets: str) -> list[str]:
             2,
             "parallel.max_tokens_per_micro_batch=512 with parallel.expert_parallel=2",
         ),
+        # vLLM's CPU fused-MoE kernel needs hidden % 32 == 0 (kv_channels 32: a head size CPU attention runs)
+        (_moe("model.hidden_size=144", "model.kv_channels=32"), 1, "model.hidden_size=144 is not a multiple of 32"),
         # a valid layout: what is missing before a MoE model trains is said, not run into
         (_moe("parallel.expert_parallel=2"), 2, "model.arch='qwen3_moe' cannot train yet: the MoE weight sync"),
     ],
@@ -117,3 +119,4 @@ def _moe(*sets: str) -> list[str]:
 def test_moe_layout_rules_name_the_field(sets: list[str], world: int, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(load_config(None, sets), world)
+
