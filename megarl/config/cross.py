@@ -65,8 +65,6 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
-    if m.is_moe:  # the engines' layer-wise reload corrupts expert weights silently (FACTS, vLLM 0.32)
-        fail("model.arch", m.arch, "cannot train yet: the MoE weight sync into vLLM is not built (issue #44)")
 
 
 def _group_estimator(cfg: RunConfig) -> None:
