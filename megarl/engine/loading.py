@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 
 from megarl.engine.coverage import SourceTracker, coverage_report
 from megarl.engine.experts import expert_layers, plan_experts, write_experts
+
+log = logging.getLogger("megarl.engine")
 
 
 def loads_in_place(model: torch.nn.Module) -> bool:
@@ -44,6 +47,7 @@ def apply_update(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> di
     in_place = getattr(worker, "_megarl_in_place", None)
     if in_place is None:  # the layers' kernels are chosen once, when the model is built
         in_place = worker._megarl_in_place = loads_in_place(model) and not torch.cuda.is_available()
+        log.info("weight updates: %s", "load_weights in place" if in_place else "vLLM's layer-wise reload")
     named = list(weights)
     plan, rest, missing = plan_experts(expert_layers(model), named)
     if missing:  # refused before anything is written (a record, not an exception: see coverage)
