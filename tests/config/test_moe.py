@@ -121,5 +121,11 @@ def test_moe_layout_rules_name_the_field(sets: list[str], world: int, message: s
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_a_valid_moe_layout_trains(ep: int) -> None:
-    """MoE runs are accepted since the engines' experts are synced pre-packed (megarl.engine.experts)."""
-    validate(load_config(None, _moe(f"parallel.expert_parallel={ep}")), 2)
+    """MoE runs are accepted since the engines' experts are synced pre-packed (megarl.engine.experts),
+    while the MoE rules still apply to the very same layout."""
+    cfg = load_config(None, _moe(f"parallel.expert_parallel={ep}"))
+    assert (cfg.model.arch, cfg.model.num_experts, cfg.parallel.expert_parallel) == ("qwen3_moe", 4, ep)
+    assert validate(cfg, 2) is None  # (a refusal raises ConfigError)
+    broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32")
+    with pytest.raises(ConfigError, match=re.escape("model.hidden_size=144 is not a multiple of 32")):
+        validate(load_config(None, broken), 2)
