@@ -121,6 +121,33 @@ def one_rank_group(tmp_path_factory: Any) -> Iterator[None]:
     dist.destroy_process_group()
 
 
+_CONVERT_PROBE = """
+import json, sys
+from megarl.convert import main
+from megarl.errors import ConvertError
+out = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    try:
+        main(argv)
+        out[case] = "exit 0"
+    except ConvertError as e:
+        out[case] = str(e)
+out["_megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def convert_outcomes(argvs: dict[str, list[str]]) -> tuple[dict[str, str], bool]:
+    """``megarl convert`` with each case's arguments, in one fresh interpreter: per case its
+    ConvertError's text (or 'exit 0'), and whether megatron was imported by any of them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_PROBE, json.dumps(argvs)], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got, bool(got.pop("_megatron_imported"))
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.checkpoint.dist_ckpt import checkpoint_model_config
-from tests.helpers import ROOT, tiny_hf_model, torchrun
+from tests.helpers import ROOT, convert_outcomes, tiny_hf_model, torchrun
 
 WORKER = ROOT / "tests/checkpoint/worker_convert.py"
 TOOL = ROOT / "tools/convert.py"
@@ -212,22 +212,6 @@ REFUSED = {
     "extra_tensor": ({}, "tensor 'model.layers.0.self_attn.q_norm.weight' [32] is not part of the model"),
 }
 
-_PROBE = """
-import json, sys
-from megarl.convert import main
-from megarl.errors import ConvertError
-out = {}
-for case, hf in json.loads(sys.argv[1]).items():
-    try:
-        main(["hf-to-megarl", "--hf", hf, "--out", hf + "_ckpt", "--tp", "2"])
-        out[case] = "exit 0"
-    except ConvertError as e:
-        out[case] = str(e)
-out["_megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
-print(json.dumps(out))
-"""
-
-
 def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -243,13 +227,10 @@ def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
     save_file(
         {"model.layers.0.self_attn.q_norm.weight": torch.ones(32)}, str(tmp_path / "extra_tensor" / "more.safetensors")
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(dirs)], env=env, capture_output=True, text=True, timeout=120
+    got, megatron_imported = convert_outcomes(
+        {case: ["hf-to-megarl", "--hf", hf, "--out", hf + "_ckpt", "--tp", "2"] for case, hf in dirs.items()}
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got.pop("_megatron_imported") is False  # refused before megatron (or torchrun) started
+    assert megatron_imported is False  # refused before megatron (or torchrun) started
     for case, (_, needle) in REFUSED.items():
         line = got[case]
         assert needle in line and "\n" not in line and line.startswith(str(tmp_path / case / "config.json")), (
@@ -258,6 +239,7 @@ def test_unsupported_models_are_refused_before_any_work(tmp_path: Path) -> None:
         )
         assert not (tmp_path / f"{case}_ckpt").exists(), case
     # the command line: exit status 2 and the same single line on stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     cli = subprocess.run(
         [sys.executable, str(TOOL), "hf-to-megarl", "--hf", dirs["gelu"], "--out", str(tmp_path / "o"), "--tp", "2"],
         env=env,
