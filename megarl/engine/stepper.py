@@ -35,8 +35,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.errors import EngineUnhealthy
-
 log = logging.getLogger("megarl.engine")
 
 
@@ -94,8 +92,8 @@ class Call:
 
 class Stepper:
     """The engine's continuous batch (module docstring). ``engine`` provides ``llm``,
-    ``lock`` (an :class:`EngineLock`), ``version``, ``kv_tokens``, ``cpu_prefill``, ``failed``
-    and ``abort_all(error)``."""
+    ``lock`` (an :class:`EngineLock`), ``version``, ``kv_tokens``, ``cpu_prefill``,
+    ``unhealthy()`` and ``abort_all(error)``."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -103,8 +101,6 @@ class Stepper:
         self._queue: deque[Call] = deque()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self.steps = 0
-        """vLLM steps run (for the tests)."""
         self.most_running = 0
         """The most requests that ran at once (for the tests: > one call's when calls joined)."""
 
@@ -145,7 +141,6 @@ class Stepper:
             except Exception as error:
                 self._fail_running(running, error)
                 return
-            self.steps += 1
             for out in outputs:
                 if not out.finished or out.request_id not in running:
                     continue
@@ -169,11 +164,10 @@ class Stepper:
                 if call.admitted == 0:
                     if self.engine.lock.waiting:
                         break  # drain for whoever waits; a started call is admitted to its end
-                    if self.engine.failed:
+                    unhealthy = self.engine.unhealthy()
+                    if unhealthy is not None:
                         self._queue.popleft()
-                        call.error = EngineUnhealthy(
-                            f"engine failed earlier ({self.engine.failed}); it must be restarted"
-                        )
+                        call.error = unhealthy
                         call.done.set()
                         continue
                     call.version, call.t0 = self.engine.version, time.perf_counter()

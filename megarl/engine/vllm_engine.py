@@ -45,6 +45,11 @@ over 256) and 3 ms less of vLLM's per-step work (docs/LOG.md, session 24). verl'
 default is 1024 as well."""
 
 
+def kv_need(prompt_len: int, n: int, max_tokens: int, block_size: int) -> int:
+    """KV-cache tokens ``n`` samples of a prompt may take: each to ``max_tokens``, in whole blocks."""
+    return n * -(-(prompt_len + max_tokens) // block_size) * block_size
+
+
 def waves(
     prompt_lens: list[int],
     n: int,
@@ -68,7 +73,7 @@ def waves(
     out: list[tuple[int, int]] = []
     lo, used, tokens = 0, 0, 0
     for i, plen in enumerate(prompt_lens):
-        need = n * -(-(plen + max_tokens) // block_size) * block_size
+        need = kv_need(plen, n, max_tokens, block_size)
         if need > kv_tokens:
             raise EngineError(
                 f"prompt {i}: {n} samples × {plen + max_tokens} tokens need {need} KV tokens, the engine has"
@@ -237,14 +242,12 @@ class VllmEngine(WeightUpdates):
             prefill=self.cpu_prefill if seeded else None,
         )
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        if req.get("join"):
-            if self.failed:
-                raise EngineUnhealthy(f"engine failed earlier ({self.failed}); it must be restarted")
+        if req.get("join"):  # (the stepper refuses it if the engine has failed)
             from vllm.sampling_params import RequestOutputKind
 
             for p in params:
                 p.output_kind = RequestOutputKind.FINAL_ONLY  # (what LLM.generate asks for)
-            need = [n * -(-(len(p) + max_tokens) // self.block_size) * self.block_size for p in prompts]
+            need = [kv_need(len(p), n, max_tokens, self.block_size) for p in prompts]
             call = self.stepper.run(Call(inputs, params, need, [n * len(p) for p in prompts], n))
             return self._encode(call.version, call.outputs, {"engine_s": call.engine_s}, want_logprobs)
         if len(parts) > 1:
@@ -320,13 +323,18 @@ class VllmEngine(WeightUpdates):
         """``LLM.generate`` (under the lock). A failure inside vLLM's step loop leaves its
         requests in the scheduler, and the next call would step them again: they are aborted,
         and an engine that still holds some is marked failed (503 until restarted)."""
-        if self.failed:
-            raise EngineUnhealthy(f"engine failed earlier ({self.failed}); it must be restarted")
+        unhealthy = self.unhealthy()
+        if unhealthy is not None:
+            raise unhealthy
         try:
             return list(self.llm.generate(prompts, params, use_tqdm=False))
         except Exception as error:
             self.abort_all(error)
             raise
+
+    def unhealthy(self) -> EngineUnhealthy | None:
+        """The error every request gets once the engine has failed (503: the fleet restarts it)."""
+        return EngineUnhealthy(f"engine failed ({self.failed}); it must be restarted") if self.failed else None
 
     def abort_all(self, error: BaseException) -> None:
         """After ``error`` inside vLLM's step loop: abort every request it holds (the next call

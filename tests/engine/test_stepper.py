@@ -152,7 +152,7 @@ class FakeEngine:
 def _stepper(kv: int, budget: tuple[int, int] | None, fail_at: int = -1) -> tuple[Stepper, FakeEngine]:
     fake = FakeEngine(kv, 16, fail_at)
     engine = SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), lock=EngineLock(), version=4, kv_tokens=kv,
-                             cpu_prefill=budget, failed="")  # fmt: skip
+                             cpu_prefill=budget, unhealthy=lambda: None)  # fmt: skip
 
     def abort_all(error: BaseException) -> None:
         fake.abort_request(list(fake.running))
