@@ -61,7 +61,7 @@ class BatchedGenerate:
         """The engine of each episode's last call (under ``_cv``)."""
         self._calls = ThreadPoolExecutor(max_workers=MAX_CALLS, thread_name_prefix="agent-call")
         self.calls = 0
-        """Fleet calls made (for the tests: fewer than requests when requests overlap)."""
+        """Fleet calls made (requests waiting together share one)."""
         self._thread = threading.Thread(target=self._dispatch, name="agent-generate", daemon=True)
         self._thread.start()
 
