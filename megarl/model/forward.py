@@ -38,7 +38,8 @@ import torch.distributed as dist
 from megarl.model.builder import Model
 from megarl.model.microbatch import balance_rows, take, token_budget_split
 from megarl.model.packing import Packing, packings_of
-from megarl.model.rows import micro_batches, tokens_of
+from megarl.model.routes import collect, recording
+from megarl.model.rows import micro_batches, routes_of, tokens_of
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -117,17 +118,20 @@ def run_schedule(
             model.probe.microbatch_boundary(module)  # the previous micro-batch's backward is done
         seen[0] += 1
         tokens = tokens_of(mb)
+        if model.routes is not None:  # MoE routing replay: this micro-batch's routes, or live / recording
+            model.routes.before(routes_of(mb), packing)
         if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
             params = packing.seq_params(tokens.device)
             out = module(packing.pack(tokens), packing.positions.to(tokens.device), None, packed_seq_params=params)
-            if not dims.is_last_stage:
-                return out, partial(loss_fn, mb)
-            if per_token:  # no loss-head work on padding
-                return out, partial(loss_fn, {k: packing.pack(v) for k, v in mb.items()})
-            return packing.unpack(out), partial(loss_fn, mb)
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        out = module(tokens, positions, None)
-        return out, partial(loss_fn, mb)
+        else:
+            out = module(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+        if model.routes is not None:
+            model.routes.after(tokens, packing)
+        if packing is None or not dims.is_last_stage:
+            return out, partial(loss_fn, mb)
+        if per_token:  # no loss-head work on padding
+            return out, partial(loss_fn, {k: packing.pack(v) for k, v in mb.items()})
+        return packing.unpack(out), partial(loss_fn, mb)
 
     seq_len = tokens_of(mbs[0]).shape[1]
     packs = packings or [None] * len(mbs)
@@ -173,8 +177,11 @@ def forward_logprobs(
     lengths: torch.Tensor | None = None,
     max_tokens: int = 0,
     pack: bool = False,
+    routes: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (B, S) (and entropy) of ``tokens`` under ``model``; no grad.
+    ``routes``: also the MoE routes this rank's stage took, ``routes`` (B, S, L, k)
+    (``megarl.model.routes``; a model with ``Model.routes``).
 
     Computed on the last PP stage and broadcast over the pipeline group, so every rank
     returns the same tensors. With ``max_tokens`` and the rows' ``lengths``
@@ -193,8 +200,8 @@ def forward_logprobs(
 
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     if max_tokens and lengths is not None:
-        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys, pack)
-    return _forward_collect(model, tokens, micro_batch_size, fn, keys)
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys, pack, routes)
+    return _forward_collect(model, tokens, micro_batch_size, fn, keys, routes=routes)
 
 
 def forward_values(
@@ -226,6 +233,7 @@ def _forward_collect(
     fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
     keys: list[str],
     split_dp: bool = False,
+    routes: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Forward-only pass; ``fn`` maps the last stage's output to (B, S) tensors, which are
     broadcast over the pipeline group so every rank returns them.
@@ -245,9 +253,14 @@ def _forward_collect(
 
     mbs = micro_batches({"tokens": rows}, micro_batch_size)
     model.module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), recording(model, routes) as taken:
         store = run_schedule(model, mbs, loss_fn, forward_only=True)
     result: dict[str, torch.Tensor] = {}
+    if taken is not None:
+        n, at = rows.shape[0], range(0, rows.shape[0], micro_batch_size)
+        parts = None if rows is tokens else list(torch.arange(tokens.shape[0]).chunk(dims.dp))
+        placed = [(torch.arange(i, i + micro_batch_size), tokens.shape[1]) for i in at]
+        result["routes"] = collect(taken, placed, n, (tokens.shape[0], tokens.shape[1]), parts, dims)
     for k in keys:
         if dims.is_last_stage:
             t = torch.cat([d[k] for d in store], dim=0).float().contiguous()
@@ -272,6 +285,7 @@ def _forward_collect_budget(
     fn: Callable[[dict[str, torch.Tensor], torch.Tensor], dict[str, torch.Tensor]],
     keys: list[str],
     pack: bool = False,
+    routes: bool = False,
 ) -> dict[str, torch.Tensor]:
     """:func:`_forward_collect` in token-budget micro-batches: DP ranks take token-balanced
     rows (when there are at least DP rows), run them grouped by length and cut to each
@@ -291,10 +305,13 @@ def _forward_collect_budget(
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
     model.module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), recording(model, routes) as taken:
         store = run_schedule(model, [take(local, mb) for mb in plan], loss_fn, True, packs, per_token=True)
     most = max(int(p.numel()) for p in parts)  # all_gather needs equal shapes: pad each rank's rows
     result: dict[str, torch.Tensor] = {}
+    if taken is not None:
+        placed = [(mb.rows, mb.width) for mb in plan]
+        result["routes"] = collect(taken, placed, int(mine.numel()), (B, S), parts if split else None, dims)
     for k in keys:
         t = torch.zeros((most, S), dtype=torch.float32, device=tokens.device)
         if dims.is_last_stage:

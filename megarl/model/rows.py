@@ -35,6 +35,11 @@ def tokens_of(batch: RowRecord | dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["tokens"] if isinstance(batch, dict) else batch.tokens
 
 
+def routes_of(batch: RowRecord | dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The batch's (n, S, L, k) expert routes to replay (``megarl.model.routes``), if it has them."""
+    return batch.get("routes") if isinstance(batch, dict) else getattr(batch, "routes", None)
+
+
 def select_rows(batch: Rows, index: slice | torch.Tensor) -> Rows:
     """The rows ``index`` of every tensor of ``batch``."""
     if isinstance(batch, dict):
