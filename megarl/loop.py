@@ -255,8 +255,16 @@ def _log_step(step: int, total: int, m: dict[str, float]) -> None:
         m["timing/step/logprobs"],
         m["timing/step/update"],
         m["timing/step/sync"],
-        _env_line(m) + (f" | val {m['val/reward']:.3f}" if "val/reward" in m else ""),
+        _env_line(m) + _moe_line(m) + (f" | val {m['val/reward']:.3f}" if "val/reward" in m else ""),
     )
+
+
+def _moe_line(m: dict[str, float]) -> str:
+    """MoE routing replay's part of the step line: the share of tokens whose live experts
+    differed from the replayed ones (mean over layers), and KL(π_old‖π_θ) ('' without replay)."""
+    if "moe/route_mismatch" not in m:
+        return ""
+    return f" | routes differ {100 * m['moe/route_mismatch']:.1f}% kl_old {m.get('train/old_kl_k3', 0.0):.2e}"
 
 
 def _env_line(m: dict[str, float]) -> str:

@@ -72,6 +72,9 @@ class PolicyEval:
     old_logprobs: torch.Tensor | None = None  # (B, S) log π_old(a_t|s_t), the trainer's actor before the update
     ref_logprobs: torch.Tensor | None = None  # (B, S) log π_ref(a_t|s_t), the frozen reference
     old_values: torch.Tensor | None = None  # (B, S) V_old(s_t), the critic before the update
+    routes: torch.Tensor | None = None  # (B, S, L, k) int, the experts π_old sent each token to
+    """MoE routing replay (``algo.router_replay: trainer``): this rank's pipeline stage's L MoE
+    layers, -1 where not recorded (``megarl.model.routes``)."""
 
 
 @dataclass
@@ -100,6 +103,7 @@ class UpdateRows:
     ref_logprobs: torch.Tensor | None = None  # (n, S) log π_ref(a_t|s_t); with a KL term
     old_values: torch.Tensor | None = None  # (n, S) V_old(s_t); with a critic
     engine_logprobs: torch.Tensor | None = None  # (n, S) log π_engine(a_t|s_t); steps that asked the engines
+    routes: torch.Tensor | None = None  # (n, S, L, k) int, π_old's experts per token, replayed; with R3
 
     @classmethod
     def of(cls, batch: RolloutBatch, adv: Advantages, ev: PolicyEval) -> UpdateRows:
@@ -112,6 +116,7 @@ class UpdateRows:
             ref_logprobs=ev.ref_logprobs,
             old_values=ev.old_values,
             engine_logprobs=batch.engine_logprobs,
+            routes=ev.routes,
         )
 
     @property
@@ -178,6 +183,7 @@ class PolicyTerms(LossTerms):
     engine_prob_ratio_max: torch.Tensor | None = maximum()  # () max π_train/π_engine over tokens; as above
     entropy: torch.Tensor | None = None  # () Σ entropy; with algo.entropy_coef > 0
     kl: torch.Tensor | None = None  # () Σ KL(π‖π_ref) estimate; with algo.kl_mode loss
+    old_kl_k3: torch.Tensor | None = None  # () Σ k3 estimate of KL(π_old‖π_θ); when phase 2 took π_old
 
 
 @dataclass

@@ -59,6 +59,9 @@ class AlgoConfig:
     """DAPO soft overlong penalty: buffer before max_response_len, tokens (0 = off)."""
     overlong_filter: bool = False
     """Mask truncated responses out of the loss (DAPO overlong filtering)."""
+    router_replay: Literal["off", "trainer", "rollout"] = "off"
+    """MoE routing replay (R3): off | trainer (the old-log-prob forward's experts per token
+    replayed in the update's forwards) | rollout (the engine's; GPU only, not built yet)."""
 
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("overlong_buffer_len",)
 

@@ -65,6 +65,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
+    _router_replay(cfg, m)
 
 
 def _group_estimator(cfg: RunConfig) -> None:
@@ -333,6 +334,18 @@ def _devices(cfg: RunConfig, m: ModelConfig) -> None:
                 f"{m.dtype}/{m.transformer_impl}",
                 "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU",
             )
+
+
+def _router_replay(cfg: RunConfig, m: ModelConfig) -> None:
+    """Routing replay needs routers; the engines' routes need vLLM's V2 model runner (GPU)."""
+    import torch
+
+    mode = cfg.algo.router_replay
+    if mode != "off" and not m.is_moe:
+        fail("algo.router_replay", mode, f"needs a mixture-of-experts model; model.arch={m.arch} has a dense MLP")
+    if mode == "rollout":
+        why = "not on CPU" if not torch.cuda.is_available() else "which megarl's engine server does not return yet"
+        fail("algo.router_replay", mode, f"needs the engines' routes (vLLM's V2 runner, GPU only), {why}; use trainer")
 
 
 def _critic_layout(cfg: RunConfig, world_size: int) -> None:

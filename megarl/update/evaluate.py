@@ -24,8 +24,9 @@ def evaluate(
     """What the step's losses need: π_old when the samples are reused (several updates), the
     KL is a reward penalty, there is a critic, or the samples come from an older policy
     (``rollout.max_staleness`` > 0: π_old is then decoupled PPO's proximal policy, the engine's
-    log-probs the behaviour policy); π_ref when KL is on; V_old with a critic. Log-probs are
-    taken at ``rollout.temperature``; micro-batches follow ``parallel``."""
+    log-probs the behaviour policy), or its MoE routes are replayed in the update
+    (``algo.router_replay: trainer``: recorded in the same forward); π_ref when KL is on; V_old
+    with a critic. Log-probs are taken at ``rollout.temperature``; micro-batches follow ``parallel``."""
     temp = r.temperature
     lmbs = p.logprob_micro_batch_size
 
@@ -38,17 +39,29 @@ def evaluate(
     # last response position come back as 0; every consumer reads them under the mask)
     lengths, budget, pack = row_lengths(batch.mask), p.max_tokens_per_micro_batch, p.pack_sequences
 
-    def logprobs(model: Model) -> torch.Tensor:
+    def logprobs(model: Model, routes: bool = False) -> dict[str, torch.Tensor]:
         return forward_logprobs(
-            model, batch.tokens, micro_batch_size=mbs, temperature=temp, lengths=lengths, max_tokens=budget, pack=pack
-        )["logprobs"]
+            model,
+            batch.tokens,
+            micro_batch_size=mbs,
+            temperature=temp,
+            lengths=lengths,
+            max_tokens=budget,
+            pack=pack,
+            routes=routes,
+        )
 
     stale = r.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
-    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale:
-        out.old_logprobs = logprobs(actor)
+    replay = a.router_replay == "trainer"
+    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale or replay:
+        old = logprobs(actor, routes=replay)
+        out.old_logprobs = old["logprobs"]
+        if replay:  # tokens beyond a row's length (padding) route live in the update
+            beyond = torch.arange(batch.tokens.shape[1]) >= lengths[:, None]
+            out.routes = old["routes"].masked_fill(beyond[:, :, None, None], -1)
     if a.kl_coef > 0:
         assert ref is not None
-        out.ref_logprobs = logprobs(ref)
+        out.ref_logprobs = logprobs(ref)["logprobs"]
     if critic is not None:
         out.old_values = forward_values(
             critic, batch.tokens, micro_batch_size=fwd_mbs(critic), lengths=lengths, max_tokens=budget, pack=pack

@@ -92,6 +92,8 @@ def policy_loss_fn(a: AlgoConfig, temperature: float, tp_group: Any, denom: floa
             ent_sum = (ent.detach() * mask).sum()
         loss = algo.aggregate(per_tok, mask, mode=a.loss_agg, global_denominator=denom)
         terms = PolicyTerms(loss=loss.detach(), tokens=n, clipfrac=pstats["clipfrac"] * n, kl=kl_sum, entropy=ent_sum)
+        if mb.old_logprobs is not None:  # how far the update's forward is from π_old's (samples ~ π_old)
+            terms.old_kl_k3 = (algo.kl_estimate(mb.old_logprobs, lp.detach(), "k3") * mask).sum()
         if mb.engine_logprobs is not None:  # this step asked the engines (rollout.engine_logprobs_every)
             delta = (lp.detach() - mb.engine_logprobs) * mask
             terms.engine_logprob_absdiff = delta.abs().sum()

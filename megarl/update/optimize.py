@@ -81,7 +81,8 @@ class Learner:
 
 class PolicyUpdater:
     """Phase 4 for one rollout: ``updater(batch, adv, ev, plan, step)`` runs the step's updates
-    and returns its metrics (``train/*`` actor, ``critic/*``, ``coord/probe_s/*``)."""
+    and returns its metrics (``train/*`` actor, ``critic/*``, ``coord/probe_s/*``, and with
+    MoE routing replay ``moe/route_mismatch*``)."""
 
     def __init__(
         self, settings: UpdateSettings, dims: ParallelDims, actor: Model, critic: Model | None, planner: Planner
@@ -122,6 +123,8 @@ class PolicyUpdater:
                     self.update(learner, mini, denom, plan, n_updates)
                 n_updates += 1
         out: dict[str, float] = {"train/lr": plan.lr["actor"], "train/actor_updated": float(update_actor)}
+        if self.actor.routes is not None:  # MoE routing replay: live choices that differed (collective)
+            out.update(self.actor.routes.mismatch(self.dims))
         # the probe's own cost
         out.update({f"coord/probe_s/{ln.name}": ln.probe_s for ln in learners if ln.probe_s is not None})
         for ln in learners:

@@ -129,3 +129,24 @@ def test_a_valid_moe_layout_trains(ep: int) -> None:
     broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32")
     with pytest.raises(ConfigError, match=re.escape("model.hidden_size=144 is not a multiple of 32")):
         validate(load_config(None, broken), 2)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["algo.router_replay=trainer"], "algo.router_replay='trainer' needs a mixture-of-experts model; model.arch=llama"),
+        (["algo.router_replay=rollout"], "algo.router_replay='rollout' needs a mixture-of-experts model"),
+        (["algo.router_replay=always"], "algo.router_replay='always' must be one of ['off', 'trainer', 'rollout']"),
+        # the engines' routes need vLLM's V2 model runner: GPU only
+        (_moe("algo.router_replay=rollout"), "algo.router_replay='rollout' needs the engines' routes (vLLM's V2 runner, GPU only), not on CPU"),
+    ],
+)
+def test_router_replay_rules_name_the_field(sets: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(None, sets), 1)
+
+
+def test_router_replay_trainer_is_accepted_for_moe() -> None:
+    cfg = load_config(None, _moe("algo.router_replay=trainer"))
+    assert cfg.algo.router_replay == "trainer" and validate(cfg, 1) is None
+    assert load_config(None, _moe()).algo.router_replay == "off"
