@@ -9,7 +9,11 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
   gradient (experts keyed by their global index on both ranks) and the weights after the step
   — with the plain and the distributed optimizer, and with the router losses on;
 * the router losses' gradient equals a direct implementation of their formulas (Switch
-  Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches.
+  Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches;
+* routing replay (``algo.router_replay: trainer``) at EP 1 and EP 2: after the routers are
+  perturbed the replayed experts are the recorded ones, the log-prob drift falls well below live
+  routing's, the routers still get gradients, the routes survive micro-batching, token budgets
+  and packing, and the mismatch metric counts what it says.
 """
 
 from pathlib import Path
@@ -153,3 +157,94 @@ def test_router_losses_match_their_formulas(run: dict) -> None:
     # and they change the update (the aux variant's router gradients differ from plain's)
     router = "decoder.layers.3.mlp.router.weight"
     assert _max_diff(r0[f"ep1/aux/grad/{router}"], r0[f"ep1/plain/grad/{router}"]) > 1e-3
+
+
+# ------------------------------------------------- routing replay (R3): worker_moe_replay.py
+
+LAYERS, EXPERTS = 4, 4
+REPLAYS = ["replay_one", "replay_fixed", "replay_budget", "replay_packed"]
+LENGTHS = torch.tensor([8 + b % 8 for b in range(B)])  # row_lengths of the worker's mask
+REAL = torch.arange(S)[None, :] < LENGTHS[:, None]  # (B, S) tokens a row needs: the routes kept
+
+
+def _r3(run: dict, layout: str, rank: int) -> dict[str, torch.Tensor]:
+    prefix = f"{layout}/r3/"
+    return {k.removeprefix(prefix): v for k, v in run["ranks"][rank].items() if k.startswith(prefix)}
+
+
+def _as_map(routes: torch.Tensor) -> torch.Tensor:  # (.., k) expert indices -> (.., E) bool
+    return torch.zeros(*routes.shape[:-1], EXPERTS, dtype=torch.bool).scatter(-1, routes.long(), True)
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+def test_replay_sends_tokens_to_the_recorded_experts(run: dict, layout: str) -> None:
+    """Router perturbed after recording: the live choices moved, the replayed ones are the recorded ones."""
+    routes = _r3(run, layout, 0)["routes"]
+    assert routes.shape == (B, S, LAYERS, 2) and routes.dtype == torch.int16
+    assert torch.equal(_r3(run, layout, 1)["routes"], routes)  # all-gathered over DP: every rank holds the batch
+    moved = (_as_map(_r3(run, layout, 0)["routes_live_after"]) != _as_map(routes)).any(-1)[REAL]  # (tokens, L)
+    print(f"{layout}: tokens whose live experts moved after the perturbation, per layer: {moved.float().mean(0)}")
+    assert moved.float().mean(0).min() > 0.05
+    for rank in (0, 1):
+        rows = slice(rank * B // 2, (rank + 1) * B // 2)
+        replayed = _r3(run, layout, rank)["replayed_map"]  # (rows, S, L, E), the routers' own routing maps
+        assert torch.equal(replayed[REAL[rows]], _as_map(routes[rows])[REAL[rows]])
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+def test_replay_drift_falls_well_below_live_routing_and_routers_still_learn(run: dict, layout: str) -> None:
+    r = _r3(run, layout, 0)
+    live, replay = r["live/drift"].item(), r["replay_one/drift"].item()
+    print(f"{layout}: mean |log π_update - log π_old| after the router perturbation: live {live:.3g}, replay {replay:.3g}")
+    assert live > 1e-3 and replay < 0.2 * live
+    grads = r["replay_one/router_grad"].flatten(1).norm(dim=1)  # per layer, after the DP reduction
+    assert grads.min() > 0.1 * r["live/router_grad"].flatten(1).norm(dim=1).max(), grads
+
+
+def test_routes_follow_their_tokens_through_micro_batches_budgets_and_packing(run: dict) -> None:
+    """Recorded in token-budget micro-batches (padded, packed) = recorded in fixed ones; replayed in
+    fixed, budget and packed micro-batches = replayed in one micro-batch per rank (EP 1: megarl
+    refuses token budgets with EP > 1)."""
+    layout = "ep1"
+    for rank in (0, 1):
+        r = _r3(run, layout, rank)
+        for name in ("budget", "packed"):
+            got = r[f"routes_{name}"]
+            assert torch.equal(got[REAL], r["routes"][REAL])
+            if name == "packed":  # never computed: marked
+                assert (got[~REAL] == -1).all()
+        one = r["replay_one/router_grad"]
+        for name in REPLAYS[1:]:
+            diffs = {
+                "log-prob sum": abs(r[f"{name}/lp"].item() - r["replay_one/lp"].item()),
+                "drift": abs(r[f"{name}/drift"].item() - r["replay_one/drift"].item()),
+                "router grads": _max_diff(r[f"{name}/router_grad"], one),
+            }
+            print(f"{layout} rank {rank} {name} - one micro-batch: {diffs}")
+            assert max(diffs.values()) < 1e-5 and diffs["router grads"] < 1e-6 * max(1.0, one.abs().max().item())
+            assert torch.equal(r[f"{name}/mismatch"][0], r["replay_one/mismatch"][0])
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2"])
+def test_route_mismatch_metric_counts_the_live_choices_that_differ(run: dict, layout: str) -> None:
+    """moe/route_mismatch_l0 = the share of real tokens whose first-layer experts moved (the
+    first layer's input does not depend on any routing, so a live forward gives its choices);
+    no replay, no count."""
+    r = _r3(run, layout, 0)
+    moved = (_as_map(r["routes_live_after"][:, :, 0]) != _as_map(r["routes"][:, :, 0])).any(-1)[REAL]
+    metric = r["replay_one/mismatch"]
+    print(f"{layout}: moe/route_mismatch per layer {metric.tolist()}, first layer directly {moved.float().mean():.4f}")
+    assert abs(metric[0].item() - moved.float().mean().item()) < 1e-6
+    assert ((metric > 0) & (metric < 1)).all()
+    assert (r["live/mismatch"] == -1).all()  # (absent)
+
+
+def test_replay_at_ep2_matches_ep1(run: dict) -> None:
+    for rank in (0, 1):
+        a, b = _r3(run, "ep1", rank), _r3(run, "ep2", rank)
+        assert torch.equal(a["routes"], b["routes"])
+        for name in ["live", "replay_one", "replay_fixed"]:
+            diffs = [abs(a[f"{name}/lp"].item() - b[f"{name}/lp"].item()),
+                     _max_diff(a[f"{name}/router_grad"], b[f"{name}/router_grad"])]  # fmt: skip
+            assert max(diffs) < 1e-5, (name, diffs)
+            assert torch.equal(a[f"{name}/mismatch"], b[f"{name}/mismatch"])

@@ -4,8 +4,9 @@ forward only: megatron trains MoE under TP only with sequence parallelism) in th
 and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
-router's gradient is checked against a direct implementation of their formulas. Each rank
-saves its own results; expert gradients are keyed by their GLOBAL expert index."""
+router's gradient is checked against a direct implementation of their formulas; at EP 1 and
+EP 2 also the routing replay checks of ``worker_moe_replay.py``. Each rank saves its own
+results; expert gradients are keyed by their GLOBAL expert index."""
 
 import argparse
 import dataclasses
@@ -27,6 +28,7 @@ from megarl.distributed import init_distributed  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
+from tests.model.worker_moe_replay import replay_checks  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
@@ -150,4 +152,9 @@ for layout in args.layouts.split(","):
             result[f"{key}/router_grad_ref"] = ref
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
+    if tp == 1:  # routing replay (worker_moe_replay.py)
+        model = build_gpt(base, ParallelConfig(micro_batch_size=MBS, expert_parallel=ep), dims, optim=OPTIM,
+                          route_replay=True)  # fmt: skip
+        load_hf_tensors(model, adapter, hf)
+        result.update({f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()})
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))

@@ -1,0 +1,86 @@
+"""Routing replay (``algo.router_replay: trainer``, ``megarl.model.routes``) on the MoE worker's
+model and batch, called by ``worker_moe.py`` at each TP 1 layout (EP 1 and EP 2, DP 2):
+
+1. the routes of the old forward are recorded (fixed micro-batches, all-gathered over DP) and,
+   again, in token-budget micro-batches, padded and packed (EP 1);
+2. every router is perturbed; then, weights held (lr 0), one update forward runs with live
+   routing and the same with the recorded routes replayed, in one micro-batch per rank (the
+   routers' choices hooked), in fixed micro-batches, in token-budget micro-batches and packed (EP 1):
+   the log-probs' drift from the old forward, their sum, the routers' gradients, and the
+   routes' mismatch metric against the live routes of a recorded forward after the perturbation.
+
+Everything is returned under ``{layout}/r3/``; ``tests/model/test_moe.py`` asserts it."""
+
+import torch
+
+from megarl.model.builder import Model
+from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs
+from megarl.model.microbatch import row_lengths, token_budget_split
+from megarl.model.train import train_step
+
+BUDGET = 40  # tokens per budget micro-batch: 8-15-token rows, 2-4 to a micro-batch
+
+
+def _routers(model: Model) -> list[torch.nn.Module]:
+    return [layer.mlp.router for layer in model.core.decoder.layers]
+
+
+def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: int) -> dict[str, torch.Tensor]:
+    """Token budgets (and packing) at EP 1 only: megarl refuses them with EP > 1 (DP ranks could
+    run different numbers of micro-batches, and the experts' all-to-all would wait forever)."""
+    dims, out = model.dims, {}
+    B, S = tokens.shape
+    lengths = row_lengths(mask)
+    fwd = forward_logprobs(model, tokens, micro_batch_size=mbs, temperature=1.0, routes=True)
+    old, routes = fwd["logprobs"], fwd["routes"]
+    out["routes"] = routes
+    budgets = [("budget", False), ("packed", True)] if dims.ep == 1 else []
+    for name, pack in budgets:
+        got = forward_logprobs(
+            model, tokens, micro_batch_size=mbs, temperature=1.0, lengths=lengths, max_tokens=BUDGET, pack=pack, routes=True
+        )["routes"]
+        out[f"routes_{name}"] = got
+    beyond = torch.arange(S) >= lengths[:, None]
+    routes = routes.masked_fill(beyond[:, :, None, None], -1)  # as megarl.update.evaluate keeps them
+
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for r in _routers(model):
+            r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.5 * r.weight.std())
+    live_after = forward_logprobs(model, tokens, micro_batch_size=mbs, temperature=1.0, routes=True)["routes"]
+    out["routes_live_after"] = live_after
+    model.routes.mismatch(dims)  # counts start at 0
+
+    denom = float(mask.sum())
+    rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
+    n = rows.stop - rows.start
+
+    def loss_fn(mb, logits):
+        lp = vocab_parallel_logprobs(logits, labels_of(mb["tokens"]), 1.0)
+        m = mb["mask"]
+        stats = {"lp": (lp.detach() * m).sum(), "drift": ((lp.detach() - mb["old"]).abs() * m).sum(), "n": m.sum()}
+        return (lp * m).sum() / denom, stats
+
+    def update(name: str, replay: bool, micro: int, groups=None) -> None:
+        batch = {"tokens": tokens[rows], "mask": mask[rows], "old": old[rows]}
+        if replay:
+            batch["routes"] = routes[rows]
+        stats, _ = train_step(model, batch, loss_fn, micro_batch_size=micro, lr=0.0, groups=groups)
+        key = f"{name}/"
+        out[key + "drift"] = torch.tensor([stats["drift"] / stats["n"]], dtype=torch.float64)
+        out[key + "lp"] = torch.tensor([stats["lp"]], dtype=torch.float64)
+        out[key + "router_grad"] = torch.stack([r.weight.main_grad.detach().clone() for r in _routers(model)])
+        metrics = model.routes.mismatch(dims)
+        out[key + "mismatch"] = torch.tensor([metrics.get(f"moe/route_mismatch_l{i}", -1.0) for i in range(4)])
+
+    update("live", False, n)
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda mod, inp, o: seen.append(o[1].detach().clone())) for r in _routers(model)]
+    update("replay_one", True, n)  # one micro-batch per rank: the router sees [s, b] flattened
+    for h in hooks:
+        h.remove()
+    out["replayed_map"] = torch.stack([m.reshape(S, n, -1).transpose(0, 1) for m in seen], dim=2)  # (n, S, L, E)
+    update("replay_fixed", True, mbs)
+    for name, pack in budgets:
+        update(f"replay_{name}", True, mbs, token_budget_split(lengths[rows], BUDGET, packed=pack))
+    return out
