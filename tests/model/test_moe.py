@@ -13,7 +13,8 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
 * routing replay (``algo.router_replay: trainer``) at EP 1 and EP 2: after the routers are
   perturbed the replayed experts are the recorded ones, the log-prob drift falls well below live
   routing's, the routers still get gradients, the routes survive micro-batching, token budgets
-  and packing, and the mismatch metric counts what it says.
+  and packing, and the mismatch metric counts what it says; at PP 2 each stage replays its own
+  layers' routes, with the same result.
 """
 
 from pathlib import Path
@@ -249,3 +250,18 @@ def test_replay_at_ep2_matches_ep1(run: dict) -> None:
                      _max_diff(a[f"{name}/router_grad"], b[f"{name}/router_grad"])]  # fmt: skip
             assert max(diffs) < 1e-5, (name, diffs)
             assert torch.equal(a[f"{name}/mismatch"], b[f"{name}/mismatch"])
+
+
+def test_replay_at_pp2_matches_one_stage(run: dict) -> None:
+    """PP 2 (DP 1): each stage records and replays its own two layers' routes; the log-probs, the
+    routers' gradients and the per-layer mismatch (gathered over the stages) are EP 1's."""
+    one = _r3(run, "ep1", 0)
+    for stage in (0, 1):
+        r, layers = _r3(run, "pp2", stage), slice(2 * stage, 2 * stage + 2)
+        assert torch.equal(r["routes"], one["routes"][:, :, layers])
+        assert torch.equal(r["routes_packed"], one["routes_packed"][:, :, layers])
+        for name in ["live", *REPLAYS]:
+            lp = abs(r[f"{name}/lp"].item() - one[f"{name}/lp"].item()) / abs(one[f"{name}/lp"].item())
+            grads = _max_diff(r[f"{name}/router_grad"], one[f"{name}/router_grad"][layers])
+            assert lp < 1e-6 and grads < 1e-6, (stage, name, lp, grads)
+            assert torch.equal(r[f"{name}/mismatch"], one[f"{name}/mismatch"])

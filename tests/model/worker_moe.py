@@ -4,8 +4,8 @@ forward only: megatron trains MoE under TP only with sequence parallelism) in th
 and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
-router's gradient is checked against a direct implementation of their formulas; at EP 1 and
-EP 2 also the routing replay checks of ``worker_moe_replay.py``. Each rank saves its own
+router's gradient is checked against a direct implementation of their formulas; at EP 1, EP 2
+and PP 2 (DP 1: routing replay only) the routing replay checks of ``worker_moe_replay.py``. Each rank saves its own
 results; expert gradients are keyed by their GLOBAL expert index."""
 
 import argparse
@@ -34,7 +34,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
-ap.add_argument("--layouts", default="ep1,ep2,tp2", help="which of LAYOUTS to run, in order")
+ap.add_argument("--layouts", default="ep1,ep2,tp2,pp2", help="which of LAYOUTS to run, in order")
 args = ap.parse_args()
 
 B, S, MBS = 8, 16, 2
@@ -102,13 +102,13 @@ def full_logits(model):
     return logits[..., : model.vocab_size].clone()
 
 
-LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # name: (TP, EP); DP = world / TP
+LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 1), "tp2": (2, 1, 1), "tp2ep2": (2, 2, 1), "pp2": (1, 1, 2)}  # (TP, EP, PP)
 result: dict[str, torch.Tensor] = {}
 for layout in args.layouts.split(","):
-    tp, ep = LAYOUTS[layout]
-    dims = init_distributed(tp, 1, seed=7, ep=ep)
+    tp, ep, pp = LAYOUTS[layout]
+    dims = init_distributed(tp, pp, seed=7, ep=ep)
     local = base.num_experts // ep
-    if args.hf_softmax_all and tp == 1:
+    if args.hf_softmax_all and tp == 1 and pp == 1:
         cfg2, hf2 = read_hf_folder(args.hf_softmax_all)
         m2 = model_config_from_hf(cfg2, ModelConfig())
         assert not m2.moe_norm_topk_prob
@@ -116,6 +116,8 @@ for layout in args.layouts.split(","):
         load_hf_tensors(other, LlamaQwen2Adapter(m2), hf2)
         result[f"{layout}/softmax_all_logits"] = full_logits(other)
     for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
+        if pp > 1:  # routing replay only
+            break
         if tp > 1 and variant != "plain":
             continue
         mcfg = dataclasses.replace(base, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z) if router_losses else base
@@ -153,8 +155,8 @@ for layout in args.layouts.split(","):
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
     if tp == 1:  # routing replay (worker_moe_replay.py)
-        model = build_gpt(base, ParallelConfig(micro_batch_size=MBS, expert_parallel=ep), dims, optim=OPTIM,
-                          route_replay=True)  # fmt: skip
+        pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, pipeline_parallel=pp)
+        model = build_gpt(base, pcfg, dims, optim=OPTIM, route_replay=True)
         load_hf_tensors(model, adapter, hf)
         result.update({f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()})
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))

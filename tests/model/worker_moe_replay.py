@@ -27,6 +27,7 @@ from megarl.model.microbatch import row_lengths, token_budget_split
 from megarl.model.train import train_step
 
 BUDGET = 40  # tokens per budget micro-batch: 8-15-token rows, 2-4 to a micro-batch
+LAYERS = 4  # the model's (every one a MoE layer); a pipeline stage holds some of them
 
 
 def _routers(model: Model) -> list[torch.nn.Module]:
@@ -54,10 +55,11 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
     beyond = torch.arange(S) >= lengths[:, None]
     routes = routes.masked_fill(beyond[:, :, None, None], -1)  # as megarl.update.evaluate keeps them
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5)  # one noise per global layer, whichever stage holds it
+    noise = [torch.randn(_routers(model)[0].weight.shape, generator=g) for _ in range(LAYERS)]
     with torch.no_grad():
         for r in _routers(model):
-            r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.2 * r.weight.std())
+            r.weight.add_(noise[r.layer_number - 1] * 0.2 * r.weight.std())
     live_after = forward_logprobs(model, tokens, micro_batch_size=mbs, temperature=1.0, routes=True)["routes"]
     out["routes_live_after"] = live_after
     model.routes.mismatch(dims)  # counts start at 0
@@ -82,7 +84,7 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
         out[key + "lp"] = torch.tensor([stats["lp"]], dtype=torch.float64)
         out[key + "router_grad"] = torch.stack([r.weight.main_grad.detach().clone() for r in _routers(model)])
         metrics = model.routes.mismatch(dims)
-        out[key + "mismatch"] = torch.tensor([metrics.get(f"moe/route_mismatch_l{i}", -1.0) for i in range(4)])
+        out[key + "mismatch"] = torch.tensor([metrics.get(f"moe/route_mismatch_l{i}", -1.0) for i in range(LAYERS)])
 
     update("live", False, n)
     seen: list[torch.Tensor] = []
