@@ -136,8 +136,8 @@ class Model:
     probe: Any = None
     """megarl.model.grad_stats.GradProbe when the coordinator measures this model."""
     routes: Any = None
-    """megarl.model.routes.RouteReplay when its MoE routes are recorded and replayed
-    (the actor with ``algo.router_replay: trainer``)."""
+    """megarl.model.routes.RouteReplay when its MoE routes are recorded and replayed (the
+    actor with ``algo.router_replay: trainer``, attached by ``megarl.update.PolicyUpdater``)."""
     microbatch_s: float = 0.0
     """Seconds this rank spent on micro-batch work (forward/backward schedules less their
     pipeline fill and drain), summed over calls: callers read differences. What a phase spends
@@ -162,12 +162,10 @@ def build_gpt(
     trainable: bool = True,
     optim: OptimConfig | None = None,
     seed: int = 0,
-    route_replay: bool = False,
 ) -> Model:
     """Build this rank's GPTModel stage on ``dims``' layout; wrap in megatron DDP + optimizer
     when trainable. ``pcfg`` must describe the same TP/PP as ``dims``; ``seed`` seeds weight
-    init on a non-global layout (:func:`megarl.distributed.layout_rng`); ``route_replay``: its
-    MoE routers recorded and replayed (``megarl.model.routes``)."""
+    init on a non-global layout (:func:`megarl.distributed.layout_rng`)."""
     from megatron.core.models.gpt import GPTModel
 
     from megarl.distributed import layout_rng
@@ -203,10 +201,6 @@ def build_gpt(
         attach_value_head(gpt, tcfg, dims)
     gpt.to(dims.device)
     model = Model(gpt, tcfg, dims, mcfg.vocab_size, padded)
-    if route_replay:
-        from megarl.model.routes import attach
-
-        attach(model)
     if not trainable:
         gpt.eval()
         for p in gpt.parameters():

@@ -25,6 +25,7 @@ from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments
 from megarl.model.builder import Model
 from megarl.model.microbatch import row_lengths
+from megarl.model.routes import attach as attach_routes
 from megarl.model.train import train_step
 from megarl.planning import Planner
 from megarl.types import Advantages, LossStats, LossTerms, PolicyEval, RolloutBatch, UpdateRows
@@ -88,6 +89,8 @@ class PolicyUpdater:
         self, settings: UpdateSettings, dims: ParallelDims, actor: Model, critic: Model | None, planner: Planner
     ) -> None:
         self.s, self.dims, self.actor, self.critic, self.planner = settings, dims, actor, critic, planner
+        if settings.algo.router_replay == "trainer":  # phase 2 records the actor's routes, the update replays them
+            attach_routes(actor)
 
     def learners(self, plan: StepPlan, update_actor: bool) -> list[Learner]:
         """The actor (unless the critic is still warming up) and the critic, at the plan's LRs."""

@@ -27,6 +27,7 @@ from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from megarl.distributed import init_distributed  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
+from megarl.model.routes import attach as attach_routes  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
 from tests.model.worker_moe_replay import replay_checks  # noqa: E402
 
@@ -156,7 +157,8 @@ for layout in args.layouts.split(","):
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
     if tp == 1:  # routing replay (worker_moe_replay.py)
         pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, pipeline_parallel=pp)
-        model = build_gpt(base, pcfg, dims, optim=OPTIM, route_replay=True)
+        model = build_gpt(base, pcfg, dims, optim=OPTIM)
         load_hf_tensors(model, adapter, hf)
+        attach_routes(model)
         result.update({f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()})
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))
