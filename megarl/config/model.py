@@ -50,6 +50,10 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: mean over tokens of
     logsumexp(router logits)², token-weighted over micro-batches like the aux loss); 0 = off."""
+    moe_grouped_gemm: bool = False
+    """All local experts in one grouped GEMM (Transformer Engine's TEGroupedMLP: GPU, needs
+    transformer_impl=transformer_engine); false: a GEMM pair per expert (megatron's SequentialMLP).
+    Same math; checkpoints convert between the two naming forms."""
     vocab_size: int = 0
     """Tokenizer vocabulary (0 = take it from the tokenizer)."""
     max_position_embeddings: int = 128
@@ -147,6 +151,14 @@ def _check_experts(m: ModelConfig) -> None:
         fail("model.num_experts", m.num_experts, "must be >= 1 with arch=qwen3_moe (routed experts)")
     if m.is_moe and m.arch != "qwen3_moe":
         fail("model.num_experts", m.num_experts, f"needs arch=qwen3_moe; arch={m.arch} has a dense MLP")
+    if m.moe_grouped_gemm and not m.is_moe:
+        fail("model.moe_grouped_gemm", True, "needs a MoE model (model.num_experts > 0)")
+    if m.moe_grouped_gemm and m.transformer_impl != "transformer_engine":
+        fail(
+            "model.moe_grouped_gemm",
+            True,
+            f"needs model.transformer_impl=transformer_engine (TE's grouped GEMM, GPU); it is {m.transformer_impl}",
+        )
     if m.is_moe and m.moe_router_topk > m.num_experts:
         fail("model.moe_router_topk", m.moe_router_topk, f"exceeds model.num_experts={m.num_experts}")
     for name, value in (("moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("moe_z_loss_coeff", m.moe_z_loss_coeff)):

@@ -91,7 +91,7 @@ def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=mcfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=mcfg.moe_z_loss_coeff or None,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=mcfg.moe_grouped_gemm,
         expert_model_parallel_size=pcfg.expert_parallel,
         expert_tensor_parallel_size=pcfg.tensor_parallel,
     )
@@ -104,7 +104,9 @@ def layer_spec(mcfg: ModelConfig) -> Any:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=_qk_norm(mcfg))
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=mcfg.moe_grouped_gemm, qk_layernorm=_qk_norm(mcfg)
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # qwen3: per-head RMSNorm (torch.nn.RMSNorm, eps=norm_eps) on q and k before RoPE; its
