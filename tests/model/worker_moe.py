@@ -23,7 +23,7 @@ from megarl.checkpoint.experts import to_global  # noqa: E402
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf  # noqa: E402
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from megarl.distributed import init_distributed  # noqa: E402
+from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
@@ -151,3 +151,7 @@ for layout in args.layouts.split(","):
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))
+# leave together: a rank that exits while a peer still holds live gloo groups can abort in their
+# destructors ("terminate called without an active exception", -6; seen in a full suite run)
+torch.distributed.barrier()
+shutdown()
