@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megarl.config import CoordinatorConfig, OptimConfig, RunConfig
 from megarl.config.cross import probe_min_batch, probe_part_rows
-from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings, clock
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import adam_preconditioner
 from megarl.model.builder import Model
@@ -134,6 +134,10 @@ class Planner:
         order): the LR schedule's progress. None until the first plan, or a resume from a
         checkpoint without it: then step × the configured batch (exact at a fixed batch)."""
         self.unit = "tokens" if cfg.loss_agg == "token-mean" else "responses"
+        self.vclock = clock.from_env()
+        """A virtual clock (``MEGARL_VIRTUAL_CLOCK``, benchmarks): the coordinator sees its phase
+        times instead of this machine's, and each step logs its ``vclock/step_s``."""
+        self._vstep_s: float | None = None
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
             run = CoordinatorRun(
@@ -303,6 +307,12 @@ class Planner:
         the rest of each phase is its measured fixed cost."""
         grads, self._grads = self._grads, []
         norms, self._norms = self._norms, {}
+        if self.vclock is not None:  # the same on every rank: a function of (batch, step) alone
+            virtual = self.vclock.phase_times(batch_size, step)
+            self._vstep_s = sum(virtual[k] for k in clock.PHASES)
+            shown = self.vclock.shown(virtual, step)
+            times = {k: shown[k] for k in clock.PHASES}
+            work = {k: shown[k] - shown[f"{k}_fixed"] for k in ("update", "logprobs")}
         if self.coord is None:
             return
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
@@ -333,7 +343,10 @@ class Planner:
         self.coord.observe(step, grads, timings, norms)
 
     def metrics(self) -> dict[str, float]:
-        return self.coord.metrics() if self.coord is not None else {}
+        out = self.coord.metrics() if self.coord is not None else {}
+        if self._vstep_s is not None:
+            out["vclock/step_s"] = self._vstep_s
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         out = self.coord.state_dict() if self.coord is not None else {}

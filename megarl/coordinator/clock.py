@@ -25,11 +25,16 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import os
 import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+ENV = "MEGARL_VIRTUAL_CLOCK"
+"""``PATH#CLOCK`` (e.g. ``benchmarks/ttt/clocks.toml#gpu-mid``): the run charges each step this
+clock's time — the coordinator sees its phase times, and ``vclock/step_s`` is logged (benchmarks)."""
 
 JITTER = 0.05
 """Log-normal spread of the phase times the coordinator is shown (σ of their logarithm)."""
@@ -186,6 +191,17 @@ class Clock:
                          "ms_per_response": round(1000 * step_s / b, 2),
                          "gen_tokens_per_s": round(sum(self.lengths(b, 0)) / t["generate"])})  # fmt: skip
         return rows
+
+
+def from_env() -> Clock | None:
+    """The clock :data:`ENV` names, or None when it is unset."""
+    spec = os.environ.get(ENV, "")
+    if not spec:
+        return None
+    path, sep, name = spec.rpartition("#")
+    if not sep or not path:
+        raise ValueError(f"{ENV}={spec!r}: expected PATH#CLOCK, e.g. benchmarks/ttt/clocks.toml#gpu-mid")
+    return Clock.load(path, name)
 
 
 def _norm_ppf(q: float) -> float:

@@ -114,3 +114,51 @@ def test_normal_quantile() -> None:
 
     for q in (1e-6, 0.01, 0.2, 0.5, 0.77, 0.999):
         assert _norm_ppf(q) == pytest.approx(NormalDist().inv_cdf(q), abs=1e-8)
+
+
+def test_a_run_under_a_virtual_clock_shows_the_coordinator_its_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGARL_VIRTUAL_CLOCK``: the planner's observe hands the coordinator the clock's phase
+    times (jittered, with their fixed parts) instead of the machine's, and logs ``vclock/step_s``
+    (the unjittered step); without the variable, nothing changes."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.config import load_config
+    from megarl.coordinator import clock as clock_mod
+    from megarl.distributed import ParallelDims
+    from megarl.planning import Planner, PlanSettings
+
+    cfg = load_config(None, ["coordinator.enabled=true", "coordinator.min_prompts=4", "rollout.num_prompts=8",
+                             "rollout.samples_per_prompt=16", "parallel.micro_batch_size=16"])  # fmt: skip
+    machine = {"generate": 9.0, "logprobs": 2.0, "update": 5.0, "sync": 1.0}
+    work = {"update": 4.0, "logprobs": 1.5}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = dist.group.WORLD
+        dims = ParallelDims(1, 0, 1, 1, 1, 0, 0, 0, w, w, w, w, torch.device("cpu"), None, False)
+        seen = {}
+        for spec in ("", f"{CLOCKS}#gpu-mid"):
+            monkeypatch.setenv(clock_mod.ENV, spec)
+            planner = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
+            assert planner.coord is not None
+            monkeypatch.setattr(planner.coord, "observe", lambda step, grads, timings, norms, spec=spec: seen.update({spec: timings}))
+            planner.observe(3, 128, 4000, machine, dims, work)
+            m = planner.metrics()
+            if spec:
+                c = Clock.load(CLOCKS, "gpu-mid")
+                virtual = c.phase_times(128, 3)
+                assert m["vclock/step_s"] == pytest.approx(sum(virtual[k] for k in PHASES))
+                shown = c.shown(virtual, 3)
+                t = seen[spec]
+                assert (t.generate_s, t.logprobs_s, t.train_s, t.other_s) == pytest.approx(
+                    (shown["generate"], shown["logprobs"], shown["update"], shown["other"]))
+                assert (t.train_fixed_s, t.logprobs_fixed_s) == pytest.approx((shown["update_fixed"], shown["logprobs_fixed"]))
+            else:
+                assert "vclock/step_s" not in m
+                t = seen[spec]
+                assert (t.generate_s, t.train_s, t.other_s, t.train_fixed_s) == (9.0, 5.0, 1.0, 1.0)
+        monkeypatch.setenv(clock_mod.ENV, "benchmarks/ttt/clocks.toml")
+        with pytest.raises(ValueError, match="expected PATH#CLOCK"):
+            Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
+    finally:
+        dist.destroy_process_group()
