@@ -54,6 +54,9 @@ class ModelConfig:
     """All local experts in one grouped GEMM (Transformer Engine's TEGroupedMLP: GPU, needs
     transformer_impl=transformer_engine); false: a GEMM pair per expert (megatron's SequentialMLP).
     Same math; checkpoints convert between the two naming forms."""
+    moe_dead_expert_steps: int = 10
+    """Warn in the step log when an expert of the actor receives no tokens in this many
+    consecutive RL updates, steps (and again whenever that set of experts changes); 0 = never."""
     vocab_size: int = 0
     """Tokenizer vocabulary (0 = take it from the tokenizer)."""
     max_position_embeddings: int = 128
@@ -108,7 +111,13 @@ class ModelConfig:
         """One expert's SwiGLU inner width."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
-    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size")
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = (
+        "kv_channels",
+        "vocab_size",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_dead_expert_steps",
+    )
 
     def validate(self) -> None:
         """The architecture is one megatron can build and the HF mapping can express."""

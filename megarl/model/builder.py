@@ -137,6 +137,9 @@ class Model:
     scheduler: Any = None
     probe: Any = None
     """megarl.model.grad_stats.GradProbe when the coordinator measures this model."""
+    expert_load: Any = None
+    """megarl.model.expert_load.ExpertLoad: tokens per routed expert in training forwards (a
+    MoE actor built with ``track_experts``)."""
     microbatch_s: float = 0.0
     """Seconds this rank spent on micro-batch work (forward/backward schedules less their
     pipeline fill and drain), summed over calls: callers read differences. What a phase spends
@@ -161,10 +164,12 @@ def build_gpt(
     trainable: bool = True,
     optim: OptimConfig | None = None,
     seed: int = 0,
+    track_experts: bool = False,
 ) -> Model:
     """Build this rank's GPTModel stage on ``dims``' layout; wrap in megatron DDP + optimizer
     when trainable. ``pcfg`` must describe the same TP/PP as ``dims``; ``seed`` seeds weight
-    init on a non-global layout (:func:`megarl.distributed.layout_rng`)."""
+    init on a non-global layout (:func:`megarl.distributed.layout_rng`); ``track_experts``:
+    a MoE model counts the tokens each expert receives in training (``Model.expert_load``)."""
     from megatron.core.models.gpt import GPTModel
 
     from megarl.distributed import layout_rng
@@ -200,6 +205,10 @@ def build_gpt(
         attach_value_head(gpt, tcfg, dims)
     gpt.to(dims.device)
     model = Model(gpt, tcfg, dims, mcfg.vocab_size, padded)
+    if track_experts and mcfg.is_moe:
+        from megarl.model.expert_load import ExpertLoad
+
+        model.expert_load = ExpertLoad(model)
     if not trainable:
         gpt.eval()
         for p in gpt.parameters():

@@ -12,6 +12,7 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
   Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches.
 """
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,50 @@ def test_router_losses_match_their_formulas(run: dict) -> None:
     # and they change the update (the aux variant's router gradients differ from plain's)
     router = "decoder.layers.3.mlp.router.weight"
     assert _max_diff(r0[f"ep1/aux/grad/{router}"], r0[f"ep1/plain/grad/{router}"]) > 1e-3
+
+
+def _real_lengths() -> torch.Tensor:
+    """The worker's rows' real lengths (``row_lengths`` of its mask: last response position + 2)."""
+    return torch.tensor([8 + b % 8 for b in range(B)])
+
+
+def test_expert_counts_equal_transformers_routing_at_ep1_and_ep2(run: dict) -> None:
+    """The tokens each expert received in the update's forward, summed over micro-batches and DP
+    ranks, equal a count of transformers' own top-2 choices on the same real tokens (padding
+    beyond each row's length left out), at EP 1 and EP 2, on both ranks."""
+    _, routers = _hf_forward(run["hf"])
+    real = (torch.arange(S)[None, :] < _real_lengths()[:, None]).reshape(-1)  # HF's rows: (b, s) flattened
+    ref = torch.stack([torch.bincount(r[real].topk(2, dim=-1).indices.reshape(-1), minlength=4) for r in routers])
+    for rank in run["ranks"]:
+        for ep in (1, 2):
+            assert torch.equal(rank[f"ep{ep}/plain/expert_counts"], ref), (ep, rank[f"ep{ep}/plain/expert_counts"], ref)
+    assert int(ref.sum()) == 4 * 2 * int(_real_lengths().sum())  # 4 layers, top-2, 92 real tokens
+    print(f"expert counts per layer (EP 1 = EP 2 = transformers): {ref.tolist()}")
+
+
+def test_forced_routing_counts_dead_experts_and_the_watch_warns_after_n_steps(run: dict) -> None:
+    """Routing forced onto experts 1 and 3: each receives every real token, 0 and 2 none (dead), in
+    every layer and step, at EP 1 and EP 2 alike; the watch (N = 3) warns at the third step,
+    naming them, and stays quiet while nothing changes."""
+    from megarl.model.expert_load import DeadExpertWatch, load_metrics
+
+    tokens = int(_real_lengths().sum())
+    expected = torch.tensor([[0, tokens, 0, tokens]] * 4)
+    r0 = run["ranks"][0]
+    steps = [r0[f"ep1/forced/counts{i}"] for i in range(3)]
+    for rank in run["ranks"]:
+        for i in range(3):
+            assert torch.equal(rank[f"ep1/forced/counts{i}"], expected) and torch.equal(
+                rank[f"ep2/forced/counts{i}"], expected
+            )
+    m = load_metrics(steps[0], topk=2)
+    assert (m["moe/dead_experts"], m["moe/load_max_over_mean"], m["moe/tokens"]) == (8.0, 2.0, float(tokens))
+    watch = DeadExpertWatch(3)
+    said = [watch.observe(c) for c in steps + [steps[0]]]
+    assert said[:2] == [None, None] and said[3] is None
+    level, message = said[2]
+    assert level == logging.WARNING
+    assert message == (
+        "MoE: 8 expert(s) received no tokens in each of the last 3 or more steps (model.moe_dead_expert_steps=3): "
+        "layer 0: experts [0, 2]; layer 1: experts [0, 2]; layer 2: experts [0, 2]; layer 3: experts [0, 2]"
+    )

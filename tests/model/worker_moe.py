@@ -5,7 +5,9 @@ and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every 
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
 router's gradient is checked against a direct implementation of their formulas. Each rank
-saves its own results; expert gradients are keyed by their GLOBAL expert index."""
+saves its own results; expert gradients are keyed by their GLOBAL expert index. With the plain
+optimizer (and in three steps whose routing is forced onto two experts) the tokens each expert
+received (``megarl.model.expert_load``) are saved too."""
 
 import argparse
 import dataclasses
@@ -100,6 +102,41 @@ def full_logits(model):
     return logits[..., : model.vocab_size].clone()
 
 
+def force_routing(model, first, second):
+    """Every token of every layer to experts ``first`` and ``second`` (router logits 10 and 5,
+    the others 0): all token embeddings one vector v, attention and expert outputs zero, so each
+    layer's router sees the same input x = pre_mlp_layernorm(v), and its rows are set along x."""
+    core = model.core
+    with torch.no_grad():
+        core.embedding.word_embeddings.weight.fill_(1.0)
+        for layer in core.decoder.layers:
+            layer.self_attention.linear_proj.weight.zero_()
+            for expert in layer.mlp.experts.local_experts:
+                expert.linear_fc2.weight.zero_()
+            x = layer.pre_mlp_layernorm(torch.ones(1, base.hidden_size))[0]
+            router = layer.mlp.router.weight
+            router.zero_()
+            router[first], router[second] = 10.0 * x / x.square().sum(), 5.0 * x / x.square().sum()
+
+
+def forced_routing_steps(layout, dims, ep):
+    """Three optimizer steps with every token forced to experts 1 and 3 (experts 0 and 2
+    dead; at EP=2 one live expert on each rank): each step's expert counts."""
+    model = build_gpt(base, ParallelConfig(micro_batch_size=MBS, expert_parallel=ep), dims, optim=OPTIM,
+                      track_experts=True)  # fmt: skip
+    load_hf_tensors(model, adapter, hf)
+    force_routing(model, 1, 3)
+    old = forward_logprobs(model, tokens, micro_batch_size=MBS, temperature=1.0)["logprobs"]
+    rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
+    batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
+    out = {}
+    for step in range(3):
+        model.expert_load.reset()
+        train_step(model, batch, loss_fn(1.0), micro_batch_size=MBS)
+        out[f"{layout}/forced/counts{step}"] = model.expert_load.read()
+    return out
+
+
 LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # name: (TP, EP); DP = world / TP
 result: dict[str, torch.Tensor] = {}
 for layout in args.layouts.split(","):
@@ -120,7 +157,7 @@ for layout in args.layouts.split(","):
         pcfg = ParallelConfig(
             tensor_parallel=tp, micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt
         )
-        model = build_gpt(mcfg, pcfg, dims, optim=OPTIM)
+        model = build_gpt(mcfg, pcfg, dims, optim=OPTIM, track_experts=variant == "plain")
         load_hf_tensors(model, adapter, hf)
         key = f"{layout}/{variant}"
         if variant == "plain":
@@ -138,6 +175,8 @@ for layout in args.layouts.split(","):
         hook = router.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].detach().clone()))
         stats, gnorm = train_step(model, batch, loss_fn(weight), micro_batch_size=MBS)
         hook.remove()
+        if variant == "plain":  # tokens each expert received in the step (summed over DP ranks)
+            result[f"{key}/expert_counts"] = model.expert_load.read()
         result[f"{key}/loss"] = torch.tensor([stats["loss"]], dtype=torch.float64)
         result[f"{key}/grad_norm"] = torch.tensor([gnorm], dtype=torch.float64)
         if not dist_opt and tp == 1:  # (the distributed optimizer leaves only its shard of each gradient)
@@ -150,6 +189,8 @@ for layout in args.layouts.split(","):
             result[f"{key}/router_grad_ref"] = ref
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
+    if tp == 1:
+        result.update(forced_routing_steps(layout, dims, ep))
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))
 # leave together: a rank that exits while a peer still holds live gloo groups can abort in their
 # destructors ("terminate called without an active exception", -6; seen in a full suite run)
