@@ -29,7 +29,7 @@ def test_examples_load_and_validate(tmp_path: Path) -> None:
 
     paths = sorted((ROOT / "examples").glob("*.yaml"))
     assert {"grpo_cpu.yaml", "ppo_cpu.yaml", "byo_chat_math.yaml", "qwen_math_gpu.yaml", "agent_calc_cpu.yaml",
-            "agent_python_qwen3_gpu.yaml", "grpo_moe_cpu.yaml"} <= {
+            "agent_python_qwen3_gpu.yaml", "grpo_moe_cpu.yaml", "grpo_qwen3_30b_a3b_gpu.yaml"} <= {
         p.name for p in paths
     }
     for path in paths:
