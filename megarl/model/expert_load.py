@@ -47,37 +47,40 @@ class ExpertLoad:
         """Global 0-based index of each hooked layer (megatron's layer_number counts from 1 across stages)."""
         self.counts = torch.zeros(len(layers), self.num_experts, dtype=torch.long, device=self.dims.device)
         self._rows: tuple[torch.Tensor | None, bool] = (None, True)
+        self._mask: torch.Tensor | None = None  # the micro-batch's real-token mask, built by its first layer
         for i, layer in enumerate(layers):
             layer.mlp.router.register_forward_hook(self._hook(i))
 
     def expect(self, lengths: torch.Tensor | None, packed: bool) -> None:
         """The next forward's micro-batch: each row's real length (b,) (None: every position
         counts), and whether it runs packed (then every token of the packed row is real)."""
-        self._rows = (lengths, packed)
+        self._rows, self._mask = (lengths, packed), None
 
     def reset(self) -> None:
         self.counts.zero_()
 
-    def _valid(self, n_tokens: int) -> torch.Tensor | None:
+    def _valid(self, n_tokens: int, device: torch.device) -> torch.Tensor | None:
         """Which of the router's ``n_tokens`` rows are real tokens (megatron's [s, b] order
         flattened, sequence first), or None for all of them."""
         lengths, packed = self._rows
         if packed or lengths is None:
             return None
-        b = int(lengths.numel())
-        if n_tokens % b:
-            raise RuntimeError(f"router saw {n_tokens} tokens, not a multiple of the micro-batch's {b} rows")
-        positions = torch.arange(n_tokens // b)[:, None]
-        return (positions < lengths.cpu()[None, :]).reshape(-1)
+        if self._mask is None or self._mask.numel() != n_tokens:
+            b = int(lengths.numel())
+            if n_tokens % b:
+                raise RuntimeError(f"router saw {n_tokens} tokens, not a multiple of the micro-batch's {b} rows")
+            positions = torch.arange(n_tokens // b)[:, None]
+            self._mask = (positions < lengths.cpu()[None, :]).reshape(-1).to(device)
+        return self._mask
 
     def _hook(self, index: int) -> Any:
         def count(router: torch.nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             if not router.training:
                 return
             routing_map = output[1].detach()
-            valid = self._valid(routing_map.shape[0])
+            valid = self._valid(routing_map.shape[0], routing_map.device)
             if valid is not None:
-                routing_map = routing_map[valid.to(routing_map.device)]
+                routing_map = routing_map[valid]
             self.counts[index] += routing_map.sum(dim=0).to(self.counts.device, torch.long)
 
         return count

@@ -5,7 +5,7 @@ engine: GRPO steps whose every sync writes the experts in the engine's kernel la
 parameter written, every sent tensor used) and by the integrity probe (engine vs trainer
 log-probs on a fixed sequence after every sync). A short warm start and an entropy bonus make
 every sync carry changed weights (a random model earns no reward, so GRPO alone would not
-move them)."""
+move them). Each step's expert health (``moe/*``) counts exactly the batch's real tokens."""
 
 from pathlib import Path
 
@@ -51,3 +51,12 @@ def test_moe_grpo_steps_with_engine_parity(tmp_path: Path, ep: int) -> None:
     print(f"Qwen3-MoE megarl train, EP={ep}: sync/integrity_max_abs_diff per step = {probes}, grad norms {grads}")
     assert all(g > 0 for g in grads), grads  # each sync sends changed weights
     assert all(p < 1e-3 for p in probes), probes  # weight_sync.integrity_tol
+    # expert health: the update routed exactly the batch's real tokens (prompt + response of
+    # each row, one PPO epoch), whatever EP; per-layer loads and dead experts within bounds
+    health = [{k.removeprefix("moe/"): r[k] for k in r if k.startswith("moe/")} for r in steps]
+    print(f"EP={ep}: expert health per step = {health}")
+    for r in steps:
+        assert r["moe/tokens"] == r["rollout/sequence_tokens"] > 0, (r["moe/tokens"], r["rollout/sequence_tokens"])
+        layers = [r["moe/load_max_over_mean/layer0"], r["moe/load_max_over_mean/layer1"]]
+        assert r["moe/load_max_over_mean"] == max(layers) and all(1.0 <= x <= 4.0 for x in layers)
+        assert r["moe/dead_experts"] in range(9)
