@@ -85,11 +85,11 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
             )
         )
     if _keys(recs, "moe/load_max_over_mean"):  # a mixture-of-experts actor (megarl.model.expert_load)
-        layers = _keys(recs, "moe/load_max_over_mean/")
-        per_layer = [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else []
-        panels.append(
-            ("Expert load (busiest expert / mean)", [("moe/load_max_over_mean", "worst layer"), *per_layer], {})
+        layers = _keys(recs, "moe/load_max_over_mean/")  # each layer's line up to 8 layers, else the worst's
+        lines = (
+            [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else [("moe/load_max_over_mean", "worst layer")]
         )
+        panels.append(("Expert load (busiest expert / mean)", lines, {}))
         panels.append(("Dead experts (no token in the step)", [("moe/dead_experts", "all layers")], {}))
     panels.append(
         (
