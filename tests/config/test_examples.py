@@ -231,3 +231,6 @@ def test_qwen3_30b_a3b_recipe_builds_the_config_json_model_and_fits_80gb(tmp_pat
     print(f"Qwen3-30B-A3B: {total:.2f}B parameters; static {static:.1f} GB per trainer GPU at EP {p.expert_parallel}")
     assert round(total, 1) == 30.5 and round(static, 1) == 43.0
     assert _per_gpu_static_gb(hf, 1, 16, 8)[1] > 53  # the header's "EP 8 would hold 54 GB"
+    # an engine GPU: fp32 weights (megarl.engine.vllm_engine loads dtype float32) over engine TP, + KV cache
+    engine_gb = total * 4 / cfg.rollout.engine_tp + cfg.rollout.kv_cache_gb * (1 << 30) / 1e9
+    assert engine_gb < 70, engine_gb
