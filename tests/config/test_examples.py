@@ -184,7 +184,8 @@ QWEN3_MOE_KEYS = {
 # fields config.json does not hold: the recipe's (or megarl's) own choices
 NOT_IN_CONFIG_JSON = {
     "init_from", "tokenizer", "dtype", "transformer_impl", "attention", "init_std", "moe_router_fp32",
-    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_dead_expert_steps", "rope_scaling", "rope_scaling_factor",
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_dead_expert_steps", "moe_grouped_gemm", "rope_scaling",
+    "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
 }  # fmt: skip
 
@@ -218,7 +219,8 @@ def test_qwen3_30b_a3b_recipe_builds_the_config_json_model_and_fits_80gb(tmp_pat
     src = f"model.init_from={qwen3_30b_a3b_folder(tmp_path)}"
     with pytest.raises(ConfigError, match=r"^model.dtype/transformer_impl='bf16/transformer_engine' needs CUDA"):
         validate(load_config(path, [src]), 16)
-    cfg = load_config(path, [src, "model.dtype=fp32", "model.transformer_impl=local"])
+    cfg = load_config(path, [src, "model.dtype=fp32", "model.transformer_impl=local",
+                                "model.moe_grouped_gemm=false"])  # (TE's grouped GEMM with TE only)
     validate(cfg, 16)  # 2 trainer nodes × 8 GPUs (the fleet node is the third)
     m = resolved_model(cfg.model)
     assert set(QWEN3_MOE_KEYS) | NOT_IN_CONFIG_JSON == {f.name for f in dataclasses.fields(ModelConfig)}
