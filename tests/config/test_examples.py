@@ -90,7 +90,7 @@ def local_stand_ins(name: str, cfg: RunConfig, tmp_path: Path) -> None:
         cfg.rollout.colocate, cfg.model.dtype, cfg.model.transformer_impl = False, "fp32", "local"
     elif name == "grpo_qwen3_30b_a3b_gpu.yaml":
         cfg.model.init_from = str(qwen3_30b_a3b_folder(tmp_path))
-        cfg.model.dtype, cfg.model.transformer_impl = "fp32", "local"
+        cfg.model.dtype, cfg.model.transformer_impl, cfg.model.moe_grouped_gemm = "fp32", "local", False
     elif name == "agent_python_qwen3_gpu.yaml":
         folder = tmp_path / "qwen3-1.7b"
         folder.mkdir(parents=True, exist_ok=True)
