@@ -89,6 +89,10 @@ def _moe(*sets: str) -> list[str]:
     return ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64", *sets]
 
 
+_COORD_EP2 = ("parallel.expert_parallel=2", "coordinator.enabled=true", "coordinator.min_prompts=2",
+              "parallel.micro_batch_size=4", "rollout.samples_per_prompt=4")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("sets", "world", "message"),
     [
@@ -110,6 +114,18 @@ def _moe(*sets: str) -> list[str]:
             2,
             "parallel.max_tokens_per_micro_batch=512 with parallel.expert_parallel=2",
         ),
+        (  # the noise probe's parts are DP ranks: the experts' parts are EP groups, here one
+            _moe("parallel.expert_parallel=2", "coordinator.enabled=true", "coordinator.microbatch_parts=false"),
+            2,
+            "parallel.expert_parallel=2 must be at most DP/2=1 with coordinator.enabled and DP ranks as the noise "
+            "probe's parts",
+        ),
+        (  # one EP group: each rank needs two runs of micro-batches for two expert parts
+            _moe(*_COORD_EP2, "rollout.num_prompts=2"),
+            2,
+            "rollout.num_prompts×samples_per_prompt=8 must be >= 2 × parallel.micro_batch_size=4 × "
+            "algo.mini_batches=1 × EP=2 = 16 with coordinator.enabled at DP = EP = 2",
+        ),
         # vLLM's CPU fused-MoE kernel needs hidden % 32 == 0 (kv_channels 32: a head size CPU attention runs)
         (_moe("model.hidden_size=144", "model.kv_channels=32"), 1, "model.hidden_size=144 is not a multiple of 32"),
     ],
@@ -129,3 +145,15 @@ def test_a_valid_moe_layout_trains(ep: int) -> None:
     broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32")
     with pytest.raises(ConfigError, match=re.escape("model.hidden_size=144 is not a multiple of 32")):
         validate(load_config(None, broken), 2)
+
+
+def test_the_coordinator_measures_an_ep2_layout_from_two_expert_parts() -> None:
+    """DP = EP = 2 with micro-batch parts: 16 responses give each rank two runs of 4, so two
+    expert parts (the EP group's unions); the planner's smallest batch says the same."""
+    from megarl.planning import Planner, PlanSettings
+
+    cfg = load_config(None, _moe(*_COORD_EP2, "rollout.num_prompts=4"))
+    assert validate(cfg, 2) is None
+    planner = Planner(PlanSettings.of(cfg), dp=2, models=["actor"])
+    assert planner.coord is not None
+    assert (planner.coord.run.min_batch, planner.coord.run.equal_shares) == (16, True)

@@ -25,9 +25,12 @@ from megarl.checkpoint.experts import to_global  # noqa: E402
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf  # noqa: E402
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from megarl.coordinator.estimates import grad_updates  # noqa: E402
 from megarl.distributed import init_distributed, shutdown  # noqa: E402
+from megarl.grad_parts import ExpertParts, chunks, grad_stats, read_parts  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
+from megarl.model.grad_stats import GradProbe  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -135,6 +138,59 @@ def forced_routing_steps(layout, dims, ep):
         train_step(model, batch, loss_fn(1.0), micro_batch_size=MBS)
         out[f"{layout}/forced/counts{step}"] = model.expert_load.read()
     return out
+# The coordinator's noise probe (#44 item 6), on the plain and distributed-optimizer steps at
+# DP = 2: parts are the micro-batches (runs of 1: the test is about accounting, not about whole
+# groups), units are tokens (token-mean loss), every row has an advantage.
+EVERY = [slice(0, B // 2), slice(B // 2, B)]  # each DP rank's rows
+UNITS, SIGNAL = mask.sum(1), (mask.sum(1) > 0) & (adv != 0)
+
+
+class GradRecorder:
+    """Every parameter's accumulated gradient at each call the schedule makes to the probe, read
+    from ``main_grad`` by name (not from the probe's buffer ranges): the EP=1 reference. Hands
+    each call on to ``probe``."""
+
+    def __init__(self, model, probe):
+        self.model, self.probe, self.snaps = model, probe, []
+
+    def _snap(self):
+        self.snaps.append({n: p.main_grad.detach().double().clone() for n, p in self.model.core.named_parameters()})
+
+    def microbatch_boundary(self, ddp, last=False):
+        self._snap()
+        self.probe.microbatch_boundary(ddp, last)
+
+    def before_reduce(self, ddp):
+        self._snap()
+        self.probe.before_reduce(ddp)
+
+    def after_reduce(self, ddp):
+        self.probe.after_reduce(ddp)
+
+
+def estimate(parts, rows, dense_sq, experts):
+    """(|G|², tr Σ, dof) the coordinator takes from these parts (its own code path)."""
+    stats = grad_stats("actor", parts, rows, UNITS, SIGNAL, dense_sq**0.5, "tokens", "microbatch", experts)
+    (u,) = grad_updates([stats], {"actor": 1.0}, {})
+    return torch.tensor([u.g2, u.tr_sigma, u.dof], dtype=torch.float64)
+
+
+def reference_parts(recorder, dims):
+    """At EP=1 (DP=2): each rank's micro-batch gradients gathered; the dense parts per rank and
+    micro-batch, the experts' parts as the SUM of the two ranks' micro-batch k gradients (the
+    union EP=2 sends to the experts), and both classes' global |G|², all by brute force."""
+    names = list(recorder.snaps[0])
+    flat = [torch.cat([snap[n].flatten() for n in names]) for snap in recorder.snaps]
+    mine = torch.stack([flat[0]] + [b - a for a, b in zip(flat, flat[1:])])  # (micro-batches, params)
+    both = [torch.zeros_like(mine) for _ in range(dims.dp)]
+    torch.distributed.all_gather(both, mine, group=dims.dp_group)
+    is_expert = torch.cat([torch.full((recorder.snaps[0][n].numel(),), "local_experts" in n) for n in names])
+    dense = [float(g[~is_expert].square().sum()) for rank in both for g in rank]
+    union = sum(both)  # (micro-batches, params): micro-batch k of both ranks
+    experts = [float(g[is_expert].square().sum()) for g in union]
+    total = union.sum(0)
+    own = [float(g[is_expert].square().sum()) for rank in both for g in rank]
+    return dense, experts, own, float(total[~is_expert].square().sum()), float(total[is_expert].square().sum())
 
 
 LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # name: (TP, EP); DP = world / TP
@@ -173,10 +229,35 @@ for layout in args.layouts.split(","):
         router_before = router.weight.detach().clone()
         seen: list[torch.Tensor] = []
         hook = router.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].detach().clone()))
+        measured = variant == "plain" or (variant == "distopt" and ep > 1)  # (the EP=1 reference once)
+        probe = GradProbe(dims, microbatch=True) if measured else None
+        if probe is not None:
+            probe.start()
+            model.probe = GradRecorder(model, probe) if ep == 1 and variant == "plain" else probe
         stats, gnorm = train_step(model, batch, loss_fn(weight), micro_batch_size=MBS)
         hook.remove()
         if variant == "plain":  # tokens each expert received in the step (summed over DP ranks)
             result[f"{key}/expert_counts"] = model.expert_load.read()
+        if isinstance(model.probe, GradRecorder):  # the reference, and the EP=1 probe (one class)
+            dense, experts, own, g_dense, g_experts = reference_parts(model.probe, dims)
+            result[f"{key}/probe/ref_dense_parts"] = torch.tensor(dense, dtype=torch.float64)
+            result[f"{key}/probe/ref_expert_parts"] = torch.tensor(experts, dtype=torch.float64)
+            result[f"{key}/probe/ref_own_expert_parts"] = torch.tensor(own, dtype=torch.float64)
+            result[f"{key}/probe/ref_global"] = torch.tensor([g_dense, g_experts], dtype=torch.float64)
+            union = [list(k) for k in zip(*(chunks(sl, MBS) for sl in EVERY))]
+            rows = [r for sl in EVERY for r in chunks(sl, MBS)]
+            ref = ExpertParts(sq=experts, rows=union, global_sq=g_experts)
+            result[f"{key}/probe/ref_estimate"] = estimate(dense, rows, g_dense, ref)
+            result[f"{key}/probe/parts"] = torch.tensor(probe.gather_microbatches(), dtype=torch.float64)
+        elif probe is not None:  # EP=2: the probe's two classes
+            parts, rows, expert_parts = read_parts(probe, EVERY, MBS)
+            assert expert_parts is not None and probe.global_sq is not None
+            result[f"{key}/probe/parts"] = torch.tensor(parts, dtype=torch.float64)
+            result[f"{key}/probe/expert_parts"] = torch.tensor(expert_parts.sq, dtype=torch.float64)
+            result[f"{key}/probe/expert_rows"] = torch.tensor([[r.start for r in u] for u in expert_parts.rows])
+            result[f"{key}/probe/global"] = torch.tensor([probe.global_sq, expert_parts.global_sq], dtype=torch.float64)
+            result[f"{key}/probe/estimate"] = estimate(parts, rows, probe.global_sq, expert_parts)
+        model.probe = None
         result[f"{key}/loss"] = torch.tensor([stats["loss"]], dtype=torch.float64)
         result[f"{key}/grad_norm"] = torch.tensor([gnorm], dtype=torch.float64)
         if not dist_opt and tp == 1:  # (the distributed optimizer leaves only its shard of each gradient)
