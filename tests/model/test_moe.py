@@ -9,7 +9,10 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
   gradient (experts keyed by their global index on both ranks) and the weights after the step
   — with the plain and the distributed optimizer, and with the router losses on;
 * the router losses' gradient equals a direct implementation of their formulas (Switch
-  Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches.
+  Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches;
+* the coordinator's noise probe at EP=2 counts every expert once: its dense parts, its expert
+  parts (unions over the EP group) and both classes' global |G|² equal brute-force EP=1 values
+  of the same batch, and the noise estimate equals the EP=1 one with the same parts.
 """
 
 import logging
@@ -201,3 +204,55 @@ def test_forced_routing_counts_dead_experts_and_the_watch_warns_after_n_steps(ru
         "MoE: 8 expert(s) received no tokens in each of the last 3 or more steps (model.moe_dead_expert_steps=3): "
         "layer 0: experts [0, 2]; layer 1: experts [0, 2]; layer 2: experts [0, 2]; layer 3: experts [0, 2]"
     )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", ["plain", "distopt"])
+def test_noise_probe_counts_each_expert_once_at_ep2(run: dict, variant: str) -> None:
+    """#44 item 6. The EP=1 reference reads every parameter's gradient by name after each
+    micro-batch (DP = 2, 2 micro-batches a rank): dense parts per rank and micro-batch, expert
+    parts as the two ranks' micro-batch k gradients summed (the union EP=2 sends to the
+    experts), both classes' global |G|². At EP=2 the probe reads its buffers: no expert is
+    counted twice or lost (the classes' global |G|² add up to the optimizer's grad norm², which
+    megatron sums over the EP group itself), and every part and the estimate equal EP=1's."""
+    r0, r1 = run["ranks"]
+    ref, got = "ep1/plain/probe", f"ep2/{variant}/probe"
+    norm2 = r0[f"ep2/{variant}/grad_norm"].item() ** 2
+    total = r0[f"{got}/global"].sum().item()
+    print(
+        f"{variant}: EP=2 probe |G_dense|² + |G_experts|² = {total:.9g}, optimizer grad norm² {norm2:.9g}; "
+        f"experts' share {r0[f'{got}/global'][1].item() / total:.3f}"
+    )
+    assert abs(total - norm2) <= 1e-6 * norm2
+    assert r0[f"{got}/global"][1] > 0.01 * total  # the experts carry a real share of the gradient
+    for rank in (r0, r1):  # every rank ends with the same reading
+        for key in ("parts", "expert_parts", "global", "estimate"):
+            assert torch.equal(rank[f"{got}/{key}"], r0[f"{got}/{key}"]), key
+    diffs = {
+        "dense parts": _rel(r0[f"{got}/parts"], r0[f"{ref}/ref_dense_parts"]),
+        "expert parts (EP-group unions)": _rel(r0[f"{got}/expert_parts"], r0[f"{ref}/ref_expert_parts"]),
+        "global |G|² per class": _rel(r0[f"{got}/global"], r0[f"{ref}/ref_global"]),
+        "|G|² estimate": _rel(r0[f"{got}/estimate"][0], r0[f"{ref}/ref_estimate"][0]),
+        "tr Σ estimate": _rel(r0[f"{got}/estimate"][1], r0[f"{ref}/ref_estimate"][1]),
+    }
+    print(f"{variant}: EP=2 vs EP=1, relative: " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-6, diffs
+    assert r0[f"{got}/expert_rows"].tolist() == [[0, 4], [2, 6]]  # micro-batch k of rank 0 with rank 1's
+    g2, tr_sigma, dof = r0[f"{got}/estimate"].tolist()
+    assert dof == 1.0 and tr_sigma > 0  # two expert parts: one degree of freedom
+    print(f"{variant}: estimate |G|² {g2:.4g}, tr Σ {tr_sigma:.4g} (tokens)")
+    # the unions are not the ranks' own parts: a rank's experts see both ranks' tokens
+    own = r0[f"{ref}/ref_own_expert_parts"]
+    assert _rel(own[:2] + own[2:], r0[f"{ref}/ref_expert_parts"]) > 1e-3
+
+
+def test_noise_probe_at_ep1_reads_every_parameter_as_one_class(run: dict) -> None:
+    """At EP=1 the probe keeps one class, as before: each part is the rank's dense and expert
+    gradient of its own micro-batch together."""
+    r0 = run["ranks"][0]
+    ref = "ep1/plain/probe"
+    want = r0[f"{ref}/ref_dense_parts"] + r0[f"{ref}/ref_own_expert_parts"]
+    assert _rel(r0[f"{ref}/parts"], want) < 1e-6
