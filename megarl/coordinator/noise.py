@@ -179,9 +179,11 @@ def expert_parallel_estimates(
     on one rank of its EP group (E ranks), and in micro-batch k the all-to-all sends it every
     token of the group's micro-batches k that routes to it. So on rank r the dense gradient of
     micro-batch k is that of rank r's own n units, but its local experts' gradient is that of
-    the union U_k of the E ranks' micro-batches k (E·n units). One part per rank mixing the two
-    has no single batch size: E|g|² = |G_d|² + tr Σ_d/n + |G_e,r|² + tr Σ_e,r/(E·n), with only
-    rank r's share of the experts — the old reading, biased.
+    the union U_k of the E ranks' micro-batches k (E·n units). The whole buffer's change read as
+    one part of n units (the old reading: with the loss over D units, its experts' share is
+    (E·n/D)·ḡ_U, rescaled × (D/n)²) has E|g|² = |G_d|² + tr Σ_d/n + E²·(|G_e,r|² + tr Σ_e,r/(E·n))
+    for rank r's experts e,r: over the group, E·|G_e|² in place of |G_e|², biased (tr Σ +44 % and
+    |G|² −10 % in tests/coordinator/test_noise.py's example).
 
     With θ = (θ_d, θ_e) the per-sample gradient covariance splits into blocks, so
 

@@ -5,7 +5,10 @@ engine: GRPO steps whose every sync writes the experts in the engine's kernel la
 parameter written, every sent tensor used) and by the integrity probe (engine vs trainer
 log-probs on a fixed sequence after every sync). A short warm start and an entropy bonus make
 every sync carry changed weights (a random model earns no reward, so GRPO alone would not
-move them). Each step's expert health (``moe/*``) counts exactly the batch's real tokens."""
+move them). Each step's expert health (``moe/*``) counts exactly the batch's real tokens. The
+coordinator measures (``adapt: false``: the batch and LR stay): its noise probe
+reads the experts as their own class at EP 2 (parts over the EP group, micro-batches of 8 so
+each rank has the two runs that needs)."""
 
 from pathlib import Path
 
@@ -27,13 +30,16 @@ def test_moe_grpo_steps_with_engine_parity(tmp_path: Path, ep: int) -> None:
         "parallel.tensor_parallel=1",
         "parallel.data_parallel=2",
         f"parallel.expert_parallel={ep}",
-        "parallel.micro_batch_size=16",
+        "parallel.micro_batch_size=8",
         f"train.steps={STEPS}",
         "train.eval_every=0",
         "warm_start.steps=20",  # the first sync already carries trained weights
         "algo.entropy_coef=0.01",  # every step moves the weights, rewarded samples or not
         "optim.lr=1.0e-3",
-        "coordinator.enabled=false",
+        "coordinator.enabled=true",  # measures only: the probe's EP path in a real run
+        "coordinator.adapt=false",
+        "coordinator.min_prompts=8",
+        "coordinator.lr_max=1.0e-2",  # (the example caps the LR below optim.lr)
         "rollout.num_prompts=8",
         "rollout.samples_per_prompt=4",
         "data.num_train=200",
@@ -50,6 +56,9 @@ def test_moe_grpo_steps_with_engine_parity(tmp_path: Path, ep: int) -> None:
     grads = [r["train/grad_norm"] for r in steps]
     print(f"Qwen3-MoE megarl train, EP={ep}: sync/integrity_max_abs_diff per step = {probes}, grad norms {grads}")
     assert all(g > 0 for g in grads), grads  # each sync sends changed weights
+    probed = [r.get("coord/probe_s/actor") for r in steps]
+    print(f"EP={ep}: probe seconds {probed}, noise dof {[r.get('coord/noise_dof/actor') for r in steps]}")
+    assert all(p is not None and p > 0 for p in probed), probed  # the probe read every step's first update
     assert all(p < 1e-3 for p in probes), probes  # weight_sync.integrity_tol
     # expert health: the update routed exactly the batch's real tokens (prompt + response of
     # each row, one PPO epoch), whatever EP; per-layer loads and dead experts within bounds
