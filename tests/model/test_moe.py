@@ -227,7 +227,9 @@ def test_noise_probe_counts_each_expert_once_at_ep2(run: dict, variant: str) -> 
         f"experts' share {r0[f'{got}/global'][1].item() / total:.3f}"
     )
     assert abs(total - norm2) <= 1e-6 * norm2
-    assert r0[f"{got}/global"][1] > 0.01 * total  # the experts carry a real share of the gradient
+    # the experts' share (0.7 % here) is thousands of times the tolerance: dropping them, or
+    # counting them twice, would fail the line above
+    assert r0[f"{got}/global"][1] > 1e-3 * total
     for rank in (r0, r1):  # every rank ends with the same reading
         for key in ("parts", "expert_parts", "global", "estimate"):
             assert torch.equal(rank[f"{got}/{key}"], r0[f"{got}/{key}"]), key
