@@ -59,6 +59,8 @@ def test_moe_grpo_steps_with_engine_parity(tmp_path: Path, ep: int) -> None:
     probed = [r.get("coord/probe_s/actor") for r in steps]
     print(f"EP={ep}: probe seconds {probed}, noise dof {[r.get('coord/noise_dof/actor') for r in steps]}")
     assert all(p is not None and p > 0 for p in probed), probed  # the probe read every step's first update
+    # and a step with reward signal in two parts gave an estimate (measured: dof 1 from step 1 on)
+    assert steps[-1]["coord/noise_dof/actor"] >= 1.0
     assert all(p < 1e-3 for p in probes), probes  # weight_sync.integrity_tol
     # expert health: the update routed exactly the batch's real tokens (prompt + response of
     # each row, one PPO epoch), whatever EP; per-layer loads and dead experts within bounds
