@@ -7,7 +7,8 @@ first mini-batch of the previous rollout and from the step's own phase timings. 
 owns the probes: it attaches them to the trained models, switches them on for the update it
 measures, and turns what they saw into :class:`ModelGradStats` — parts are the micro-batches
 of every DP rank (PP = 1) or the DP ranks, counting only responses with reward signal for the
-policy loss (docs/COORDINATOR.md §1). The LR schedule
+policy loss, and at EP > 1 the experts' parts their unions over each EP group
+(``megarl.grad_parts``; docs/COORDINATOR.md §1). The LR schedule
 (:func:`schedule_lr`: warm-up, cosine) multiplies the planned LR, so the two compose; its
 progress is counted in responses trained, not steps, so a batch change does not stretch or
 shrink the warm-up and the decay (issue #41 D.5). The planner reads the run config as a
@@ -92,7 +93,8 @@ class PlanSettings:
     part_rows: int
     """Rows of the grad probe's smallest part (``megarl.config.cross.probe_part_rows``)."""
     expert_parallel: int = 1
-    """Expert-parallel ranks per group (``parallel.expert_parallel``): the DP shares stay equal."""
+    """Expert-parallel ranks per group (``parallel.expert_parallel``): the DP shares stay equal,
+    and at DP = EP the probe needs two runs a rank."""
 
     @property
     def batch_size(self) -> int:
