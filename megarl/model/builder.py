@@ -75,9 +75,15 @@ def _qk_norm(mcfg: ModelConfig) -> bool:
 
 
 def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
-    """TransformerConfig's MoE fields: Qwen3-MoE's router (HF ``Qwen3MoeTopKRouter``: softmax
-    over all experts, top-k, optionally renormalised; renormalised it equals megatron's top-k
-    of the logits then a softmax over the k) and megatron's alltoall token dispatcher."""
+    """TransformerConfig's MoE fields: the router of Qwen3-MoE (HF ``Qwen3MoeTopKRouter``: softmax
+    over all experts in fp32, top-k, optionally renormalised) and Mixtral (``MixtralTopKRouter``:
+    the same, always renormalised, the k weights kept in fp32), and megatron's alltoall token
+    dispatcher. Renormalised, softmax-then-top-k equals megatron's top-k of the logits then a
+    softmax over the k (``moe_router_pre_softmax=False``): softmax is monotone, so the same k are
+    chosen, and renormalising cancels the partition function over the other experts.
+    Unnormalised, it is ``moe_router_pre_softmax=True``. Router dtype: HF computes the logits in
+    the model's dtype and softmaxes them in fp32; ``moe_router_fp32`` computes the logits in fp32
+    too (the same numbers in an fp32 model; in bf16 megarl's logits are the more precise ones)."""
     if not mcfg.is_moe:
         return {}
     return dict(

@@ -1,6 +1,6 @@
-"""Mixture-of-experts settings: a Qwen3-MoE config.json maps onto the model section, what megarl
-would not reproduce is refused naming the key, and the expert-parallel layout's rules name
-the field, the value and the rule (pure: no processes)."""
+"""Mixture-of-experts settings: a Qwen3-MoE or Mixtral config.json maps onto the model section,
+what megarl would not reproduce is refused naming the key, and the expert-parallel layout's rules
+name the field, the value and the rule (pure: no processes)."""
 
 import re
 
@@ -45,6 +45,48 @@ QWEN3_30B_A3B = {
 }
 
 
+# Mixtral-8x7B-v0.1's config.json as the hub holds it
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+FAMILIES = {"qwen3_moe": QWEN3_30B_A3B, "mixtral": MIXTRAL_8X7B}
+
+
+def test_mixtral_8x7b_config_maps_experts_and_routing() -> None:
+    """Each expert is intermediate_size wide; the k weights are always renormalised."""
+    m = model_config_from_hf(MIXTRAL_8X7B, ModelConfig())
+    assert (m.arch, m.num_experts, m.expert_ffn_hidden_size, m.moe_router_topk) == ("mixtral", 8, 14336, 2)
+    assert m.moe_norm_topk_prob and m.head_dim == 128 and m.kv_channels == 0 and m.rotary_base == 1e6
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (0.0, 0.0)  # router_aux_loss_coef is HF training's
+    m.validate()
+    # keys HF Mixtral does not read do not change it; its training-only jitter is not refused
+    same = model_config_from_hf({**MIXTRAL_8X7B, "norm_topk_prob": False, "router_jitter_noise": 0.1}, ModelConfig())
+    assert same == m
+
+
 def test_qwen3_30b_a3b_config_maps_experts_and_routing() -> None:
     m = model_config_from_hf(QWEN3_30B_A3B, ModelConfig())
     assert (m.arch, m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk) == ("qwen3_moe", 128, 768, 8)
@@ -62,27 +104,39 @@ def test_transformers5_spelling_of_the_expert_count() -> None:
     assert not model_config_from_hf({**QWEN3_30B_A3B, "norm_topk_prob": False}, ModelConfig()).moe_norm_topk_prob
 
 
+_QWEN3_MOE_REFUSALS = [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2: megarl builds a mixture of experts in every layer"),
+    ({"mlp_only_layers": [0, 47]}, "mlp_only_layers=[0, 47]: megarl builds a mixture of experts in every layer"),
+    ({"shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size=5632"),
+    ({"n_shared_experts": 1}, "n_shared_experts=1"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),  # aux-free bias routing (DeepSeek-V3)
+    ({"n_group": 8}, "n_group=8"),  # group-limited routing
+    ({"topk_group": 4}, "topk_group=4"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok=129: exceeds num_experts=128"),
+    ({"num_experts": 0}, "num_experts=0: must be a positive integer"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
+]
+_MIXTRAL_REFUSALS = [
+    ({"sliding_window": 4096}, "sliding_window=4096: megarl attends over the full context"),
+    ({"num_local_experts": 0}, "num_local_experts=0: must be a positive integer"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9: exceeds num_experts=8"),
+    ({"num_local_experts": 4, "num_experts": 8}, "num_local_experts=4: differs from num_experts=8"),
+    ({"n_shared_experts": 1}, "n_shared_experts=1"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+]
+
+
 @pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2: megarl builds a mixture of experts in every layer"),
-        ({"mlp_only_layers": [0, 47]}, "mlp_only_layers=[0, 47]: megarl builds a mixture of experts in every layer"),
-        ({"shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size=5632"),
-        ({"n_shared_experts": 1}, "n_shared_experts=1"),
-        ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),  # aux-free bias routing (DeepSeek-V3)
-        ({"n_group": 8}, "n_group=8"),  # group-limited routing
-        ({"topk_group": 4}, "topk_group=4"),
-        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
-        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
-        ({"num_experts_per_tok": 129}, "num_experts_per_tok=129: exceeds num_experts=128"),
-        ({"num_experts": 0}, "num_experts=0: must be a positive integer"),
-        ({"attention_bias": True}, "attention_bias=True"),
-        ({"use_sliding_window": True}, "use_sliding_window=True"),
-    ],
+    ("family", "change", "message"),
+    [("qwen3_moe", *row) for row in _QWEN3_MOE_REFUSALS] + [("mixtral", *row) for row in _MIXTRAL_REFUSALS],
 )
-def test_unsupported_moe_configs_are_refused_naming_the_key(change: dict, message: str) -> None:
+def test_unsupported_moe_configs_are_refused_naming_the_key(family: str, change: dict, message: str) -> None:
     with pytest.raises(UnsupportedHFModel, match="unsupported HF config " + re.escape(message)):
-        model_config_from_hf({**QWEN3_30B_A3B, **change}, ModelConfig())
+        model_config_from_hf({**FAMILIES[family], **change}, ModelConfig())
 
 
 def _moe(*sets: str) -> list[str]:
@@ -104,8 +158,19 @@ _COORD_EP2 = ("parallel.expert_parallel=2", "coordinator.enabled=true", "coordin
             "parallel.expert_parallel=2 does not divide the data-parallel size 1 (EP × TP=4 must divide TP × DP=2",
         ),
         (["parallel.expert_parallel=2"], 2, "parallel.expert_parallel=2 needs a mixture-of-experts model"),
-        (["model.num_experts=4"], 1, "model.num_experts=4 needs arch=qwen3_moe"),
+        (["model.num_experts=4"], 1, "model.num_experts=4 needs arch=qwen3_moe or mixtral"),
         (["model.arch=qwen3_moe"], 1, "model.num_experts=0 must be >= 1 with arch=qwen3_moe"),
+        (["model.arch=mixtral"], 1, "model.num_experts=0 must be >= 1 with arch=mixtral"),
+        (
+            ["model.arch=mixtral", "model.num_experts=4", "model.moe_ffn_hidden_size=64"],
+            1,
+            "model.moe_ffn_hidden_size=64 differs from model.ffn_hidden_size=256",
+        ),
+        (
+            ["model.arch=mixtral", "model.num_experts=4", "model.moe_norm_topk_prob=false"],
+            1,
+            "model.moe_norm_topk_prob=False must be true: arch=mixtral always renormalises its k routing weights",
+        ),
         (_moe("model.moe_router_topk=5"), 1, "model.moe_router_topk=5 exceeds model.num_experts=4"),
         (_moe("model.moe_aux_loss_coeff=-0.1"), 1, "model.moe_aux_loss_coeff=-0.1 must be >= 0"),
         (_moe("parallel.tensor_parallel=2"), 2, "parallel.tensor_parallel=2 with a mixture-of-experts model"),
