@@ -1,5 +1,6 @@
 """A Qwen3-MoE model (4 experts, top-2) at expert parallelism 2 against EP=1 and against
-transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``:
+transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``, with a
+Mixtral model of the same size forward-only in the same run (its logits and read-back weights):
 
 * logits at EP=1, EP=2 and TP=2 equal transformers' within 1e-4 (and each other exactly: the same
   tokens meet the same experts, wherever they live), with renormalised top-k weights
@@ -37,8 +38,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf_all = tiny_hf_model(base / "hf_all", arch="qwen3_moe", seed=1, extra={"norm_topk_prob": False})
     out = base / "out"
     out.mkdir()
-    torchrun(WORKER, 2, ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all)])
-    return {"hf": hf, "hf_all": hf_all, "ranks": [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]}
+    mixtral = tiny_hf_model(base / "hf_mixtral", arch="mixtral", seed=2, qk_gain=4.0)
+    argv = ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all), "--hf-mixtral", str(mixtral)]
+    torchrun(WORKER, 2, argv)
+    ranks = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+    return {"hf": hf, "hf_all": hf_all, "mixtral": mixtral, "ranks": ranks}
+
+
+FAMILIES = {"qwen3_moe": ("hf", ""), "mixtral": ("mixtral", "mixtral/")}
+"""family -> (its HF folder in ``run``, its keys' prefix in the ranks' results)"""
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +71,16 @@ def _hf_forward(hf_dir: Path, **config: object) -> tuple[torch.Tensor, list[torc
     return out.logits, list(out.router_logits)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2"])
-def test_logits_match_transformers(run: dict, layout: str) -> None:
-    logits, routers = _hf_forward(run["hf"])
+def test_logits_match_transformers(run: dict, layout: str, family: str) -> None:
+    folder, key = FAMILIES[family]
+    logits, routers = _hf_forward(run[folder])
     for r, rank in enumerate(run["ranks"]):
-        diff = _max_diff(rank[f"{layout}/logits"], logits)
-        print(f"{layout} rank {r}: max |logit - transformers| = {diff:.3g}")
+        diff = _max_diff(rank[f"{key}{layout}/logits"], logits)
+        print(f"{family} {layout} rank {r}: max |logit - transformers| = {diff:.3g}")
         assert diff < 1e-4, diff
-    assert torch.equal(run["ranks"][0]["ep2/logits"], run["ranks"][0]["ep1/logits"])
+    assert torch.equal(run["ranks"][0][f"{key}ep2/logits"], run["ranks"][0][f"{key}ep1/logits"])
     # the check means something: every layer sends tokens to every expert (both EP ranks work)
     for layer in routers:
         chosen = layer.topk(2, dim=-1).indices.flatten()
@@ -136,14 +146,22 @@ def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep
     assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
 
 
-def test_weights_read_back_bitwise_and_the_step_moved_them(run: dict) -> None:
-    init = load_file(str(run["hf"] / "model.safetensors"))
-    r0 = run["ranks"][0]
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_weights_read_back_bitwise(run: dict, family: str) -> None:
+    """Every HF tensor (Mixtral: ``block_sparse_moe.experts.{g}.w1/w3/w2``, as saved) out of each layout."""
+    folder, key = FAMILIES[family]
+    init = load_file(str(run[folder] / "model.safetensors"))
+    assert any(".experts.3." in k for k in init)
     for layout in ("ep1", "ep2", "tp2"):
-        loaded = {k.removeprefix(f"{layout}/loaded/"): v for k, v in r0.items() if k.startswith(f"{layout}/loaded/")}
+        p = f"{key}{layout}/loaded/"
+        loaded = {k.removeprefix(p): v for k, v in run["ranks"][0].items() if k.startswith(p)}
         assert loaded.keys() == init.keys()
         assert all(torch.equal(loaded[k], init[k]) for k in init)
-    moved = max(_max_diff(r0[f"ep2/plain/w/{k}"], v) for k, v in init.items())
+
+
+def test_the_step_moved_the_weights(run: dict) -> None:
+    init = load_file(str(run["hf"] / "model.safetensors"))
+    moved = max(_max_diff(run["ranks"][0][f"ep2/plain/w/{k}"], v) for k, v in init.items())
     assert moved > 1e-4
 
 

@@ -7,7 +7,8 @@ router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone
 router's gradient is checked against a direct implementation of their formulas. Each rank
 saves its own results; expert gradients are keyed by their GLOBAL expert index. With the plain
 optimizer (and in three steps whose routing is forced onto two experts) the tokens each expert
-received (``megarl.model.expert_load``) are saved too."""
+received (``megarl.model.expert_load``) are saved too. ``--hf-mixtral``:
+a Mixtral model's logits and the weights read back out of each layout (forward only)."""
 
 import argparse
 import dataclasses
@@ -37,6 +38,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
+ap.add_argument("--hf-mixtral", help="a Mixtral HF model: its logits and read-back weights only")
 ap.add_argument("--layouts", default="ep1,ep2,tp2", help="which of LAYOUTS to run, in order")
 args = ap.parse_args()
 
@@ -138,6 +140,8 @@ def forced_routing_steps(layout, dims, ep):
         train_step(model, batch, loss_fn(1.0), micro_batch_size=MBS)
         out[f"{layout}/forced/counts{step}"] = model.expert_load.read()
     return out
+
+
 # The coordinator's noise probe (#44 item 6), on the plain and distributed-optimizer steps at
 # DP = 2: parts are the micro-batches (runs of 1: the test is about accounting, not about whole
 # groups), units are tokens (token-mean loss), every row has an advantage.
@@ -193,6 +197,15 @@ def reference_parts(recorder, dims):
     return dense, experts, own, float(total[~is_expert].square().sum()), float(total[is_expert].square().sum())
 
 
+def forward_only(hf_dir, tp, ep, dims):
+    """Another HF model at this layout: (its megarl config, full logits, weights read back)."""
+    cfg, tensors = read_hf_folder(hf_dir)
+    mcfg = model_config_from_hf(cfg, ModelConfig())
+    model = build_gpt(mcfg, ParallelConfig(tensor_parallel=tp, expert_parallel=ep), dims, trainable=False)
+    load_hf_tensors(model, LlamaQwen2Adapter(mcfg), tensors)
+    return mcfg, full_logits(model), hf_state_dict(model, LlamaQwen2Adapter(mcfg))
+
+
 LAYOUTS = {"ep1": (1, 1), "ep2": (1, 2), "tp2": (2, 1), "tp2ep2": (2, 2)}  # name: (TP, EP); DP = world / TP
 result: dict[str, torch.Tensor] = {}
 for layout in args.layouts.split(","):
@@ -200,12 +213,12 @@ for layout in args.layouts.split(","):
     dims = init_distributed(tp, 1, seed=7, ep=ep)
     local = base.num_experts // ep
     if args.hf_softmax_all and tp == 1:
-        cfg2, hf2 = read_hf_folder(args.hf_softmax_all)
-        m2 = model_config_from_hf(cfg2, ModelConfig())
+        m2, result[f"{layout}/softmax_all_logits"], _ = forward_only(args.hf_softmax_all, tp, ep, dims)
         assert not m2.moe_norm_topk_prob
-        other = build_gpt(m2, ParallelConfig(expert_parallel=ep), dims, trainable=False)
-        load_hf_tensors(other, LlamaQwen2Adapter(m2), hf2)
-        result[f"{layout}/softmax_all_logits"] = full_logits(other)
+    if args.hf_mixtral:
+        m3, result[f"mixtral/{layout}/logits"], loaded = forward_only(args.hf_mixtral, tp, ep, dims)
+        assert m3.arch == "mixtral"
+        result.update({f"mixtral/{layout}/loaded/{k}": v for k, v in loaded.items()})
     for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
         if tp > 1 and variant != "plain":
             continue
