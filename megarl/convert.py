@@ -239,17 +239,13 @@ def _check_hf_model(hf_dir: Path, tp: int, pp: int, ep: int = 1) -> None:
         check_hf_tensors(LlamaQwen2Adapter(mcfg).hf_shapes(), found, tied=mcfg.tie_embeddings, where=str(hf_dir))
     except (UnsupportedHFModel, FileNotFoundError) as e:
         raise ConvertError(f"{cfg_file}: {e}") from None
+    mixtral = mcfg.arch == "mixtral"  # (its HF keys for the expert count and width)
     for flag, div, field, value in (
         ("--tp", tp, "num_attention_heads", mcfg.num_attention_heads),
         ("--tp", tp, "num_key_value_heads", mcfg.num_query_groups),
         ("--pp", pp, "num_hidden_layers", mcfg.num_layers),
-        ("--ep", ep, "num_experts", mcfg.num_experts),
-        (
-            "--tp",
-            tp,
-            "intermediate_size" if mcfg.arch == "mixtral" else "moe_intermediate_size",
-            mcfg.moe_ffn_hidden_size,
-        ),
+        ("--ep", ep, "num_local_experts" if mixtral else "num_experts", mcfg.num_experts),
+        ("--tp", tp, "intermediate_size" if mixtral else "moe_intermediate_size", mcfg.moe_ffn_hidden_size),
     ):
         if value % div:
             raise ConvertError(f"{flag}={div} does not divide {field}={value} of {cfg_file}")
