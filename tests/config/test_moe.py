@@ -139,8 +139,9 @@ def test_unsupported_moe_configs_are_refused_naming_the_key(family: str, change:
         model_config_from_hf({**FAMILIES[family], **change}, ModelConfig())
 
 
-def _moe(*sets: str) -> list[str]:
-    return ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64", *sets]
+def _moe(*sets: str, arch: str = "qwen3_moe") -> list[str]:
+    width = "model.moe_ffn_hidden_size=64" if arch == "qwen3_moe" else "model.ffn_hidden_size=64"  # mixtral: one width
+    return [f"model.arch={arch}", "model.num_experts=4", width, *sets]
 
 
 _COORD_EP2 = ("parallel.expert_parallel=2", "coordinator.enabled=true", "coordinator.min_prompts=2",
@@ -200,14 +201,15 @@ def test_moe_layout_rules_name_the_field(sets: list[str], world: int, message: s
         validate(load_config(None, sets), world)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_a_valid_moe_layout_trains(ep: int) -> None:
+def test_a_valid_moe_layout_trains(ep: int, arch: str) -> None:
     """MoE runs are accepted since the engines' experts are synced pre-packed (megarl.engine.experts),
     while the MoE rules still apply to the very same layout."""
-    cfg = load_config(None, _moe(f"parallel.expert_parallel={ep}"))
-    assert (cfg.model.arch, cfg.model.num_experts, cfg.parallel.expert_parallel) == ("qwen3_moe", 4, ep)
+    cfg = load_config(None, _moe(f"parallel.expert_parallel={ep}", arch=arch))
+    assert (cfg.model.arch, cfg.model.num_experts, cfg.parallel.expert_parallel) == (arch, 4, ep)
     assert validate(cfg, 2) is None  # (a refusal raises ConfigError)
-    broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32")
+    broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32", arch=arch)
     with pytest.raises(ConfigError, match=re.escape("model.hidden_size=144 is not a multiple of 32")):
         validate(load_config(None, broken), 2)
 
