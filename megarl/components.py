@@ -252,7 +252,7 @@ def _publisher(
 
 def _actor(cfg: RunConfig, dims: ParallelDims, adapter: LlamaQwen2Adapter) -> Model:
     """The actor, with ``model.init_from``'s weights when set (no source tensor left out)."""
-    actor = build_gpt(cfg.model, cfg.parallel, dims, optim=cfg.optim)
+    actor = build_gpt(cfg.model, cfg.parallel, dims, optim=cfg.optim, track_experts=True)
     if cfg.model.init_from:
         _, hf = read_hf_folder(cfg.model.init_from)
         shapes = {k: list(v.shape) for k, v in hf.items()}

@@ -1,4 +1,4 @@
-"""HF ⇄ megarl checkpoint conversion for Llama-, Qwen2-, Qwen3- and Qwen3-MoE-family decoders.
+"""HF ⇄ megarl checkpoint conversion for Llama-, Qwen2-, Qwen3-, Qwen3-MoE- and Mixtral-family decoders.
 
     python tools/convert.py hf-to-megarl --hf HF_DIR --out CKPT_ROOT [--tp N] [--pp M] [--ep E]
     python tools/convert.py megarl-to-hf --ckpt CKPT --out HF_DIR [--tp N] [--pp M] [--ep E]
@@ -17,8 +17,8 @@ any layout reads any checkpoint. Run with TP×PP×EP > 1 outside torchrun, the t
 itself under torchrun with TP×PP×EP processes.
 
 Every name and layout rule (QKV grouping, SwiGLU [gate; up] per TP shard, vocabulary padding,
-tied embeddings, Qwen2 QKV bias, Qwen3 q/k norms, Qwen3-MoE routers and experts) lives in :mod:`megarl.checkpoint.hf_adapter`, the one
-Megatron ⇄ HF mapping that weight sync uses too.
+tied embeddings, Qwen2 QKV bias, Qwen3 q/k norms, Qwen3-MoE and Mixtral routers and experts) lives
+in :mod:`megarl.checkpoint.hf_adapter`, the one Megatron ⇄ HF mapping that weight sync uses too.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 SOURCE_DTYPE = "hf_dtype"
@@ -238,12 +239,13 @@ def _check_hf_model(hf_dir: Path, tp: int, pp: int, ep: int = 1) -> None:
         check_hf_tensors(LlamaQwen2Adapter(mcfg).hf_shapes(), found, tied=mcfg.tie_embeddings, where=str(hf_dir))
     except (UnsupportedHFModel, FileNotFoundError) as e:
         raise ConvertError(f"{cfg_file}: {e}") from None
+    mixtral = mcfg.arch == "mixtral"  # (its HF keys for the expert count and width)
     for flag, div, field, value in (
         ("--tp", tp, "num_attention_heads", mcfg.num_attention_heads),
         ("--tp", tp, "num_key_value_heads", mcfg.num_query_groups),
         ("--pp", pp, "num_hidden_layers", mcfg.num_layers),
-        ("--ep", ep, "num_experts", mcfg.num_experts),
-        ("--tp", tp, "moe_intermediate_size", mcfg.moe_ffn_hidden_size),
+        ("--ep", ep, "num_local_experts" if mixtral else "num_experts", mcfg.num_experts),
+        ("--tp", tp, "intermediate_size" if mixtral else "moe_intermediate_size", mcfg.moe_ffn_hidden_size),
     ):
         if value % div:
             raise ConvertError(f"{flag}={div} does not divide {field}={value} of {cfg_file}")

@@ -7,7 +7,8 @@ first mini-batch of the previous rollout and from the step's own phase timings. 
 owns the probes: it attaches them to the trained models, switches them on for the update it
 measures, and turns what they saw into :class:`ModelGradStats` — parts are the micro-batches
 of every DP rank (PP = 1) or the DP ranks, counting only responses with reward signal for the
-policy loss (docs/COORDINATOR.md §1). The LR schedule
+policy loss, and at EP > 1 the experts' parts their unions over each EP group
+(``megarl.grad_parts``; docs/COORDINATOR.md §1). The LR schedule
 (:func:`schedule_lr`: warm-up, cosine) multiplies the planned LR, so the two compose; its
 progress is counted in responses trained, not steps, so a batch change does not stretch or
 shrink the warm-up and the decay (issue #41 D.5). The planner reads the run config as a
@@ -26,11 +27,12 @@ import torch.distributed as dist
 
 from megarl.config import CoordinatorConfig, OptimConfig, RunConfig
 from megarl.config.cross import probe_min_batch, probe_part_rows
-from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings, clock
 from megarl.distributed import ParallelDims
+from megarl.grad_parts import grad_stats, read_parts
 from megarl.model.adam_state import adam_preconditioner
 from megarl.model.builder import Model
-from megarl.model.grad_stats import GradProbe, rescale
+from megarl.model.grad_stats import GradProbe
 
 log = logging.getLogger("megarl")
 
@@ -90,6 +92,9 @@ class PlanSettings:
     """RL steps of the run, which the LR schedule spans (``train.steps``)."""
     part_rows: int
     """Rows of the grad probe's smallest part (``megarl.config.cross.probe_part_rows``)."""
+    expert_parallel: int = 1
+    """Expert-parallel ranks per group (``parallel.expert_parallel``): the DP shares stay equal,
+    and at DP = EP the probe needs two runs a rank."""
 
     @property
     def batch_size(self) -> int:
@@ -110,6 +115,7 @@ class PlanSettings:
             max_tokens_per_micro_batch=cfg.parallel.max_tokens_per_micro_batch,
             steps=cfg.train.steps,
             part_rows=probe_part_rows(cfg),
+            expert_parallel=cfg.parallel.expert_parallel,
         )
 
 
@@ -134,6 +140,10 @@ class Planner:
         order): the LR schedule's progress. None until the first plan, or a resume from a
         checkpoint without it: then step × the configured batch (exact at a fixed batch)."""
         self.unit = "tokens" if cfg.loss_agg == "token-mean" else "responses"
+        self.vclock = clock.from_env()
+        """A virtual clock (``MEGARL_VIRTUAL_CLOCK``, benchmarks): the coordinator sees its phase
+        times instead of this machine's, and each step logs its ``vclock/step_s``."""
+        self._vstep_s: float | None = None
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
         if c.enabled:
             run = CoordinatorRun(
@@ -144,7 +154,8 @@ class Planner:
                 dp_size=dp,
                 lr_ref={m: self.lr_ref[m] for m in models},
                 b_ref={m: float(c.lr_reference_batch or cfg.batch_size) for m in models},
-                min_batch=probe_min_batch(cfg.part_rows, cfg.mini_batches, dp, critic_dp),
+                min_batch=probe_min_batch(cfg.part_rows, cfg.mini_batches, dp, critic_dp, cfg.expert_parallel),
+                equal_shares=cfg.expert_parallel > 1,
                 mini_batches=cfg.mini_batches,
                 clip_grad=cfg.optim.clip_grad,  # (the critic's optimizer clips alike)
             )
@@ -264,18 +275,12 @@ class Planner:
         units = mask.sum(1) if self.unit == "tokens" else (mask.sum(1) > 0).float()  # per row
         answered = mask.sum(1) > 0
         signal = answered if adv is None else answered & ((adv * mask).abs().sum(1) > 0 if adv.dim() == 2 else adv != 0)
-        if model.probe.microbatch:  # runs of micro-batches holding whole groups
-            parts = model.probe.gather_microbatches() if model.dims.dp > 1 else model.probe.mb_sq
-            rows = [r for sl in every for r in _chunks(sl, mbs * model.probe.microbatches_per_part)]
-        else:
-            parts, rows = model.probe.gather_local(), every
-        if len(parts) != len(rows):
-            raise RuntimeError(f"grad probe of {name!r} saw {len(parts)} parts, expected {len(rows)}")
+        parts, rows, experts = read_parts(model.probe, every, mbs)
         source = "microbatch" if model.probe.microbatch else "dp"
-        if model.probe.weights is not None:  # preconditioned: |P·G|² from the probe, not the optimizer's |G|²
-            assert model.probe.global_sq is not None, "the preconditioned probe saw no DP reduction"
+        if model.probe.weights is not None or experts is not None:  # |P·G|², or EP's dense |G|²: the probe's
+            assert model.probe.global_sq is not None, "the probe saw no DP reduction"
             grad_norm = math.sqrt(model.probe.global_sq)
-        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source)
+        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source, experts)
         if stats is not None:
             self._grads.append(stats)
         return float(model.probe.seconds)
@@ -303,6 +308,12 @@ class Planner:
         the rest of each phase is its measured fixed cost."""
         grads, self._grads = self._grads, []
         norms, self._norms = self._norms, {}
+        if self.vclock is not None:  # the same on every rank: a function of (batch, step) alone
+            virtual = self.vclock.phase_times(batch_size, step)
+            self._vstep_s = sum(virtual[k] for k in clock.PHASES)
+            shown = self.vclock.shown(virtual, step)
+            times = {k: shown[k] for k in clock.PHASES}
+            work = {k: shown[k] - shown[f"{k}_fixed"] for k in ("update", "logprobs")}
         if self.coord is None:
             return
         # the log-prob forward passes are linear in B: their own term of t(B), not a constant
@@ -333,7 +344,10 @@ class Planner:
         self.coord.observe(step, grads, timings, norms)
 
     def metrics(self) -> dict[str, float]:
-        return self.coord.metrics() if self.coord is not None else {}
+        out = self.coord.metrics() if self.coord is not None else {}
+        if self._vstep_s is not None:
+            out["vclock/step_s"] = self._vstep_s
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         out = self.coord.state_dict() if self.coord is not None else {}
@@ -350,47 +364,3 @@ class Planner:
         self._samples = None if samples is None else int(samples)
         if self.coord is not None and state:
             self.coord.load_state_dict(state)
-
-
-def _chunks(sl: slice, mbs: int) -> list[slice]:
-    """The micro-batches ``train_step`` cuts ``sl`` into (the last may be short)."""
-    start, stop = sl.start or 0, sl.stop
-    return [slice(a, min(a + mbs, stop)) for a in range(start, stop, mbs)]
-
-
-def grad_stats(
-    name: str,
-    parts: list[float],
-    rows: list[slice],
-    units: torch.Tensor,
-    signal: torch.Tensor,
-    grad_norm: float,
-    unit: str,
-    source: str,
-) -> ModelGradStats | None:
-    """ModelGradStats over the parts' units with signal; None when fewer than 2 parts have any.
-
-    The loss is divided by D, all units of the mini-batch, so a part's gradient is
-    (n/D)·ḡ_part over its n units with signal (rows without signal add no gradient), and the
-    step's gradient is (D_s/D)·Ḡ over the D_s units with signal: both are rescaled to means
-    over units with signal (× (D/n)², × (D/D_s)²). Parts without signal are left out (their
-    norm is ~0 and says nothing about the noise); ``signal_fraction`` tells the coordinator
-    which share of the rollout's responses the estimate counts. ``source``: "microbatch" or
-    "dp", what the parts are.
-    """
-    total = float(units.sum())
-    part_units = [float((units[r] * signal[r]).sum()) for r in rows]
-    kept = [(s, n) for s, n in zip(parts, part_units, strict=True) if n > 0]
-    signal_units = sum(n for _, n in kept)
-    if len(kept) < 2 or signal_units <= 0:
-        return None
-    return ModelGradStats(
-        model=name,
-        local_sq_norms=[rescale(s, n, total) for s, n in kept],
-        local_batches=[n for _, n in kept],
-        global_sq_norm=rescale(grad_norm**2, signal_units, total),
-        signal_fraction=float(signal.sum()) / len(signal),  # of all the mini-batch's responses
-        batch_unit=unit,  # type: ignore[arg-type]
-        source=source,  # type: ignore[arg-type]
-        grad_average="samples",
-    )

@@ -2,8 +2,8 @@
 
 Panels: rollout reward and validation reward; KL; the coordinator's B_noise per model with
 its approximate band next to the chosen batch; learning rate per model; throughput (gen
-tokens/s, responses/s) and the step-time split. Reads ``metrics.jsonl`` only — and, with
-``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
+tokens/s, responses/s); a MoE actor's expert load (busiest expert over the mean, per layer) and
+dead experts; the step-time split. Reads ``metrics.jsonl`` only — and, with ``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
 folder, so the batch the coordinator chose can be read against the best fixed batch of a
 sweep and the critical batch fitted from it (both drawn as lines on the B_noise panel and
 listed in the summary).
@@ -84,6 +84,13 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
                 {},
             )
         )
+    if _keys(recs, "moe/load_max_over_mean"):  # a mixture-of-experts actor (megarl.model.expert_load)
+        layers = _keys(recs, "moe/load_max_over_mean/")  # each layer's line up to 8 layers, else the worst's
+        lines = (
+            [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else [("moe/load_max_over_mean", "worst layer")]
+        )
+        panels.append(("Expert load (busiest expert / mean)", lines, {}))
+        panels.append(("Dead experts (no token in the step)", [("moe/dead_experts", "all layers")], {}))
     panels.append(
         (
             "Step time split (s)",
@@ -170,6 +177,18 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _expert_rows(recs: list[dict[str, Any]]) -> Iterable[tuple[str, str]]:
+    """A MoE actor's expert health: the last step's, and how many steps had a dead expert."""
+    steps = [r for r in recs if _finite(r.get("moe/dead_experts"))]
+    if not steps:
+        return
+    last = steps[-1]
+    yield f"expert load, busiest / mean, worst layer (step {last['step']})", f"{last['moe/load_max_over_mean']:.4g}"
+    yield f"dead experts (step {last['step']})", f"{last['moe/dead_experts']:.0f}"
+    dead = sum(1 for r in steps if r["moe/dead_experts"] > 0)
+    yield "steps with a dead expert", f"{dead} of {len(steps)}"
+
+
 def summary(
     recs: list[dict[str, Any]], last: dict[str, Any], sweep: dict[str, Any] | None = None
 ) -> Iterable[tuple[str, str]]:
@@ -202,6 +221,7 @@ def summary(
             if vals:
                 yield f"{label} (mean of {len(vals)} steps)", fmt.format(sum(vals) / len(vals))
         yield "episodes failed in their environment", f"{sum(float(r.get('env/failures', 0.0)) for r in env):.0f}"
+    yield from _expert_rows(recs)
     for k in ("coord/batch", "train/lr"):  # the last step's (the final record is often validation only)
         v = next((r[k] for r in reversed(recs) if _finite(r.get(k))), None)
         if v is not None:

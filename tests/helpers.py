@@ -58,7 +58,7 @@ def tiny_hf_model(
     dtype: str = "float32",
     qk_gain: float = 1.0,
 ) -> Path:
-    """A random tiny Llama/Qwen2/Qwen3/Qwen3-MoE model saved by transformers itself (the
+    """A random tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral model saved by transformers itself (the
     independent oracle).
 
     ``extra``: more config keys (rope_scaling, attention_bias, norm_topk_prob, ...); ``dtype``:
@@ -66,7 +66,8 @@ def tiny_hf_model(
     position (RoPE) visibly changes the logits (random init attends almost uniformly).
     qwen3_moe: 4 experts of width 64, top-2, renormalised; its routers are scaled up so that
     routing margins stand far above fp32 noise (at init the routing probabilities are almost
-    uniform, and a 1e-7 difference could swap an expert).
+    uniform, and a 1e-7 difference could swap an expert). mixtral: the same experts (width 64 =
+    its intermediate_size), Llama attention, always renormalised.
     """
     import torch
 
@@ -89,6 +90,11 @@ def tiny_hf_model(
 
         moe = dict(head_dim=32, num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2, norm_topk_prob=True)
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, **common}))
+    elif arch == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        moe = dict(head_dim=32, num_local_experts=4, intermediate_size=64, num_experts_per_tok=2)
+        model = MixtralForCausalLM(MixtralConfig(**{**common, **moe}))
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -101,7 +107,7 @@ def tiny_hf_model(
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(qk_gain)
-            if name.endswith("mlp.gate.weight"):  # a MoE router (std 0.02 at init)
+            if name.endswith("mlp.gate.weight"):  # a MoE router (std 0.02 at init; Mixtral's too, in memory)
                 p.mul_(50.0)
     model.to(getattr(torch, dtype)).save_pretrained(str(path), safe_serialization=True)
     return path

@@ -330,7 +330,7 @@ def test_convert_refuses_with_one_line(capfd: pytest.CaptureFixture[str], tmp_pa
     hf.mkdir()
     if kind == "gpt2":
         _gpt2(hf)
-        message = f"convert error: {hf}/config.json: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, qwen3_moe)"
+        message = f"convert error: {hf}/config.json: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, qwen3_moe, mixtral)"
     elif kind == "mistral":
         _mistral(hf)
         message = f"convert error: {hf}/config.json: model_type 'mistral' is not supported"

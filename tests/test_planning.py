@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.planning import Planner, PlanSettings, _chunks, grad_stats
+from megarl.grad_parts import chunks as _chunks
+from megarl.grad_parts import grad_stats
+from megarl.planning import Planner, PlanSettings
 
 
 def _planner(*overrides: str) -> Planner:

@@ -114,3 +114,31 @@ def test_report_shows_what_episodes_did(tmp_path: Path) -> None:
     (single / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
     assert cli.main(["report", str(single)]) == 0
     assert "Episodes" not in (single / "report" / "report.html").read_text()
+
+
+def test_report_draws_expert_load_and_dead_experts(tmp_path: Path) -> None:
+    """A MoE run's ``moe/*`` metrics (``megarl.model.expert_load``): a panel per layer's load and
+    one of dead experts, and the last step's values in the table."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 0, "val/reward": 0.1}]
+    for s in range(1, 6):
+        dead = 2.0 if s in (3, 4) else 0.0
+        lines.append(
+            {
+                "step": s,
+                "rollout/reward_mean": 0.1,
+                "moe/load_max_over_mean/layer0": 1.5 + 0.1 * s,
+                "moe/load_max_over_mean/layer1": 1.2,
+                "moe/load_max_over_mean": 1.5 + 0.1 * s,
+                "moe/dead_experts": dead,
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert cli.main(["report", str(run)]) == 0
+    rows = _table(run / "report" / "report.html")
+    assert rows["expert load, busiest / mean, worst layer (step 5)"] == "2"
+    assert rows["dead experts (step 5)"] == "0"
+    assert rows["steps with a dead expert"] == "2 of 5"
+    for name in ("expert", "dead"):
+        assert next((run / "report").glob(f"*_{name}.png")).stat().st_size > 1000

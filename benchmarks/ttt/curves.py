@@ -54,17 +54,20 @@ class Crossing:
     samples: float
 
 
-def curve_from_records(recs: list[dict[str, Any]]) -> Curve:
+def curve_from_records(recs: list[dict[str, Any]], clock: Any = None) -> Curve:
     """The curve of ``metrics.jsonl`` records (``megarl.metrics.read_metrics``).
 
-    Several validation values at one step (a mid-run evaluation and the final one) are averaged."""
+    Several validation values at one step (a mid-run evaluation and the final one) are averaged.
+    ``clock`` (a :class:`megarl.coordinator.clock.Clock`): each step's time is the clock's, not
+    this machine's (:func:`virtual_step_s`; a fixed setting learns the same whatever the clock,
+    so one run serves every clock)."""
     step_s: dict[int, float] = {}
     step_n: dict[int, int] = {}
     vals: dict[int, list[float]] = {}
     for r in recs:
         s = int(r["step"])
         if "timing/step/total" in r:
-            step_s[s] = float(r["timing/step/total"])
+            step_s[s] = float(r["timing/step/total"]) if clock is None else virtual_step_s(clock, r)
             step_n[s] = int(r.get("rollout/responses", 0))
         v = r.get("val/reward")
         if isinstance(v, (int, float)) and math.isfinite(v):
@@ -85,6 +88,16 @@ def curve_from_records(recs: list[dict[str, Any]]) -> Curve:
         samples.append(n)
         reward.append(sum(vals[s]) / len(vals[s]))
     return Curve(steps, train_s, samples, reward)
+
+
+def virtual_step_s(clock: Any, rec: dict[str, Any]) -> float:
+    """A step record's time on ``clock``: its batch costed by the clock — what the planner logged
+    as ``vclock/step_s`` if the run ran under this clock (the run's step ``s`` is the clock's
+    step ``s - 1``: the planner observes steps from 0), and a fixed setting's steps re-costed."""
+    from megarl.coordinator.clock import PHASES
+
+    times = clock.phase_times(int(rec["rollout/responses"]), int(rec["step"]) - 1)
+    return float(sum(times[k] for k in PHASES))
 
 
 def smooth(y: list[float], half: int = 1) -> list[float]:

@@ -1,5 +1,5 @@
-"""Mixture-of-experts names and layouts between megatron and HF (Qwen3-MoE), and the expert
-parallel (EP) index arithmetic the adapter and :mod:`megarl.checkpoint.hf_io` share.
+"""Mixture-of-experts names and layouts between megatron and HF (Qwen3-MoE, Mixtral), and the
+expert parallel (EP) index arithmetic the adapter and :mod:`megarl.checkpoint.hf_io` share.
 
 Megatron names one layer's experts in one of two forms, depending on the expert module:
 
@@ -11,14 +11,23 @@ In both, ``i`` is the LOCAL index of the expert on its EP rank: with E experts o
 rank holds L = E / EP of them, and local expert i of EP rank r is global expert g = r × L + i
 (megatron's own ``local_expert_indices``). :func:`to_global` / :func:`to_local` rewrite a
 parameter's name between the two, so the adapter only ever sees global indices, which are HF's
-``mlp.experts.{g}``. Within an expert, ``linear_fc1`` is [gate; up] per TP shard (expert TP
+expert indices. Within an expert, ``linear_fc1`` is [gate; up] per TP shard (expert TP
 = TP) exactly as a dense SwiGLU MLP; ``linear_fc2`` is split along its input dimension.
-The router ``mlp.router.weight`` [E, hidden] is whole on every rank and is HF's ``mlp.gate.weight``.
+The router ``mlp.router.weight`` [E, hidden] is whole on every rank.
+
+HF names differ by family (:data:`HF_EXPERT_NAMES`), as checkpoints on disk hold them (what
+``save_pretrained`` writes and vLLM loads; transformers 5 fuses both families' experts into
+``mlp.experts.gate_up_proj`` / ``down_proj`` in memory only):
+
+* Qwen3-MoE: router ``mlp.gate.weight``, expert g ``mlp.experts.{g}.gate_proj/up_proj/down_proj.weight``;
+* Mixtral: router ``block_sparse_moe.gate.weight``, expert g
+  ``block_sparse_moe.experts.{g}.w1/w3/w2.weight`` (w1 = gate, w3 = up, w2 = down).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _EXPERT = re.compile(
     r"^(?P<head>(?:decoder\.layers\.\d+\.)?mlp\.experts\.)"
@@ -50,28 +59,58 @@ def to_local(name: str, ep_rank: int, local_experts: int) -> str:
     return _renumber(name, -ep_rank * local_experts)
 
 
-def expert_target(suffix: str) -> tuple[str, int | None] | None:
+@dataclass(frozen=True)
+class HFExpertNames:
+    """One MoE family's HF names of a layer's router and experts (per-layer suffixes)."""
+
+    block: str
+    """The layer's MoE module: ``mlp`` (Qwen3-MoE) or ``block_sparse_moe`` (Mixtral)."""
+    gate: str
+    """An expert's gate projection (the SiLU-ed half of SwiGLU)."""
+    up: str
+    """An expert's up projection."""
+    down: str
+    """An expert's down projection."""
+
+    @property
+    def router(self) -> str:
+        return f"{self.block}.gate.weight"
+
+    def expert(self, g: int, proj: str) -> str:
+        """Suffix of global expert ``g``'s projection ``proj`` (one of gate, up, down's names)."""
+        return f"{self.block}.experts.{g}.{proj}.weight"
+
+
+HF_EXPERT_NAMES = {
+    "qwen3_moe": HFExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": HFExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+}
+"""model.arch -> its HF expert names, for each MoE family megarl builds."""
+
+
+def expert_target(suffix: str, names: HFExpertNames) -> tuple[str, int | None] | None:
     """(HF per-layer suffix, or ``@efc1.{g}`` for the fused gate/up of expert g; TP split dim) of
     a per-layer megatron suffix under its global expert index; None for anything else."""
+    if suffix == "mlp.router.weight":
+        return names.router, None
     m = _EXPERT.match(suffix)
     if m is None or m["head"] != "mlp.experts.":
         return None
     g, fc = (m["seq"], m["seq_fc"]) if m["seq"] is not None else (m["grp"], m["grp_fc"])
     if fc == "1":
         return f"@efc1.{int(g)}", 0
-    return f"mlp.experts.{int(g)}.down_proj.weight", 1
+    return names.expert(int(g), names.down), 1
 
 
-def hf_expert_shapes(prefix: str, experts: int, hidden: int, ffn: int) -> dict[str, list[int]]:
-    """HF tensors of one Qwen3-MoE layer's experts and router (``prefix`` = ``model.layers.{l}.``)."""
-    shapes = {prefix + "mlp.gate.weight": [experts, hidden]}
+def hf_expert_shapes(prefix: str, names: HFExpertNames, experts: int, hidden: int, ffn: int) -> dict[str, list[int]]:
+    """HF tensors of one MoE layer's experts and router (``prefix`` = ``model.layers.{l}.``)."""
+    shapes = {prefix + names.router: [experts, hidden]}
     for g in range(experts):
-        p = f"{prefix}mlp.experts.{g}."
         shapes.update(
             {
-                p + "gate_proj.weight": [ffn, hidden],
-                p + "up_proj.weight": [ffn, hidden],
-                p + "down_proj.weight": [hidden, ffn],
+                prefix + names.expert(g, names.gate): [ffn, hidden],
+                prefix + names.expert(g, names.up): [ffn, hidden],
+                prefix + names.expert(g, names.down): [hidden, ffn],
             }
         )
     return shapes

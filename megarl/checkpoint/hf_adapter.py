@@ -1,4 +1,4 @@
-"""The ONE Megatron ⇄ HF name/layout mapping for Llama-, Qwen2-, Qwen3- and Qwen3-MoE-family decoders.
+"""The ONE Megatron ⇄ HF name/layout mapping for Llama-, Qwen2-, Qwen3-, Qwen3-MoE- and Mixtral-family decoders.
 
 Used by weight sync, checkpoint export and ``tools/`` alike, so export and sync can never
 disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat them):
@@ -19,9 +19,10 @@ disagree. Layouts handled (as Megatron's own converters / Megatron-Bridge treat 
 * head_dim (``model.kv_channels``) may differ from hidden_size / heads: q/k/v/o shapes use it.
 * Local layer spec names (``input_layernorm``, ``pre_mlp_layernorm``) and Transformer-Engine
   fused names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) both map.
-* Qwen3-MoE: the router ``mlp.router.weight`` is HF's ``mlp.gate.weight``; expert g's
-  ``linear_fc1`` ([gate; up] per TP shard, as the dense MLP) and ``linear_fc2`` are HF's
-  ``mlp.experts.{g}.gate_proj/up_proj/down_proj``, in both megatron naming forms
+* MoE (Qwen3-MoE, Mixtral): the router ``mlp.router.weight`` is HF's ``mlp.gate.weight``
+  (Mixtral: ``block_sparse_moe.gate.weight``); expert g's ``linear_fc1`` ([gate; up] per TP
+  shard, as the dense MLP) and ``linear_fc2`` are HF's ``mlp.experts.{g}.gate_proj/up_proj/down_proj``
+  (Mixtral: ``block_sparse_moe.experts.{g}.w1/w3/w2``), in both megatron naming forms
   (:mod:`megarl.checkpoint.experts`). The adapter sees GLOBAL expert indices: EP ranks' local
   indices are renumbered by :mod:`megarl.checkpoint.hf_io`.
 """
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megarl.checkpoint.experts import expert_target, hf_expert_shapes
+from megarl.checkpoint.experts import HF_EXPERT_NAMES, expert_target, hf_expert_shapes
 from megarl.config import ModelConfig
 from megarl.config.hf import model_config_from_hf
 from megarl.errors import AdapterError
@@ -59,7 +60,6 @@ _LAYER_MAP: dict[str, tuple[str, int | None]] = {
     "mlp.linear_fc1.bias": ("@fc1.bias", 0),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
     "mlp.linear_fc2.bias": ("mlp.down_proj.bias", None),
-    "mlp.router.weight": ("mlp.gate.weight", None),
 }
 _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
@@ -69,10 +69,11 @@ _GLOBAL_MAP: dict[str, tuple[str, int | None]] = {
 
 
 class LlamaQwen2Adapter:
-    """Name/layout mapping for one model config (Llama, Qwen2, Qwen3 or Qwen3-MoE family)."""
+    """Name/layout mapping for one model config (Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral family)."""
 
     def __init__(self, mcfg: ModelConfig) -> None:
         self.cfg = mcfg
+        self.experts = HF_EXPERT_NAMES.get(mcfg.arch) if mcfg.is_moe else None
         self.heads = mcfg.num_attention_heads
         self.groups = mcfg.num_query_groups
         self.head_dim = mcfg.head_dim
@@ -100,8 +101,8 @@ class LlamaQwen2Adapter:
                     p + "self_attn.o_proj.weight": [H, q],
                 }
             )
-            if m.is_moe:
-                shapes.update(hf_expert_shapes(p, m.num_experts, H, m.expert_ffn_hidden_size))
+            if self.experts is not None:
+                shapes.update(hf_expert_shapes(p, self.experts, m.num_experts, H, m.expert_ffn_hidden_size))
             else:
                 shapes.update(
                     {
@@ -141,7 +142,7 @@ class LlamaQwen2Adapter:
             suffix = m.group(2)
             if suffix in _LAYER_MAP:
                 return _LAYER_MAP[suffix]
-            if (expert := expert_target(suffix)) is not None:
+            if self.experts is not None and (expert := expert_target(suffix, self.experts)) is not None:
                 return expert
         elif mname in _GLOBAL_MAP:
             return _GLOBAL_MAP[mname]
@@ -172,11 +173,18 @@ class LlamaQwen2Adapter:
             return [(f"{prefix}mlp.gate_proj.{kind}", gate), (f"{prefix}mlp.up_proj.{kind}", up)]
         if target.startswith("@efc1."):
             gate, up = self._split_fc1(full, tp)
-            e = f"{prefix}mlp.experts.{target.removeprefix('@efc1.')}."
-            return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
+            gate_name, up_name = self._gate_up_names(prefix, target)
+            return [(gate_name, gate), (up_name, up)]
         if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[: self.vocab]
         return [(prefix + target, full)]
+
+    def _gate_up_names(self, prefix: str, target: str) -> tuple[str, str]:
+        """HF gate and up projection names of the expert an ``@efc1.{g}`` target stands for."""
+        e, g = self.experts, int(target.removeprefix("@efc1."))
+        if e is None:
+            raise AdapterError(f"'{target}': {self.cfg.arch} has no experts")
+        return prefix + e.expert(g, e.gate), prefix + e.expert(g, e.up)
 
     def _split_qkv(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         per = self.heads // self.groups
@@ -233,7 +241,7 @@ class LlamaQwen2Adapter:
         elif target in ("@fc1.weight", "@fc1.bias") or target.startswith("@efc1."):
             # per TP shard [gate; up]
             if target.startswith("@efc1."):
-                names = [f"{prefix}mlp.experts.{target.removeprefix('@efc1.')}.{w}_proj.weight" for w in ("gate", "up")]
+                names = list(self._gate_up_names(prefix, target))
             else:
                 names = [f"{prefix}mlp.{w}_proj.{target.split('.')[1]}" for w in ("gate", "up")]
             gate, up = (get(n).chunk(tp, dim=0) for n in names)
@@ -316,6 +324,19 @@ class LlamaQwen2Adapter:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
                 architectures=["Qwen3MoeForCausalLM"],
+            )
+        if c.arch == "mixtral":
+            from transformers import MixtralConfig
+
+            # intermediate_size is one expert's width; Mixtral's k routing weights are always
+            # renormalised (no norm_topk_prob), its attention has no biases and no q/k norms
+            return MixtralConfig(
+                **dict(common, intermediate_size=c.expert_ffn_hidden_size),
+                head_dim=c.head_dim,
+                num_local_experts=c.num_experts,
+                num_experts_per_tok=c.moe_router_topk,
+                sliding_window=None,
+                architectures=["MixtralForCausalLM"],
             )
         if c.arch == "qwen3":
             from transformers import Qwen3Config

@@ -69,12 +69,12 @@ def model_config_dict(model: Model) -> dict[str, Any]:
 
 def _arch(cfg: Any) -> str:
     # builder: add_qkv_bias == (arch == "qwen2"), qk_layernorm == (arch in qwen3, qwen3_moe),
-    # routed experts only with qwen3_moe
+    # routed experts only with qwen3_moe (q/k norms) and mixtral (llama attention)
     if cfg.add_qkv_bias:
         return "qwen2"
     if cfg.qk_layernorm:
         return "qwen3_moe" if cfg.num_moe_experts else "qwen3"
-    return "llama"
+    return "mixtral" if cfg.num_moe_experts else "llama"
 
 
 def checkpoint_model_config(ckpt_dir: str | Path, name: str = "actor") -> ModelConfig:

@@ -5,9 +5,12 @@ response length, staleness) are :mod:`megarl.config.cross`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from megarl.config.rules import fail
+
+if TYPE_CHECKING:
+    from megarl.config.model import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -88,3 +91,19 @@ class AlgoConfig:
             fail("algo.loss_agg", self.loss_agg, f"must be one of {list(LOSS_AGG_MODES)}")
         if self.dual_clip and self.dual_clip <= 1:
             fail("algo.dual_clip", self.dual_clip, "must be > 1 (or 0 = off)")
+
+    def check_model(self, m: ModelConfig) -> None:
+        """Routing replay needs routers (``m`` the model the run builds); the engines' routes
+        need vLLM's V2 model runner (GPU), and megarl's engine server does not return them yet."""
+        import torch
+
+        mode = self.router_replay
+        if mode != "off" and not m.is_moe:
+            fail("algo.router_replay", mode, f"needs a mixture-of-experts model; model.arch={m.arch} has a dense MLP")
+        if mode == "rollout":
+            why = "not on CPU" if not torch.cuda.is_available() else "which megarl's engine server does not return yet"
+            fail(
+                "algo.router_replay",
+                mode,
+                f"needs the engines' routes (vLLM's V2 runner, GPU only), {why}; use trainer",
+            )

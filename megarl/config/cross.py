@@ -65,7 +65,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
-    _router_replay(cfg, m)
+    cfg.algo.check_model(m)  # routing replay: a MoE model, and on CPU not the engines' routes
 
 
 def _group_estimator(cfg: RunConfig) -> None:
@@ -145,13 +145,15 @@ def probe_part_rows(cfg: RunConfig) -> int:
     return math.lcm(cfg.parallel.micro_batch_size, cfg.rollout.samples_per_prompt)
 
 
-def probe_min_batch(part_rows: int, mini_batches: int, dp: int, critic_dp: int | None = None) -> int:
+def probe_min_batch(part_rows: int, mini_batches: int, dp: int, critic_dp: int | None = None, ep: int = 1) -> int:
     """Smallest batch (responses) whose gradient noise the grad probe can measure: at DP = 1 its
     parts are the measured mini-batch's whole-group runs of micro-batches (``part_rows``:
-    `probe_part_rows`, ``mini_batches``: algo.mini_batches), and one part gives no estimate."""
-    if min(dp, critic_dp or dp) > 1:
-        return 1  # parts are DP ranks (or their micro-batches): at least two
-    return 2 * part_rows * mini_batches
+    `probe_part_rows`, ``mini_batches``: algo.mini_batches), and one part gives no estimate.
+    At expert parallelism ``ep`` the experts' parts are unions over each EP group: with one EP
+    group (DP = EP) each rank needs two runs."""
+    if min(dp, critic_dp or dp) // ep > 1:
+        return 1  # parts are DP ranks or EP groups (or their micro-batches): at least two
+    return 2 * part_rows * mini_batches * ep
 
 
 def _probe_parts(cfg: RunConfig, dp: int) -> None:
@@ -170,17 +172,28 @@ def _probe_parts(cfg: RunConfig, dp: int) -> None:
             "with coordinator.enabled: the noise probe's parts must hold whole GRPO groups (a split "
             "group's responses are negatively correlated, which biases B_noise high)",
         )
-    need = probe_min_batch(part, m, dp, _critic_dp(cfg, dp))
+    ep = p.expert_parallel
+    if ep > 1 and dp // ep < 2 and (p.pipeline_parallel > 1 or not cfg.coordinator.microbatch_parts):
+        fail(
+            "parallel.expert_parallel",
+            ep,
+            f"must be at most DP/2={dp // 2} with coordinator.enabled and DP ranks as the noise probe's parts "
+            "(parallel.pipeline_parallel > 1 or coordinator.microbatch_parts=false): the experts' parts are "
+            "then the EP groups, and one part measures no noise",
+        )
+    need = probe_min_batch(part, m, dp, _critic_dp(cfg, dp), ep)
     if cfg.batch_size < need:
         size = f"parallel.micro_batch_size={p.micro_batch_size}"
         if part != p.micro_batch_size:  # micro-batches joined into whole groups
             size = f"lcm({size}, rollout.samples_per_prompt={r.samples_per_prompt})"
+        where, times = ("at DP = 1", "") if ep == 1 else (f"at DP = EP = {ep}", f" × EP={ep}")
+        experts = "" if ep == 1 else "; the experts' parts are their unions over the EP group"
         fail(
             "rollout.num_prompts×samples_per_prompt",
             cfg.batch_size,
-            f"must be >= 2 × {size} × algo.mini_batches={m} = {need} with coordinator.enabled at DP = 1: "
+            f"must be >= 2 × {size} × algo.mini_batches={m}{times} = {need} with coordinator.enabled {where}: "
             "the noise estimate's parts are the measured mini-batch's micro-batches (joined into whole "
-            "GRPO groups), and one part measures no noise",
+            f"GRPO groups{experts}), and one part measures no noise",
         )
 
 
@@ -334,18 +347,6 @@ def _devices(cfg: RunConfig, m: ModelConfig) -> None:
                 f"{m.dtype}/{m.transformer_impl}",
                 "needs CUDA; use dtype=fp32 and transformer_impl=local on CPU",
             )
-
-
-def _router_replay(cfg: RunConfig, m: ModelConfig) -> None:
-    """Routing replay needs routers; the engines' routes need vLLM's V2 model runner (GPU)."""
-    import torch
-
-    mode = cfg.algo.router_replay
-    if mode != "off" and not m.is_moe:
-        fail("algo.router_replay", mode, f"needs a mixture-of-experts model; model.arch={m.arch} has a dense MLP")
-    if mode == "rollout":
-        why = "not on CPU" if not torch.cuda.is_available() else "which megarl's engine server does not return yet"
-        fail("algo.router_replay", mode, f"needs the engines' routes (vLLM's V2 runner, GPU only), {why}; use trainer")
 
 
 def _critic_layout(cfg: RunConfig, world_size: int) -> None:

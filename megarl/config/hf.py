@@ -1,4 +1,5 @@
-"""What megarl can represent of an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint, decided before any work starts.
+"""What megarl can represent of an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoint, decided
+before any work starts.
 
 A converter that drops what it does not understand builds a *different model* and exits 0.
 So the HF ``config.json`` is read key by key: every key that changes the forward pass is
@@ -15,8 +16,11 @@ ignore, quantized checkpoints. Qwen3-MoE: ``num_experts`` (transformers 5 writes
 ``num_local_experts``), ``moe_intermediate_size``, ``num_experts_per_tok`` and ``norm_topk_prob``
 are mapped; MoE in only some layers (``decoder_sparse_step`` ≠ 1, ``mlp_only_layers``), shared
 experts, aux-free bias routing, group-limited routing, sigmoid scores and a routing scale are
-refused (:func:`_moe`). Keys that only matter for training regularisation or generation
-(dropout, ``use_cache``, token ids) are not refused.
+refused (:func:`_moe`). Mixtral: the same routing (softmax over all experts, top-k, always
+renormalised) with ``num_local_experts`` experts of width ``intermediate_size``; a
+``sliding_window`` other than null is refused. Keys that only matter for training
+regularisation or generation (dropout, Mixtral's ``router_jitter_noise``, ``use_cache``, token
+ids) are not refused.
 
 This is config's side because the config's own checks need it at load time
 (:func:`resolved_model`: ``megarl.config.validate`` checks the model ``init_from`` describes,
@@ -82,7 +86,7 @@ def _rope(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelConfig:
-    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2 / Qwen3), or refuse.
+    """Fill a ModelConfig from an HF config.json dict (Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral), or refuse.
 
     Raises :class:`UnsupportedHFModel` naming the first key whose value megarl would not
     reproduce (see the module docstring).
@@ -98,9 +102,9 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
     if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0):
         raise _refuse("rms_norm_eps", eps, "must be a positive number")
     arch = hf_cfg.get("model_type", "llama")
-    if arch not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
-        raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3, qwen3_moe")
-    moe = _moe(hf_cfg) if arch == "qwen3_moe" else {}
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
+        raise _refuse("model_type", arch, "supported: llama, qwen2, qwen3, qwen3_moe, mixtral")
+    moe = _moe(hf_cfg, arch) if arch in ("qwen3_moe", "mixtral") else {}
     act = hf_cfg.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse("hidden_act", act, "megarl builds SwiGLU with SiLU only")
@@ -112,6 +116,8 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], base: ModelConfig) -> ModelC
         raise _refuse("partial_rotary_factor", partial, "megarl rotates the whole head")
     if arch in ("qwen2", "qwen3", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
         raise _refuse("use_sliding_window", hf_cfg["use_sliding_window"], "megarl attends over the full context")
+    if arch == "mixtral" and hf_cfg.get("sliding_window") is not None:  # Mixtral's window is on when set
+        raise _refuse("sliding_window", hf_cfg["sliding_window"], "megarl attends over the full context")
     for i, kind in enumerate(hf_cfg.get("layer_types") or []):
         if kind != "full_attention":
             raise _refuse(f"layer_types[{i}]", kind, "megarl attends over the full context in every layer")
@@ -174,8 +180,10 @@ _MOE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _moe(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """ModelConfig MoE fields of a Qwen3-MoE config.json, or the first key megarl would not reproduce."""
+def _moe(hf_cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig MoE fields of a Qwen3-MoE or Mixtral config.json, or the first key megarl would
+    not reproduce. A Mixtral expert is ``intermediate_size`` wide and its k weights are always
+    renormalised (transformers' ``MixtralTopKRouter``; it has no ``norm_topk_prob``)."""
     for key, neutral in _MOE_NEUTRAL.items():
         if hf_cfg.get(key) not in neutral:
             raise _refuse(key, hf_cfg[key], "megarl builds top-k softmax routing over routed experts only")
@@ -186,7 +194,7 @@ def _moe(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise _refuse("mlp_only_layers", hf_cfg["mlp_only_layers"], "megarl builds a mixture of experts in every layer")
     names = [k for k in ("num_experts", "num_local_experts") if k in hf_cfg]
     if not names:
-        raise _refuse("num_experts", None, "a qwen3_moe config needs it (or num_local_experts)")
+        raise _refuse("num_experts", None, f"a {arch} config needs it (or num_local_experts)")
     if len(names) == 2 and hf_cfg["num_experts"] != hf_cfg["num_local_experts"]:
         raise _refuse(
             "num_local_experts", hf_cfg["num_local_experts"], f"differs from num_experts={hf_cfg['num_experts']}"
@@ -194,7 +202,7 @@ def _moe(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field, key in (
         ("num_experts", names[0]),
-        ("moe_ffn_hidden_size", "moe_intermediate_size"),
+        ("moe_ffn_hidden_size", "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"),
         ("moe_router_topk", "num_experts_per_tok"),
     ):
         value = hf_cfg.get(key)
@@ -203,8 +211,8 @@ def _moe(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
         out[field] = value
     if out["moe_router_topk"] > out["num_experts"]:
         raise _refuse("num_experts_per_tok", out["moe_router_topk"], f"exceeds num_experts={out['num_experts']}")
-    # transformers' default is False (Qwen3-30B-A3B's config.json sets true)
-    return {**out, "moe_norm_topk_prob": bool(hf_cfg.get("norm_topk_prob", False))}
+    # Qwen3-MoE: transformers' default is False (Qwen3-30B-A3B's config.json sets true)
+    return {**out, "moe_norm_topk_prob": arch == "mixtral" or bool(hf_cfg.get("norm_topk_prob", False))}
 
 
 def resolved_model(m: ModelConfig) -> ModelConfig:

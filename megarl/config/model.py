@@ -14,10 +14,11 @@ from megarl.config.rules import fail
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "llama"
     """HF architecture family used for export and the vLLM engines (qwen3: RMSNorm on each
     query and key head before RoPE, megatron's qk_layernorm; qwen3_moe: qwen3 attention with a
-    mixture of routed experts as every layer's MLP, no shared experts)."""
+    mixture of routed experts as every layer's MLP, no shared experts; mixtral: llama attention
+    with such a mixture, its k routing weights always renormalised, no sliding window)."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 128
@@ -30,17 +31,17 @@ class ModelConfig:
     """Channels per attention head (HF head_dim; megatron kv_channels); 0 = hidden_size /
     num_attention_heads. Qwen3 and some Llamas have head_dim × heads ≠ hidden_size."""
     ffn_hidden_size: int = 256
-    """SwiGLU inner width (qwen3_moe: HF intermediate_size, kept for export; every layer is MoE)."""
+    """SwiGLU inner width (qwen3_moe: HF intermediate_size, kept for export; mixtral: each expert's)."""
     num_experts: int = 0
-    """Routed experts per layer (HF num_experts), arch=qwen3_moe only; 0 = a dense MLP."""
+    """Routed experts per layer (HF num_experts / num_local_experts), arch=qwen3_moe or mixtral only; 0 = dense."""
     moe_ffn_hidden_size: int = 0
-    """SwiGLU inner width of one expert (HF moe_intermediate_size); 0 = ffn_hidden_size."""
+    """SwiGLU inner width of one expert (HF moe_intermediate_size); 0 = ffn_hidden_size (mixtral: 0 or that)."""
     moe_router_topk: int = 2
     """Experts each token is sent to (HF num_experts_per_tok)."""
     moe_norm_topk_prob: bool = True
     """Renormalise the k chosen experts' routing weights to sum to 1 (HF norm_topk_prob): a softmax
     over the k largest router logits. False: softmax over all experts, then the k largest
-    (megatron moe_router_pre_softmax)."""
+    (megatron moe_router_pre_softmax; mixtral: always True)."""
     moe_router_fp32: bool = True
     """Router logits, softmax and top-k in fp32 whatever model.dtype (megatron moe_router_dtype)."""
     moe_aux_loss_coeff: float = 0.0
@@ -50,6 +51,13 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: mean over tokens of
     logsumexp(router logits)², token-weighted over micro-batches like the aux loss); 0 = off."""
+    moe_grouped_gemm: bool = False
+    """All local experts in one grouped GEMM (Transformer Engine's TEGroupedMLP: GPU, needs
+    transformer_impl=transformer_engine); false: a GEMM pair per expert (megatron's SequentialMLP).
+    Same math; checkpoints convert between the two naming forms."""
+    moe_dead_expert_steps: int = 10
+    """Warn in the step log when an expert of the actor receives no tokens in this many
+    consecutive RL updates, steps (and again whenever that set of experts changes); 0 = never."""
     vocab_size: int = 0
     """Tokenizer vocabulary (0 = take it from the tokenizer)."""
     max_position_embeddings: int = 128
@@ -104,7 +112,13 @@ class ModelConfig:
         """One expert's SwiGLU inner width."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
-    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size")
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = (
+        "kv_channels",
+        "vocab_size",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_dead_expert_steps",
+    )
 
     def validate(self) -> None:
         """The architecture is one megatron can build and the HF mapping can express."""
@@ -142,11 +156,31 @@ def _check_architecture(m: ModelConfig) -> None:
         )
 
 
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+"""The families whose every layer's MLP is a mixture of routed experts."""
+
+
 def _check_experts(m: ModelConfig) -> None:
-    if m.arch == "qwen3_moe" and not m.is_moe:
-        fail("model.num_experts", m.num_experts, "must be >= 1 with arch=qwen3_moe (routed experts)")
-    if m.is_moe and m.arch != "qwen3_moe":
-        fail("model.num_experts", m.num_experts, f"needs arch=qwen3_moe; arch={m.arch} has a dense MLP")
+    if m.arch in MOE_ARCHS and not m.is_moe:
+        fail("model.num_experts", m.num_experts, f"must be >= 1 with arch={m.arch} (routed experts)")
+    if m.is_moe and m.arch not in MOE_ARCHS:
+        fail("model.num_experts", m.num_experts, f"needs arch=qwen3_moe or mixtral; arch={m.arch} has a dense MLP")
+    if m.arch == "mixtral" and m.moe_ffn_hidden_size not in (0, m.ffn_hidden_size):
+        fail(
+            "model.moe_ffn_hidden_size",
+            m.moe_ffn_hidden_size,
+            f"differs from model.ffn_hidden_size={m.ffn_hidden_size}: a Mixtral expert is intermediate_size wide",
+        )
+    if m.arch == "mixtral" and not m.moe_norm_topk_prob:
+        fail("model.moe_norm_topk_prob", False, "must be true: arch=mixtral always renormalises its k routing weights")
+    if m.moe_grouped_gemm and not m.is_moe:
+        fail("model.moe_grouped_gemm", True, "needs a MoE model (model.num_experts > 0)")
+    if m.moe_grouped_gemm and m.transformer_impl != "transformer_engine":
+        fail(
+            "model.moe_grouped_gemm",
+            True,
+            f"needs model.transformer_impl=transformer_engine (TE's grouped GEMM, GPU); it is {m.transformer_impl}",
+        )
     if m.is_moe and m.moe_router_topk > m.num_experts:
         fail("model.moe_router_topk", m.moe_router_topk, f"exceeds model.num_experts={m.num_experts}")
     for name, value in (("moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("moe_z_loss_coeff", m.moe_z_loss_coeff)):

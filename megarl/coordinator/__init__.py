@@ -31,11 +31,12 @@ from megarl.coordinator.lr_rules import (
 from megarl.coordinator.noise import (
     NoiseScaleEstimator,
     dp_estimates,
+    expert_parallel_estimates,
     microbatch_estimates,
     parts_dof,
     two_batch_estimates,
 )
-from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator.records import ExpertGradStats, ModelGradStats, StepPlan, StepTimings
 from megarl.coordinator.throughput import LinearTimeModel, StepTimeModel
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorRun",
+    "ExpertGradStats",
     "LinearTimeModel",
     "LrInputs",
     "ModelGradStats",
@@ -60,6 +62,7 @@ __all__ = [
     "clip_lr",
     "dp_estimates",
     "efficiency",
+    "expert_parallel_estimates",
     "goodput",
     "hold_or_move",
     "limit_move",

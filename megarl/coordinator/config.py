@@ -27,6 +27,9 @@ class CoordinatorRun:
     part is whole micro-batches holding whole groups, ``megarl.config.cross.probe_part_rows``)."""
     dp_size: int = 1
     """Data-parallel ranks sharing the batch (length of StepPlan.dp_shares)."""
+    equal_shares: bool = False
+    """Keep the DP shares equal (expert parallelism: every rank of an EP group runs the same
+    micro-batches, since each expert all-to-all needs all of them)."""
     lr_ref: dict[str, float] = field(default_factory=dict)
     """Per model: learning rate tuned at b_ref; every observed model must have one."""
     b_ref: dict[str, float] = field(default_factory=dict)

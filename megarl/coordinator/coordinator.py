@@ -23,7 +23,8 @@ turns them into:
    squared norm the optimizer is handed (`decisions.adam_v_scale`, from the raw estimate and the
    recent pre-clip norms);
 5. per-DP-rank shares of the batch proportional to each rank's smoothed training throughput
-   (responses/s), so that ranks finish together.
+   (responses/s), so that ranks finish together — equal under expert parallelism
+   (`CoordinatorRun.equal_shares`: an EP group's ranks must run the same micro-batches).
 
 Protocol: `observe(step, ...)` after step `step` finished; `next_plan()` returns the plan for
 step `last observed + 1` (step 0 before any observation). The plan is cached per step, so
@@ -172,7 +173,7 @@ class Coordinator:
     def _dp_shares(self) -> list[float]:
         d = self.run.dp_size
         values = [e.value for e in self._rank_tput]
-        if not self.config.adapt or any(v is None or v <= 0 for v in values):
+        if not self.config.adapt or self.run.equal_shares or any(v is None or v <= 0 for v in values):
             return [1.0 / d] * d
         tput = [float(v) for v in values if v is not None]
         total = sum(tput)

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.config import CoordinatorConfig
-from megarl.coordinator.noise import NoiseScaleEstimator, dp_estimates, microbatch_estimates, parts_dof
+from megarl.coordinator.noise import (
+    NoiseScaleEstimator,
+    dp_estimates,
+    expert_parallel_estimates,
+    microbatch_estimates,
+    parts_dof,
+)
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
@@ -68,7 +74,14 @@ def grad_updates(
             raise ValueError(f"model {g.model!r}: source={g.source!r} must be 'dp' or 'microbatch'")
         estimate = dp_estimates if g.source == "dp" else microbatch_estimates
         g2, tr_sigma = estimate(g.local_sq_norms, g.local_batches, g.global_sq_norm, grad_average=g.grad_average)
-        dof = parts_dof(len(g.local_sq_norms)) if g.dof is None else g.dof
+        dof = parts_dof(len(g.local_sq_norms))
+        if g.experts is not None:  # EP > 1: the routed experts from their own parts (EP-group unions)
+            e = g.experts
+            e_g2, e_tr = estimate(e.sq_norms, e.batches, e.global_sq_norm, grad_average=g.grad_average)
+            g2, tr_sigma, dof = expert_parallel_estimates(
+                (g2, tr_sigma, len(g.local_sq_norms)), (e_g2, e_tr, len(e.sq_norms))
+            )
+        dof = dof if g.dof is None else g.dof
         if not (dof > 0 and math.isfinite(dof)):
             raise ValueError(f"model {g.model!r}: dof={g.dof} must be finite and > 0")
         for name, value in (("|G|^2", g2), ("tr(Sigma)", tr_sigma)):

@@ -34,6 +34,10 @@ one group are negatively correlated; a part holding whole groups keeps the parts
 a part that splits groups does not (the trainer's micro-batches hold whole groups when the
 micro-batch size is a multiple of the group size, docs/COORDINATOR.md §1).
 
+Expert parallelism (EP > 1): the routed experts' parameters are estimated apart from the
+others, each class from its own parts, and the two estimates are added
+(`expert_parallel_estimates` has the derivation).
+
 Adam-preconditioned variant (``coordinator.noise_kind: adam``): the trainer's probe weighs
 every part's gradient and the reduced one element-wise by Adam's P = 1/(√v̂+ε) of the step
 (``megarl.model.grad_stats``); the algebra here is unchanged, only its inputs are |P·g|².
@@ -163,6 +167,44 @@ def microbatch_estimates(
     """
     _check_parts(micro_sq_norms, micro_batches, "microbatch_estimates")
     return dp_estimates(micro_sq_norms, micro_batches, step_sq_norm, grad_average=grad_average)
+
+
+def expert_parallel_estimates(
+    dense: tuple[float, float, int], experts: tuple[float, float, int]
+) -> tuple[float, float, float]:
+    """(|G|², tr Σ, dof) of a model whose routed experts are split over an EP group, from the
+    two parameter classes' own estimates, each given as (|G_c|², tr Σ_c, parts).
+
+    Why two classes. Megatron puts expert parallelism inside data parallelism: an expert lives
+    on one rank of its EP group (E ranks), and in micro-batch k the all-to-all sends it every
+    token of the group's micro-batches k that routes to it. So on rank r the dense gradient of
+    micro-batch k is that of rank r's own n units, but its local experts' gradient is that of
+    the union U_k of the E ranks' micro-batches k (E·n units). The whole buffer's change read as
+    one part of n units (the old reading: with the loss over D units, its experts' share is
+    (E·n/D)·ḡ_U, rescaled × (D/n)²) has E|g|² = |G_d|² + tr Σ_d/n + E²·(|G_e,r|² + tr Σ_e,r/(E·n))
+    for rank r's experts e,r: over the group, E·|G_e|² in place of |G_e|², biased (tr Σ +44 % and
+    |G|² −10 % in tests/coordinator/test_noise.py's example).
+
+    With θ = (θ_d, θ_e) the per-sample gradient covariance splits into blocks, so
+
+        |G|² = |G_d|² + |G_e|²,    tr Σ = tr Σ_dd + tr Σ_ee,
+
+    and for any part P of m i.i.d. units (whole GRPO groups) each class's block of its mean
+    gradient obeys E|ḡ_P,c|² = |G_c|² + tr Σ_cc/m (McCandlish et al. App. A, per block). So
+    `dp_estimates` over the dense parts (each rank's own parts, n units) is unbiased for
+    (|G_d|², tr Σ_dd), and over the expert parts (the unions U, E·n units) for (|G_e|², tr Σ_ee):
+    an expert part's squared norm is Σ over the group's ranks of their local experts' |Δg|²,
+    since the experts are disjoint across the group — each expert once, none lost. The sums are
+    unbiased for (|G|², tr Σ). An expert part is independent of the others as a union of parts
+    that are. At EP = 1 the classes share their parts and one estimate over all parameters is
+    the same thing (the trainer then reports one class).
+
+    Degrees of freedom: the expert class has E× fewer parts; the sum's tr Σ is no more certain
+    than its less certain term, so the step counts the fewer parts' dof (`parts_dof`).
+    """
+    g2 = dense[0] + experts[0]
+    tr_sigma = dense[1] + experts[1]
+    return g2, tr_sigma, parts_dof(min(dense[2], experts[2]))
 
 
 def parts_dof(parts: int) -> float:

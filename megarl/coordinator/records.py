@@ -18,6 +18,21 @@ GradSource = Literal["dp", "microbatch"]
 
 
 @dataclass(kw_only=True)
+class ExpertGradStats:
+    """The routed experts' own parts under expert parallelism (EP > 1), an estimate of their
+    own (`noise.expert_parallel_estimates`): each part is the union of one micro-batch run (or
+    the whole rows) over the ranks of one EP group, the data the all-to-all brought its experts."""
+
+    sq_norms: list[float]
+    """|G_j|² of each part's mean gradient over the expert parameters, each expert once."""
+    batches: list[float]
+    """Samples behind each entry of sq_norms (an EP group's ranks' together), in the unit of
+    the `ModelGradStats` they belong to."""
+    global_sq_norm: float
+    """|G|² of the expert parameters' all-reduced gradient of the whole mini-batch."""
+
+
+@dataclass(kw_only=True)
 class ModelGradStats:
     """One model's gradient norms for one step (first mini-batch of the rollout)."""
 
@@ -44,6 +59,9 @@ class ModelGradStats:
     grad_average: GradAverage = "samples"
     """How the global gradient weights the parts: "samples" (true sample mean) or "ranks"
     (mean of per-part means); see `noise.dp_estimates`."""
+    experts: ExpertGradStats | None = None
+    """Under expert parallelism (EP > 1): the routed experts' parts; the norms above then cover
+    the other (dense) parameters only. None: the norms above cover every parameter."""
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,12 @@
 """Routed-expert weights into a vLLM engine's fused-MoE layers, never through vLLM's reload.
 
 vLLM 0.32 keeps one layer's routed experts as two 3-D parameters of its ``RoutedExperts``
-module (``model.layers.{L}.mlp.experts.routed_experts``): ``w13_weight`` [E_local, 2 I, H]
-(expert e's ``gate_proj`` rows, then its ``up_proj`` rows; I = this worker's TP shard of
-``moe_intermediate_size``) and ``w2_weight`` [E_local, H, I] (``down_proj``). After loading,
+module (``model.layers.{L}.mlp.experts.routed_experts``; Mixtral's
+``model.layers.{L}.block_sparse_moe.experts.routed_experts``): ``w13_weight`` [E_local, 2 I, H]
+(expert e's gate rows, then its up rows; I = this worker's TP shard of one expert's width) and
+``w2_weight`` [E_local, H, I] (down). The HF names of the three per-expert tensors are the
+layer's own ``ckpt_*_proj_name`` (Qwen3-MoE ``gate_proj/up_proj/down_proj``, Mixtral
+``w1/w3/w2``), under ``{layer prefix}.{e}.``. After loading,
 the layer's kernel rewrites both into its own layout: on CPU the intermediate dimension is
 zero-padded to a multiple of 32 and the tensors are pre-packed for the grouped GEMM
 (``cpu_prepack_moe_weight``); GPU backends may shuffle them
@@ -39,12 +42,13 @@ from megarl.errors import EngineError
 _PER_EXPERT = re.compile(r"^(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
 
 SHARDS = ("w1", "w3", "w2")
-"""vLLM's shard ids: w1 = gate_proj (first half of w13), w3 = up_proj (second half), w2 = down_proj."""
+"""vLLM's shard ids: w1 = gate (first half of w13), w3 = up (second half), w2 = down."""
 
 
 def expert_layers(model: torch.nn.Module) -> dict[str, Any]:
-    """HF prefix of each MoE layer's experts (``model.layers.{L}.mlp.experts``) -> its vLLM
-    ``RoutedExperts`` module. Empty for a dense model."""
+    """HF prefix of each MoE layer's experts (``model.layers.{L}.mlp.experts``, Mixtral
+    ``model.layers.{L}.block_sparse_moe.experts``) -> its vLLM ``RoutedExperts`` module. Empty for
+    a dense model."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     return {

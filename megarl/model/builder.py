@@ -75,9 +75,15 @@ def _qk_norm(mcfg: ModelConfig) -> bool:
 
 
 def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
-    """TransformerConfig's MoE fields: Qwen3-MoE's router (HF ``Qwen3MoeTopKRouter``: softmax
-    over all experts, top-k, optionally renormalised; renormalised it equals megatron's top-k
-    of the logits then a softmax over the k) and megatron's alltoall token dispatcher."""
+    """TransformerConfig's MoE fields: the router of Qwen3-MoE (HF ``Qwen3MoeTopKRouter``: softmax
+    over all experts in fp32, top-k, optionally renormalised) and Mixtral (``MixtralTopKRouter``:
+    the same, always renormalised, the k weights kept in fp32), and megatron's alltoall token
+    dispatcher. Renormalised, softmax-then-top-k equals megatron's top-k of the logits then a
+    softmax over the k (``moe_router_pre_softmax=False``): softmax is monotone, so the same k are
+    chosen, and renormalising cancels the partition function over the other experts.
+    Unnormalised, it is ``moe_router_pre_softmax=True``. Router dtype: HF computes the logits in
+    the model's dtype and softmaxes them in fp32; ``moe_router_fp32`` computes the logits in fp32
+    too (the same numbers in an fp32 model; in bf16 megarl's logits are the more precise ones)."""
     if not mcfg.is_moe:
         return {}
     return dict(
@@ -91,7 +97,7 @@ def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=mcfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=mcfg.moe_z_loss_coeff or None,
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=mcfg.moe_grouped_gemm,
         expert_model_parallel_size=pcfg.expert_parallel,
         expert_tensor_parallel_size=pcfg.tensor_parallel,
     )
@@ -104,7 +110,9 @@ def layer_spec(mcfg: ModelConfig) -> Any:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=_qk_norm(mcfg))
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=mcfg.moe_grouped_gemm, qk_layernorm=_qk_norm(mcfg)
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # qwen3: per-head RMSNorm (torch.nn.RMSNorm, eps=norm_eps) on q and k before RoPE; its
@@ -135,6 +143,9 @@ class Model:
     scheduler: Any = None
     probe: Any = None
     """megarl.model.grad_stats.GradProbe when the coordinator measures this model."""
+    expert_load: Any = None
+    """megarl.model.expert_load.ExpertLoad: tokens per routed expert in training forwards (a
+    MoE actor built with ``track_experts``)."""
     routes: Any = None
     """megarl.model.routes.RouteReplay when its MoE routes are recorded and replayed (the
     actor with ``algo.router_replay: trainer``, attached by ``megarl.update.PolicyUpdater``)."""
@@ -162,10 +173,12 @@ def build_gpt(
     trainable: bool = True,
     optim: OptimConfig | None = None,
     seed: int = 0,
+    track_experts: bool = False,
 ) -> Model:
     """Build this rank's GPTModel stage on ``dims``' layout; wrap in megatron DDP + optimizer
     when trainable. ``pcfg`` must describe the same TP/PP as ``dims``; ``seed`` seeds weight
-    init on a non-global layout (:func:`megarl.distributed.layout_rng`)."""
+    init on a non-global layout (:func:`megarl.distributed.layout_rng`); ``track_experts``:
+    a MoE model counts the tokens each expert receives in training (``Model.expert_load``)."""
     from megatron.core.models.gpt import GPTModel
 
     from megarl.distributed import layout_rng
@@ -201,6 +214,10 @@ def build_gpt(
         attach_value_head(gpt, tcfg, dims)
     gpt.to(dims.device)
     model = Model(gpt, tcfg, dims, mcfg.vocab_size, padded)
+    if track_experts and mcfg.is_moe:
+        from megarl.model.expert_load import ExpertLoad
+
+        model.expert_load = ExpertLoad(model)
     if not trainable:
         gpt.eval()
         for p in gpt.parameters():

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.model.builder import Model
-from megarl.model.microbatch import balance_rows, take, token_budget_split
+from megarl.model.microbatch import balance_rows, row_lengths, take, token_budget_split
 from megarl.model.packing import Packing, packings_of
 from megarl.model.routes import collect, recording
 from megarl.model.rows import micro_batches, routes_of, tokens_of
@@ -118,6 +118,8 @@ def run_schedule(
             model.probe.microbatch_boundary(module)  # the previous micro-batch's backward is done
         seen[0] += 1
         tokens = tokens_of(mb)
+        if model.expert_load is not None and module.training:  # only real tokens count (its docstring)
+            model.expert_load.expect(_row_lengths(mb), packing is not None)
         if model.routes is not None:  # MoE routing replay: this micro-batch's routes, or live / recording
             model.routes.before(routes_of(mb), packing)
         if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
@@ -161,6 +163,13 @@ def run_schedule(
     # m micro-batches through p stages take m + p - 1 slots; p - 1 of them are fill and drain
     model.microbatch_s += (time.perf_counter() - t0) * len(mbs) / (len(mbs) + dims.pp - 1)
     return out  # type: ignore[no-any-return]
+
+
+def _row_lengths(mb: Any) -> torch.Tensor | None:
+    """Each row's real length (``row_lengths`` of its loss mask), or None for a micro-batch
+    without one (every position is then real)."""
+    mask = mb.get("mask") if isinstance(mb, dict) else getattr(mb, "mask", None)
+    return None if mask is None else row_lengths(mask)
 
 
 def labels_of(tokens: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,21 @@ read before the step: v̂ of the steps so far) — every norm above is |P·g|² 
 |g|², and |P·G|² is read from the reduced buffer after the DP reduction (:meth:`after_reduce`)
 over the same counted ranges (the optimizer's grad norm is unpreconditioned).
 
+Expert parallelism (EP > 1; ``megarl.coordinator.noise`` has the derivation): the routed
+experts' grad buffers (megatron's ``expert_parallel_buffers``) are read as their own class. A
+rank's dense buffer holds its own rows' gradient, but its local experts' buffer holds the
+gradient of every token the all-to-all brought them: the rows of the same micro-batch on every
+rank of its EP group. So each norm above comes in two columns, dense and expert, and the expert
+column is summed over the EP group (the experts are disjoint there, so the sum is the squared
+norm of the group's part's whole expert gradient, each expert once): per micro-batch run that
+is the part "the union over the EP group of that run", identical on the group's ranks
+(:meth:`GradProbe.gather_experts` keeps one copy per group). The reduced gradient's
+class norms (:meth:`after_reduce`) come from the reduced buffers: dense summed over the
+model-parallel group, experts over it and the EP group (the optimizer's expert grad norm sums
+over the same ranks), both over DP with the distributed optimizer (each rank then holds its
+shard of each bucket, dense sharded over DP and experts over the expert-DP ranks, which with
+the EP group make up DP). At EP = 1 there is one class, all parameters, read as before.
+
 Scaling: megarl losses are divided by the GLOBAL denominator D (tokens or responses, see
 ``megarl.algo.aggregation``), so a part with n of the D units holds (n/D)·ḡ_part; the
 probe rescales each part to its own mean gradient, |ḡ_part|² = |g_part|²·(D/n)².
@@ -60,7 +75,15 @@ class GradProbe:
     weights: list[torch.Tensor] | None = None
     """Per grad buffer, Adam's preconditioner laid out like the buffer (noise_kind adam), else None."""
     global_sq: float | None = None
-    """|P·G|² of the reduced gradient (with ``weights`` only; the plain |G|² is the optimizer's)."""
+    """|P·G|² of the reduced gradient (with ``weights``; the plain |G|² is the optimizer's), or at
+    EP > 1 its dense parameters' |G|² (|P·G|² with ``weights``)."""
+    expert_local_sq: float = 0.0
+    """EP > 1: Σ over the EP group of the local experts' |g|², the group's part (the union of its
+    ranks' rows)."""
+    expert_mb_sq: list[float] = field(default_factory=list)
+    """EP > 1: per part (run of micro-batches), the same sum over the union of the EP group's runs."""
+    expert_global_sq: float | None = None
+    """EP > 1: the experts' |G|² (|P·G|² with ``weights``) of the reduced gradient, each expert once."""
 
     def __post_init__(self) -> None:
         if self.microbatch and self.dims.pp > 1:
@@ -98,8 +121,38 @@ class GradProbe:
             self._segments = out
         return self._segments
 
-    def _local_sq(self, ddp: Any, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's counted Σg² as a float64 device scalar (no collective, no host sync).
+    @property
+    def classes(self) -> int:
+        """Parameter classes read apart: 2 at EP > 1 (dense, routed experts), else 1 (all)."""
+        return 2 if self.dims.ep > 1 else 1
+
+    def _class_of(self, ddp: Any) -> list[int]:
+        """Per grad buffer, its column: the expert-parallel buffers are column 1 at EP > 1."""
+        dense = len(ddp.buffers)
+        return [0 if i < dense or self.classes == 1 else 1 for i in range(len(self._all_buffers(ddp)))]
+
+    def _reduced_ranges(self, ddp: Any) -> list[list[tuple[int, int]]]:
+        """Per grad buffer, the counted ranges that hold the REDUCED gradient on this rank: all of
+        them, or with the distributed optimizer this rank's shard of each bucket (megatron
+        reduce-scatters ``bucket.grad_data`` in equal shards over the buffer's DP group)."""
+        counted = self._counted(ddp)
+        if not ddp.ddp_config.use_distributed_optimizer:
+            return counted
+        out = []
+        for buf, ranges in zip(self._all_buffers(ddp), counted, strict=True):
+            size, rank = buf.data_parallel_world_size, buf.data_parallel_group.rank()
+            shards = [
+                (b.offset + rank * (b.grad_data.numel() // size), b.offset + (rank + 1) * (b.grad_data.numel() // size))
+                for b in buf.buckets
+            ]
+            out.append([(max(s, a), min(e, z)) for a, z in shards for s, e in ranges if max(s, a) < min(e, z)])
+        return out
+
+    def _local_sq(
+        self, ddp: Any, grads: list[torch.Tensor], ranges: list[list[tuple[int, int]]] | None = None
+    ) -> torch.Tensor:
+        """This rank's counted Σg² per class, a (classes,) float64 device tensor (no collective,
+        no host sync); ``ranges``: per buffer, what to read (default all counted ranges).
 
         Each counted range is read in chunks cast to float64 and dotted (a cache-sized
         temporary on CPU; the old ``(g.double() ** 2 * mask).sum()`` made three full-size float64
@@ -107,14 +160,15 @@ class GradProbe:
         at the demo's size, which the parity test's 1e-5 refuses."""
         device = grads[0].device if grads else self.dims.device
         chunk = 1 << 22 if device.type == "cuda" else 1 << 16
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros(self.classes, dtype=torch.float64, device=device)
         weights: list[torch.Tensor | None] = list(self.weights) if self.weights else [None] * len(grads)
-        for g, w, ranges in zip(grads, weights, self._counted(ddp), strict=True):
-            for start, end in ranges:
+        read = self._counted(ddp) if ranges is None else ranges
+        for g, w, col, buf_ranges in zip(grads, weights, self._class_of(ddp), read, strict=True):
+            for start, end in buf_ranges:
                 for i in range(start, end, chunk):
                     j = min(i + chunk, end)
                     v = g[i:j].double() if w is None else g[i:j].double() * w[i:j]
-                    total += torch.dot(v, v)
+                    total[col] += torch.dot(v, v)
         return total
 
     seconds: float = 0.0
@@ -156,46 +210,73 @@ class GradProbe:
 
     def before_reduce(self, ddp: Any) -> None:
         """The step's last boundary, then every norm summed over the model-parallel group in one
-        all-reduce (TP shards and PP stages; a collective per micro-batch before)."""
+        all-reduce (TP shards and PP stages; a collective per micro-batch before), and at EP > 1
+        the expert column over the EP group in one more."""
         if not self.active:
             return
         self.microbatch_boundary(ddp, last=True)
         t0 = time.perf_counter()
-        sums = torch.stack([*self._pending, self._local_sq(ddp, self._buffers(ddp))])
+        sums = torch.stack([*self._pending, self._local_sq(ddp, self._buffers(ddp))])  # (parts + 1, classes)
         if self.dims.tp * self.dims.pp > 1:
             dist.all_reduce(sums, group=self.dims.mp_group)
-        values = [float(x) for x in sums.cpu()]
+        if self.classes > 1:  # disjoint experts: the sum is the EP group's part, each expert once
+            experts = sums[:, 1].contiguous()
+            dist.all_reduce(experts, group=self.dims.ep_group)
+            values = [float(x) for x in experts.cpu()]
+            self.expert_mb_sq, self.expert_local_sq = values[:-1], values[-1]
+        values = [float(x) for x in sums[:, 0].cpu()]
         self.mb_sq, self.local_sq = values[:-1], values[-1]
         self._pending, self._prev = [], None  # the copy lives for the measured step only
         self.seconds += time.perf_counter() - t0
 
     def after_reduce(self, ddp: Any) -> None:
-        """|P·G|² of the reduced gradient (preconditioned probes only), summed over the
-        model-parallel group; every DP rank holds the whole reduced buffer (no distributed
-        optimizer with ``weights``), so nothing is summed over DP."""
-        if not (self.active and self.weights is not None):
+        """The reduced gradient's |P·G|² (preconditioned probes) or, at EP > 1, its per-class
+        |G|² (|P·G|²), summed over the model-parallel group. Without the distributed optimizer
+        every DP rank holds the whole reduced dense buffer and every expert-DP rank its experts'
+        whole reduced buffer: the experts are summed over the EP group, nothing over DP. With it
+        each rank holds its shard (:meth:`_reduced_ranges`), and both columns are summed over DP
+        (dense shards over DP; expert shards over expert-DP × the EP group, which is DP)."""
+        if not (self.active and (self.weights is not None or self.classes > 1)):
             return
         t0 = time.perf_counter()
-        total = self._local_sq(ddp, self._buffers(ddp))
+        total = self._local_sq(ddp, self._buffers(ddp), self._reduced_ranges(ddp))
         if self.dims.tp * self.dims.pp > 1:
             dist.all_reduce(total, group=self.dims.mp_group)
-        self.global_sq = float(total)
+        if ddp.ddp_config.use_distributed_optimizer:
+            dist.all_reduce(total, group=self.dims.dp_group)
+        elif self.classes > 1:
+            experts = total[1:].contiguous()
+            dist.all_reduce(experts, group=self.dims.ep_group)
+            total[1:] = experts
+        self.global_sq = float(total[0])
+        self.expert_global_sq = float(total[1]) if self.classes > 1 else None
         self.seconds += time.perf_counter() - t0
 
-    def gather_microbatches(self) -> list[float]:
-        """Every DP rank's micro-batch norms, rank-major (ranks may hold different counts)."""
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        """Every DP rank's ``values``, by DP rank (ranks may hold different counts)."""
         t0 = time.perf_counter()
         dev = self.dims.device
-        n = torch.tensor([len(self.mb_sq)], dtype=torch.int64, device=dev)
+        n = torch.tensor([len(values)], dtype=torch.int64, device=dev)
         counts = [torch.zeros_like(n) for _ in range(self.dims.dp)]
         dist.all_gather(counts, n, group=self.dims.dp_group)
         width = max(int(c) for c in counts)
         mine = torch.zeros(width, dtype=torch.float64, device=dev)
-        mine[: len(self.mb_sq)] = torch.tensor(self.mb_sq, dtype=torch.float64)
+        mine[: len(values)] = torch.tensor(values, dtype=torch.float64)
         parts = [torch.zeros_like(mine) for _ in range(self.dims.dp)]
         dist.all_gather(parts, mine, group=self.dims.dp_group)
         self.seconds += time.perf_counter() - t0
-        return [float(x) for p, c in zip(parts, counts, strict=True) for x in p[: int(c)]]
+        return [[float(x) for x in p[: int(c)]] for p, c in zip(parts, counts, strict=True)]
+
+    def gather_microbatches(self) -> list[float]:
+        """Every DP rank's micro-batch norms, rank-major (ranks may hold different counts)."""
+        return [x for rank in self._gather(self.mb_sq) for x in rank]
+
+    def gather_experts(self) -> list[list[float]]:
+        """EP > 1: per EP group (consecutive DP ranks, megatron's order), its expert parts — one
+        per run of micro-batches, or one (the group's whole rows) without micro-batch parts;
+        every rank of a group holds the same values, the group's first rank is kept."""
+        mine = self.expert_mb_sq if self.microbatch else [self.expert_local_sq]
+        return self._gather(mine)[:: self.dims.ep]
 
     def gather_local(self) -> list[float]:
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ and packing. Inside a forward the router sees a micro-batch's tokens flattened s
 :func:`from_router` convert.
 
 The live top-k is taken beside every replayed one (one ``topk`` over the scores the router
-has anyway): ``moe/route_mismatch_l{i}`` is the fraction of counted tokens whose live top-k
+has anyway): ``moe/route_mismatch/layer{i}`` is the fraction of counted tokens whose live top-k
 set differs from the recorded one, per global layer i over a step's updates, and
 ``moe/route_mismatch`` its mean over layers.
 """
@@ -161,7 +161,7 @@ class RouteReplay:
         self.recording.append(from_router(flat, tokens.shape[0], tokens.shape[1], packing).cpu())
 
     def mismatch(self, dims: ParallelDims) -> dict[str, float]:
-        """``moe/route_mismatch_l{i}`` per global layer and their mean ``moe/route_mismatch``
+        """``moe/route_mismatch/layer{i}`` per global layer and their mean ``moe/route_mismatch``
         since the last call (collective over DP and PP; TP ranks route alike); resets the counts."""
         counts = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=dims.device)
         for layer, t in zip(self.layers, self.tapes, strict=True):
@@ -171,7 +171,7 @@ class RouteReplay:
         dist.all_reduce(counts, group=dims.dp_group)
         if dims.pp > 1:
             dist.all_reduce(counts, group=dims.pp_group)
-        out = {f"moe/route_mismatch_l{i}": float(d / n) for i, (d, n) in enumerate(counts.tolist()) if n > 0}
+        out = {f"moe/route_mismatch/layer{i}": float(d / n) for i, (d, n) in enumerate(counts.tolist()) if n > 0}
         if out:
             out["moe/route_mismatch"] = sum(out.values()) / len(out)
         return out

@@ -8,8 +8,8 @@ turn hits its token limit, or when the next observation would pass the context b
 (``env.max_tokens`` ids after the prompt: generated and observation ids together).
 
 **Scheduling.** Episodes advance independently: the episodes whose environments have answered
-go to the fleet at once, in one call (in a thread; grouped by the tokens each may still take),
-while earlier calls still run and the environments of the others work in their workers. The
+go to the fleet at once, split over the free calls of :data:`MAX_CALLS` (each in a thread;
+grouped by the tokens each may still take), while earlier calls still run and the environments of the others work in their workers. The
 calls are *joined* (``Fleet.generate(join=True)``): each engine runs them in one continuous
 batch (``megarl.engine.stepper``), a call's requests joining those already running, and each
 call returns when its own turns end — so no turn waits for a longer response of another call,
@@ -49,7 +49,8 @@ from megarl.rollout.episode import Episode, Turn
 log = logging.getLogger("megarl.rollout")
 
 MAX_CALLS = 16
-"""Fleet calls in flight at once: each carries the episodes that became ready together."""
+"""Fleet calls in flight at once: the episodes that become ready together are split over the
+free ones (:func:`_chunks`)."""
 
 
 @dataclass(frozen=True)
@@ -240,9 +241,10 @@ class _Rounds:
                 if ready and len(gens) < MAX_CALLS:
                     for e in ready:
                         e.asked = time.perf_counter()
-                    gen = threads.submit(self._generate, sorted(ready, key=lambda e: e.index))
-                    gen.add_done_callback(lambda _: os.write(wake_w, b"."))
-                    gens.add(gen)
+                    for chunk in _chunks(sorted(ready, key=lambda e: e.index), MAX_CALLS - len(gens)):
+                        gen = threads.submit(self._generate, chunk)
+                        gen.add_done_callback(lambda _: os.write(wake_w, b"."))
+                        gens.add(gen)
                     ready = []
                 t0 = time.perf_counter()
                 generating = bool(gens)
@@ -336,6 +338,15 @@ class _Rounds:
             e.episode.truncated, e.done = True, True  # no room for another turn
             return
         last.observation = observation
+
+
+def _chunks(batch: list[_Live], calls: int) -> list[list[_Live]]:
+    """``batch`` in at most ``calls`` calls of nearly equal size, in order. A call returns when all
+    its turns end: where the engine cannot run every episode at once (its KV cache or batch is
+    full, so requests queue in it), one call of everything ready would hold its first turns back
+    until its last were generated; smaller calls return as their own turns end."""
+    size = -(-len(batch) // max(calls, 1))
+    return [batch[i : i + size] for i in range(0, len(batch), size)]
 
 
 def _drain_pipe(fd: int) -> None:

@@ -10,6 +10,7 @@ sums to the full-batch objective.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +25,7 @@ from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments
 from megarl.model.builder import Model
+from megarl.model.expert_load import DeadExpertWatch, ExpertLoad, load_metrics
 from megarl.model.microbatch import row_lengths
 from megarl.model.routes import attach as attach_routes
 from megarl.model.train import train_step
@@ -31,6 +33,8 @@ from megarl.planning import Planner
 from megarl.types import Advantages, LossStats, LossTerms, PolicyEval, RolloutBatch, UpdateRows
 from megarl.update.losses import policy_loss_fn, value_loss_fn
 from megarl.update.rows import update_rows
+
+log = logging.getLogger("megarl")
 
 LossFnOf = Callable[[float], Callable[[UpdateRows, torch.Tensor], tuple[torch.Tensor, LossTerms]]]
 """A mini-batch's global loss denominator -> its loss function."""
@@ -49,6 +53,8 @@ class UpdateSettings:
     """``rollout.max_response_len``, tokens: the fixed normaliser of ``seq-mean-token-sum-norm``."""
     probe_part_rows: int
     """Rows of the grad probe's smallest part (``megarl.config.checks.probe_part_rows``)."""
+    dead_expert_steps: int = 0
+    """``model.moe_dead_expert_steps``: updates without a token before an expert is reported."""
 
     @classmethod
     def of(cls, cfg: RunConfig) -> UpdateSettings:
@@ -59,6 +65,7 @@ class UpdateSettings:
             temperature=cfg.rollout.temperature,
             max_response_len=cfg.rollout.max_response_len,
             probe_part_rows=probe_part_rows(cfg),  # the probe's parts hold whole groups
+            dead_expert_steps=cfg.model.moe_dead_expert_steps,
         )
 
 
@@ -89,6 +96,7 @@ class PolicyUpdater:
         self, settings: UpdateSettings, dims: ParallelDims, actor: Model, critic: Model | None, planner: Planner
     ) -> None:
         self.s, self.dims, self.actor, self.critic, self.planner = settings, dims, actor, critic, planner
+        self.dead_experts = DeadExpertWatch(settings.dead_expert_steps)
         if settings.algo.router_replay == "trainer":  # phase 2 records the actor's routes, the update replays them
             attach_routes(actor)
 
@@ -115,6 +123,9 @@ class PolicyUpdater:
         for name, model in (("actor", self.actor), ("critic", self.critic)):
             if model is not None and name in plan.adam_v_scale:  # a batch change: v follows E[g²]
                 scale_adam_second_moments(model.optimizer, plan.adam_v_scale[name])
+        load = self.actor.expert_load if update_actor else None
+        if load is not None:
+            load.reset()
         rows = UpdateRows.of(batch, adv, ev)
         per = batch.size // a.mini_batches
         n_updates = 0
@@ -136,7 +147,18 @@ class PolicyUpdater:
                 out[f"{ln.prefix}/lr"] = ln.lr
                 means["value_loss"] = means.pop("loss")
             out.update({f"{ln.prefix}/{k}": v for k, v in means.items()})
+        if load is not None:
+            out.update(self.expert_health(load))
         return out
+
+    def expert_health(self, load: ExpertLoad) -> dict[str, float]:
+        """``moe/*`` metrics of the update's routing (collective over DP and PP); rank 0 logs
+        when the experts without tokens for ``model.moe_dead_expert_steps`` updates change."""
+        counts = load.read()
+        said = self.dead_experts.observe(counts)
+        if said is not None and self.dims.is_rank0:
+            log.log(*said)
+        return load_metrics(counts, load.topk)
 
     def update(self, learner: Learner, mini: UpdateRows, denom: float, plan: StepPlan, n_updates: int) -> None:
         """One optimizer step of ``learner`` on this DP rank's rows of the mini-batch ``mini``."""

@@ -96,3 +96,23 @@ def test_a_crossing_is_read_only_where_its_window_is_complete():
     sm = smooth(longer.reward, half=2)
     k = next(i for i, v in enumerate(sm) if v >= 0.42)
     assert x.reached and k <= len(sm) - 3 and x.time_s == pytest.approx(k - 1 + (0.42 - sm[k - 1]) / (sm[k] - sm[k - 1]))
+
+
+def test_a_clock_recosts_each_step_from_its_batch_as_the_planner_logged_it(tmp_path):
+    """Under a virtual clock a step costs the clock's time for its batch — the same number the
+    planner logs as ``vclock/step_s`` (it observes step s as s - 1) — whatever the machine took."""
+    from megarl.coordinator.clock import PHASES, Clock
+    from tests.helpers import ROOT
+
+    clock = Clock.load(ROOT / "benchmarks/ttt/clocks.toml", "gpu-mid")
+    lines = [{"step": 0, "val/reward": 0.2}]
+    for s, n in ((1, 128), (2, 512), (3, 256)):
+        planner_logged = sum(clock.phase_times(n, s - 1)[k] for k in PHASES)
+        lines.append({"step": s, "timing/step/total": 0.1, "rollout/responses": n, "vclock/step_s": planner_logged,
+                      **({"val/reward": 0.3} if s == 3 else {})})  # fmt: skip
+    _write_metrics(tmp_path / "run", lines)
+    recs = read_metrics(tmp_path / "run")
+    c = curve_from_records(recs, clock)
+    assert c.train_s[-1] == pytest.approx(sum(r["vclock/step_s"] for r in recs if "vclock/step_s" in r), rel=1e-12)
+    assert c.train_s[-1] > 100 * 0.3 and c.samples == [0, 896]  # seconds of a GPU step, not the CPU's 0.1
+    assert curve_from_records(recs).train_s[-1] == pytest.approx(0.3)

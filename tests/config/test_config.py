@@ -29,7 +29,7 @@ def test_examples_load_and_validate(tmp_path: Path) -> None:
 
     paths = sorted((ROOT / "examples").glob("*.yaml"))
     assert {"grpo_cpu.yaml", "ppo_cpu.yaml", "byo_chat_math.yaml", "qwen_math_gpu.yaml", "agent_calc_cpu.yaml",
-            "agent_python_qwen3_gpu.yaml"} <= {
+            "agent_python_qwen3_gpu.yaml", "grpo_moe_cpu.yaml", "grpo_qwen3_30b_a3b_gpu.yaml"} <= {
         p.name for p in paths
     }
     for path in paths:
@@ -337,7 +337,8 @@ def test_only_the_ints_a_section_allows_may_be_zero() -> None:
             except ConfigError as e:
                 assert str(e) == f"{path}=0 must be a positive integer"
     assert may_be_zero == [
-        "model.kv_channels", "model.num_experts", "model.moe_ffn_hidden_size", "model.vocab_size",
+        "model.kv_channels", "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_dead_expert_steps",
+        "model.vocab_size",
         "parallel.logprob_micro_batch_size",
         "parallel.max_tokens_per_micro_batch", "optim.warmup_steps", "reward.max_tasks_per_worker",
         "reward.worker_memory_mb", "reward.stop_after_failed_steps", "rollout.min_response_len",

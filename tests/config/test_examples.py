@@ -1,7 +1,9 @@
 """The "train your own model" examples: ``examples/make_byo_model.py`` makes what
 ``examples/byo_chat_math.yaml`` reads (deterministic, split by problem, rows the ``math``
-reward and the config's length limits accept), and ``examples/qwen_math_gpu.yaml`` is
-consistent for Qwen2.5-1.5B-Instruct apart from the GPU-only settings a CPU refuses.
+reward and the config's length limits accept), ``examples/qwen_math_gpu.yaml`` is
+consistent for Qwen2.5-1.5B-Instruct apart from the GPU-only settings a CPU refuses, and
+``examples/grpo_qwen3_30b_a3b_gpu.yaml`` builds exactly the model of Qwen3-30B-A3B's config.json
+and fits its stated memory per GPU.
 (The byo run itself is ``benchmarks/byo_learning.py``; ``tests/e2e/test_hf_chat_cli.py``
 drives the same path end to end.)"""
 
@@ -58,6 +60,22 @@ def qwen_folder(tmp_path: Path) -> Path:
     return folder
 
 
+QWEN3_30B_A3B_JSON = ROOT / "tests/config/fixtures/qwen3_30b_a3b_config.json"
+"""config.json of Qwen/Qwen3-30B-A3B on the hub (transformers_version 4.51.0), key for key and
+value for value as reproduced in github.com/citsjtu2020/LLM-Prof, sglang/Model_Config.md (its
+"Qwen3-30B-A3B" block); tests/config/test_moe.py's QWEN3_30B_A3B is the same file's subset."""
+
+
+def qwen3_30b_a3b_folder(tmp_path: Path) -> Path:
+    """Qwen3-30B-A3B's config.json beside an empty weights file (config validation reads the
+    shape and checks that weights exist, not their tensors)."""
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_bytes(QWEN3_30B_A3B_JSON.read_bytes())
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
 def local_stand_ins(name: str, cfg: RunConfig, tmp_path: Path) -> None:
     """Point an example at local files it expects the user to have made or downloaded, and put
     GPU-only settings at their CPU values (test_gpu_recipe_... shows those are the only
@@ -70,6 +88,9 @@ def local_stand_ins(name: str, cfg: RunConfig, tmp_path: Path) -> None:
     elif name == "qwen_math_gpu.yaml":
         cfg.model.init_from = str(qwen_folder(tmp_path))
         cfg.rollout.colocate, cfg.model.dtype, cfg.model.transformer_impl = False, "fp32", "local"
+    elif name == "grpo_qwen3_30b_a3b_gpu.yaml":
+        cfg.model.init_from = str(qwen3_30b_a3b_folder(tmp_path))
+        cfg.model.dtype, cfg.model.transformer_impl, cfg.model.moe_grouped_gemm = "fp32", "local", False
     elif name == "agent_python_qwen3_gpu.yaml":
         folder = tmp_path / "qwen3-1.7b"
         folder.mkdir(parents=True, exist_ok=True)
@@ -137,3 +158,81 @@ def test_byo_files_are_deterministic_split_by_problem_and_fit_the_config(tmp_pat
     answers = [tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in rows]
     assert max(len(a) for a in answers) <= cfg.rollout.max_response_len
     assert tok.decode(answers[0][:-1]) == rows[0]["answer"]
+
+
+# ModelConfig field -> the config.json key it must equal (megarl.config.hf maps them; here read
+# directly, as a second statement of the mapping)
+QWEN3_MOE_KEYS = {
+    "arch": "model_type",
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",  # head_dim × heads = 4096 ≠ hidden 2048: explicit
+    "ffn_hidden_size": "intermediate_size",
+    "num_experts": "num_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_norm_topk_prob": "norm_topk_prob",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "rotary_base": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "linear_bias": "attention_bias",
+}
+# fields config.json does not hold: the recipe's (or megarl's) own choices
+NOT_IN_CONFIG_JSON = {
+    "init_from", "tokenizer", "dtype", "transformer_impl", "attention", "init_std", "moe_router_fp32",
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_dead_expert_steps", "moe_grouped_gemm", "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+}  # fmt: skip
+
+
+def _per_gpu_static_gb(hf: dict, tp: int, dp: int, ep: int) -> tuple[float, float]:
+    """(total parameters in billions, static GB per trainer GPU) of a Qwen3-MoE config at TP 1:
+    bf16 weights (2 B), fp32 gradients (4 B), Adam's fp32 master + 2 moments (12 B) sharded by the
+    distributed optimizer — experts over their data-parallel group (DP / EP), the rest over DP."""
+    assert tp == 1
+    layers, h, e, moe_i = hf["num_hidden_layers"], hf["hidden_size"], hf["num_experts"], hf["moe_intermediate_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    experts = layers * e * 3 * h * moe_i
+    per_layer = 2 * h * q + 2 * h * kv + 2 * hf["head_dim"] + 2 * h + e * h  # q/o, k/v, q/k norms, 2 norms, router
+    rest = layers * per_layer + 2 * hf["vocab_size"] * h + h  # untied embedding and output layer, final norm
+    local_experts = experts / ep
+    static = (local_experts + rest) * (2 + 4) + local_experts * 12 / (dp // ep) + rest * 12 / dp
+    return (experts + rest) / 1e9, static / 1e9
+
+
+def test_qwen3_30b_a3b_recipe_builds_the_config_json_model_and_fits_80gb(tmp_path: Path) -> None:
+    """The recipe through megarl's own config path (load, validate at its 16 ranks, the model
+    ``init_from``'s config.json resolves to): every model field equals config.json's value or is
+    one config.json does not hold; the layout's static memory is the header's 43.0 GB."""
+    import dataclasses
+
+    from megarl.config import ModelConfig
+    from megarl.config.hf import resolved_model
+
+    path = ROOT / "examples/grpo_qwen3_30b_a3b_gpu.yaml"
+    hf = json.loads(QWEN3_30B_A3B_JSON.read_text())
+    src = f"model.init_from={qwen3_30b_a3b_folder(tmp_path)}"
+    with pytest.raises(ConfigError, match=r"^model.dtype/transformer_impl='bf16/transformer_engine' needs CUDA"):
+        validate(load_config(path, [src]), 16)
+    cfg = load_config(path, [src, "model.dtype=fp32", "model.transformer_impl=local",
+                                "model.moe_grouped_gemm=false"])  # (TE's grouped GEMM with TE only)
+    validate(cfg, 16)  # 2 trainer nodes × 8 GPUs (the fleet node is the third)
+    m = resolved_model(cfg.model)
+    assert set(QWEN3_MOE_KEYS) | NOT_IN_CONFIG_JSON == {f.name for f in dataclasses.fields(ModelConfig)}
+    for field, key in QWEN3_MOE_KEYS.items():
+        assert getattr(m, field) == hf[key], (field, getattr(m, field), key, hf[key])
+    assert hf["rope_scaling"] is None and m.rope_scaling == "none"
+    assert (hf["decoder_sparse_step"], hf["mlp_only_layers"], hf["hidden_act"]) == (1, [], "silu")  # MoE everywhere
+    p = cfg.parallel
+    total, static = _per_gpu_static_gb(hf, p.tensor_parallel, p.data_parallel, p.expert_parallel)
+    print(f"Qwen3-30B-A3B: {total:.2f}B parameters; static {static:.1f} GB per trainer GPU at EP {p.expert_parallel}")
+    assert round(total, 1) == 30.5 and round(static, 1) == 43.0
+    assert _per_gpu_static_gb(hf, 1, 16, 8)[1] > 53  # the header's "EP 8 would hold 54 GB"
+    # an engine GPU: fp32 weights (megarl.engine.vllm_engine loads dtype float32) over engine TP, + KV cache
+    engine_gb = total * 4 / cfg.rollout.engine_tp + cfg.rollout.kv_cache_gb * (1 << 30) / 1e9
+    assert engine_gb < 70, engine_gb

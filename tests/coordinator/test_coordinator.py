@@ -232,6 +232,16 @@ def test_dp_shares_follow_rank_throughput() -> None:
     assert coord.next_plan().dp_shares == pytest.approx([2 / 3, 1 / 3], rel=1e-12)
 
 
+def test_dp_shares_stay_equal_under_expert_parallelism() -> None:
+    """At EP > 1 every rank of an EP group runs the same micro-batches (each expert all-to-all
+    needs all of them): uneven shares would leave a rank waiting in a collective its partner
+    never enters. The same slow rank as above, shares kept equal."""
+    coord = Coordinator(*_config(equal_shares=True))
+    trainer = SyntheticTrainer(2, {"actor": 400.0}, rank_speed=(1.0, 0.5))
+    _run(coord, trainer, 0, 5)
+    assert coord.next_plan().dp_shares == [0.5, 0.5]
+
+
 def test_token_unit_noise_scale_is_converted_to_responses() -> None:
     cfg = _config(lr_ref={"actor": 1e-3}, b_ref={})
     coord = Coordinator(*cfg)

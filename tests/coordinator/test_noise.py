@@ -320,3 +320,62 @@ def test_decay_for_holds_the_horizon_in_dof() -> None:
     state = NoiseScaleEstimator(0.9, horizon_dof=60.0).state_dict()
     with pytest.raises(ValueError, match="horizon_dof=60.0"):
         NoiseScaleEstimator(0.9).load_state_dict(state)
+
+
+def test_expert_parallel_classes_are_unbiased_where_one_mixed_part_per_rank_is_not() -> None:
+    """DP = 4 ranks, EP = 2 (two EP groups of two ranks), 2 micro-batches of n = 4 samples a rank;
+    4 experts of 3 coordinates, experts {0, 1} on EP rank 0 and {2, 3} on EP rank 1. A rank's
+    dense gradient is its own micro-batch's; its experts' gradient is that of the union of its
+    group's micro-batches (2n samples). Averaged over many draws, the coordinator's two-class
+    estimate (dense parts per rank, expert parts per EP group, `expert_parallel_estimates`) hits
+    the true |G|² and tr Σ; the old reading — one part per rank, the change of its whole
+    buffer (its dense part and its experts' share of the union) rescaled as n samples — is
+    biased far outside the noise (its experts' signal counted E× over)."""
+    from megarl.coordinator.estimates import grad_updates
+    from megarl.coordinator.records import ExpertGradStats, ModelGradStats
+
+    rng = np.random.default_rng(0)
+    dp, ep, k, n, dense_dim = 4, 2, 2, 4, 12
+    g = rng.normal(size=dense_dim + 12)
+    sd = np.concatenate([np.full(dense_dim, 1.0), np.full(12, 3.0)])  # the experts' noise dominates
+    true_g2, true_tr = float(g @ g), float(np.sum(sd**2))
+    dense, expert = slice(0, dense_dim), slice(dense_dim, None)
+    own = [slice(dense_dim, dense_dim + 6), slice(dense_dim + 6, None)]  # EP rank e's experts
+    new, old = [], []
+    for _ in range(3000):
+        x = g + rng.normal(size=(dp, k, n, g.size)) * sd  # (rank, micro-batch, sample, coordinate)
+        mb = x.mean(2)  # (rank, micro-batch, coordinate): each micro-batch's mean gradient
+        union = x.reshape(dp // ep, ep, k, n, -1).mean((1, 3))  # (EP group, micro-batch, coordinate)
+        step = x.mean((0, 1, 2))
+        stats = ModelGradStats(
+            model="actor",
+            local_sq_norms=[float(v[dense] @ v[dense]) for v in mb.reshape(-1, g.size)],
+            local_batches=[float(n)] * (dp * k),
+            global_sq_norm=float(step[dense] @ step[dense]),
+            source="microbatch",
+            experts=ExpertGradStats(
+                sq_norms=[float(v[expert] @ v[expert]) for v in union.reshape(-1, g.size)],
+                batches=[float(ep * n)] * (dp // ep * k),
+                global_sq_norm=float(step[expert] @ step[expert]),
+            ),
+        )
+        (u,) = grad_updates([stats], {"actor": 1.0}, {})
+        new.append((u.g2, u.tr_sigma))
+        assert u.dof == dp // ep * k - 1  # the fewer (expert) parts' degrees of freedom
+        # rank r = (group, EP rank e): its buffer's change, its dense part's n/D·mean plus its
+        # experts' E·n/D·mean of the union, rescaled as n units (× (D/n)²)
+        mixed = [
+            float(mb[r, j, dense] @ mb[r, j, dense])
+            + ep**2 * float(union[r // ep, j, own[r % ep]] @ union[r // ep, j, own[r % ep]])
+            for r in range(dp)
+            for j in range(k)
+        ]
+        old.append(microbatch_estimates(mixed, [float(n)] * (dp * k), float(step @ step), grad_average="samples"))
+    for name, values in (("two classes", np.array(new)), ("one mixed part a rank", np.array(old))):
+        mean, se = values.mean(0), values.std(0) / math.sqrt(len(values))
+        print(f"{name}: |G|² {mean[0]:.3f} ± {se[0]:.3f} (true {true_g2:.3f}), tr Σ {mean[1]:.2f} ± {se[1]:.2f} (true {true_tr:.2f})")
+        z = np.abs(mean - [true_g2, true_tr]) / se
+        if name == "two classes":
+            assert (z < 4).all(), z
+        else:
+            assert (z > 20).all(), z  # E·|G_e|² in place of |G_e|² on the small side

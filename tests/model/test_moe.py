@@ -1,5 +1,6 @@
 """A Qwen3-MoE model (4 experts, top-2) at expert parallelism 2 against EP=1 and against
-transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``:
+transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``, with a
+Mixtral model of the same size forward-only in the same run (its logits and read-back weights):
 
 * logits at EP=1, EP=2 and TP=2 equal transformers' within 1e-4 (and each other exactly: the same
   tokens meet the same experts, wherever they live), with renormalised top-k weights
@@ -10,6 +11,9 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
   — with the plain and the distributed optimizer, and with the router losses on;
 * the router losses' gradient equals a direct implementation of their formulas (Switch
   Transformer's load balancing, ST-MoE's z-loss) taken over the update's micro-batches;
+* the coordinator's noise probe at EP=2 counts every expert once: its dense parts, its expert
+  parts (unions over the EP group) and both classes' global |G|² equal brute-force EP=1 values
+  of the same batch, and the noise estimate equals the EP=1 one with the same parts.
 * routing replay (``algo.router_replay: trainer``) at EP 1 and EP 2: after the routers are
   perturbed the replayed experts are the recorded ones, the log-prob drift falls well below live
   routing's, the routers still get gradients, the routes survive micro-batching, token budgets
@@ -17,6 +21,7 @@ transformers (the independent oracle), all from one two-rank run of ``worker_moe
   layers' routes, with the same result.
 """
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -38,8 +43,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     hf_all = tiny_hf_model(base / "hf_all", arch="qwen3_moe", seed=1, extra={"norm_topk_prob": False})
     out = base / "out"
     out.mkdir()
-    torchrun(WORKER, 2, ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all)])
-    return {"hf": hf, "hf_all": hf_all, "ranks": [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]}
+    mixtral = tiny_hf_model(base / "hf_mixtral", arch="mixtral", seed=2, qk_gain=4.0)
+    argv = ["--hf", str(hf), "--out", str(out), "--hf-softmax-all", str(hf_all), "--hf-mixtral", str(mixtral)]
+    torchrun(WORKER, 2, argv)
+    ranks = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+    return {"hf": hf, "hf_all": hf_all, "mixtral": mixtral, "ranks": ranks}
+
+
+FAMILIES = {"qwen3_moe": ("hf", ""), "mixtral": ("mixtral", "mixtral/")}
+"""family -> (its HF folder in ``run``, its keys' prefix in the ranks' results)"""
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +76,16 @@ def _hf_forward(hf_dir: Path, **config: object) -> tuple[torch.Tensor, list[torc
     return out.logits, list(out.router_logits)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2"])
-def test_logits_match_transformers(run: dict, layout: str) -> None:
-    logits, routers = _hf_forward(run["hf"])
+def test_logits_match_transformers(run: dict, layout: str, family: str) -> None:
+    folder, key = FAMILIES[family]
+    logits, routers = _hf_forward(run[folder])
     for r, rank in enumerate(run["ranks"]):
-        diff = _max_diff(rank[f"{layout}/logits"], logits)
-        print(f"{layout} rank {r}: max |logit - transformers| = {diff:.3g}")
+        diff = _max_diff(rank[f"{key}{layout}/logits"], logits)
+        print(f"{family} {layout} rank {r}: max |logit - transformers| = {diff:.3g}")
         assert diff < 1e-4, diff
-    assert torch.equal(run["ranks"][0]["ep2/logits"], run["ranks"][0]["ep1/logits"])
+    assert torch.equal(run["ranks"][0][f"{key}ep2/logits"], run["ranks"][0][f"{key}ep1/logits"])
     # the check means something: every layer sends tokens to every expert (both EP ranks work)
     for layer in routers:
         chosen = layer.topk(2, dim=-1).indices.flatten()
@@ -137,14 +151,22 @@ def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep
     assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
 
 
-def test_weights_read_back_bitwise_and_the_step_moved_them(run: dict) -> None:
-    init = load_file(str(run["hf"] / "model.safetensors"))
-    r0 = run["ranks"][0]
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_weights_read_back_bitwise(run: dict, family: str) -> None:
+    """Every HF tensor (Mixtral: ``block_sparse_moe.experts.{g}.w1/w3/w2``, as saved) out of each layout."""
+    folder, key = FAMILIES[family]
+    init = load_file(str(run[folder] / "model.safetensors"))
+    assert any(".experts.3." in k for k in init)
     for layout in ("ep1", "ep2", "tp2"):
-        loaded = {k.removeprefix(f"{layout}/loaded/"): v for k, v in r0.items() if k.startswith(f"{layout}/loaded/")}
+        p = f"{key}{layout}/loaded/"
+        loaded = {k.removeprefix(p): v for k, v in run["ranks"][0].items() if k.startswith(p)}
         assert loaded.keys() == init.keys()
         assert all(torch.equal(loaded[k], init[k]) for k in init)
-    moved = max(_max_diff(r0[f"ep2/plain/w/{k}"], v) for k, v in init.items())
+
+
+def test_the_step_moved_the_weights(run: dict) -> None:
+    init = load_file(str(run["hf"] / "model.safetensors"))
+    moved = max(_max_diff(run["ranks"][0][f"ep2/plain/w/{k}"], v) for k, v in init.items())
     assert moved > 1e-4
 
 
@@ -160,11 +182,112 @@ def test_router_losses_match_their_formulas(run: dict) -> None:
     assert _max_diff(r0[f"ep1/aux/grad/{router}"], r0[f"ep1/plain/grad/{router}"]) > 1e-3
 
 
+def _real_lengths() -> torch.Tensor:
+    """The worker's rows' real lengths (``row_lengths`` of its mask: last response position + 2)."""
+    return torch.tensor([8 + b % 8 for b in range(B)])
+
+
+def test_expert_counts_equal_transformers_routing_at_ep1_and_ep2(run: dict) -> None:
+    """The tokens each expert received in the update's forward, summed over micro-batches and DP
+    ranks, equal a count of transformers' own top-2 choices on the same real tokens (padding
+    beyond each row's length left out), at EP 1 and EP 2, on both ranks."""
+    _, routers = _hf_forward(run["hf"])
+    real = (torch.arange(S)[None, :] < _real_lengths()[:, None]).reshape(-1)  # HF's rows: (b, s) flattened
+    ref = torch.stack([torch.bincount(r[real].topk(2, dim=-1).indices.reshape(-1), minlength=4) for r in routers])
+    for rank in run["ranks"]:
+        for ep in (1, 2):
+            assert torch.equal(rank[f"ep{ep}/plain/expert_counts"], ref), (ep, rank[f"ep{ep}/plain/expert_counts"], ref)
+    assert int(ref.sum()) == 4 * 2 * int(_real_lengths().sum())  # 4 layers, top-2, 92 real tokens
+    print(f"expert counts per layer (EP 1 = EP 2 = transformers): {ref.tolist()}")
+
+
+def test_forced_routing_counts_dead_experts_and_the_watch_warns_after_n_steps(run: dict) -> None:
+    """Routing forced onto experts 1 and 3: each receives every real token, 0 and 2 none (dead), in
+    every layer and step, at EP 1 and EP 2 alike; the watch (N = 3) warns at the third step,
+    naming them, and stays quiet while nothing changes."""
+    from megarl.model.expert_load import DeadExpertWatch, load_metrics
+
+    tokens = int(_real_lengths().sum())
+    expected = torch.tensor([[0, tokens, 0, tokens]] * 4)
+    r0 = run["ranks"][0]
+    steps = [r0[f"ep1/forced/counts{i}"] for i in range(3)]
+    for rank in run["ranks"]:
+        for i in range(3):
+            assert torch.equal(rank[f"ep1/forced/counts{i}"], expected) and torch.equal(
+                rank[f"ep2/forced/counts{i}"], expected
+            )
+    m = load_metrics(steps[0], topk=2)
+    assert (m["moe/dead_experts"], m["moe/load_max_over_mean"], m["moe/tokens"]) == (8.0, 2.0, float(tokens))
+    watch = DeadExpertWatch(3)
+    said = [watch.observe(c) for c in steps + [steps[0]]]
+    assert said[:2] == [None, None] and said[3] is None
+    level, message = said[2]
+    assert level == logging.WARNING
+    assert message == (
+        "MoE: 8 expert(s) received no tokens in each of the last 3 or more steps (model.moe_dead_expert_steps=3): "
+        "layer 0: experts [0, 2]; layer 1: experts [0, 2]; layer 2: experts [0, 2]; layer 3: experts [0, 2]"
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", ["plain", "distopt"])
+def test_noise_probe_counts_each_expert_once_at_ep2(run: dict, variant: str) -> None:
+    """#44 item 6. The EP=1 reference reads every parameter's gradient by name after each
+    micro-batch (DP = 2, 2 micro-batches a rank): dense parts per rank and micro-batch, expert
+    parts as the two ranks' micro-batch k gradients summed (the union EP=2 sends to the
+    experts), both classes' global |G|². At EP=2 the probe reads its buffers: no expert is
+    counted twice or lost (the classes' global |G|² add up to the optimizer's grad norm², which
+    megatron sums over the EP group itself), and every part and the estimate equal EP=1's."""
+    r0, r1 = run["ranks"]
+    ref, got = "ep1/plain/probe", f"ep2/{variant}/probe"
+    norm2 = r0[f"ep2/{variant}/grad_norm"].item() ** 2
+    total = r0[f"{got}/global"].sum().item()
+    print(
+        f"{variant}: EP=2 probe |G_dense|² + |G_experts|² = {total:.9g}, optimizer grad norm² {norm2:.9g}; "
+        f"experts' share {r0[f'{got}/global'][1].item() / total:.3f}"
+    )
+    assert abs(total - norm2) <= 1e-6 * norm2
+    # the experts' share (0.7 % here) is thousands of times the tolerance: dropping them, or
+    # counting them twice, would fail the line above
+    assert r0[f"{got}/global"][1] > 1e-3 * total
+    for rank in (r0, r1):  # every rank ends with the same reading
+        for key in ("parts", "expert_parts", "global", "estimate"):
+            assert torch.equal(rank[f"{got}/{key}"], r0[f"{got}/{key}"]), key
+    diffs = {
+        "dense parts": _rel(r0[f"{got}/parts"], r0[f"{ref}/ref_dense_parts"]),
+        "expert parts (EP-group unions)": _rel(r0[f"{got}/expert_parts"], r0[f"{ref}/ref_expert_parts"]),
+        "global |G|² per class": _rel(r0[f"{got}/global"], r0[f"{ref}/ref_global"]),
+        "|G|² estimate": _rel(r0[f"{got}/estimate"][0], r0[f"{ref}/ref_estimate"][0]),
+        "tr Σ estimate": _rel(r0[f"{got}/estimate"][1], r0[f"{ref}/ref_estimate"][1]),
+    }
+    print(f"{variant}: EP=2 vs EP=1, relative: " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-6, diffs
+    assert r0[f"{got}/expert_rows"].tolist() == [[0, 4], [2, 6]]  # micro-batch k of rank 0 with rank 1's
+    g2, tr_sigma, dof = r0[f"{got}/estimate"].tolist()
+    assert dof == 1.0 and tr_sigma > 0  # two expert parts: one degree of freedom
+    print(f"{variant}: estimate |G|² {g2:.4g}, tr Σ {tr_sigma:.4g} (tokens)")
+    # the unions are not the ranks' own parts: a rank's experts see both ranks' tokens
+    own = r0[f"{ref}/ref_own_expert_parts"]
+    assert _rel(own[:2] + own[2:], r0[f"{ref}/ref_expert_parts"]) > 1e-3
+
+
+def test_noise_probe_at_ep1_reads_every_parameter_as_one_class(run: dict) -> None:
+    """At EP=1 the probe keeps one class, as before: each part is the rank's dense and expert
+    gradient of its own micro-batch together."""
+    r0 = run["ranks"][0]
+    ref = "ep1/plain/probe"
+    want = r0[f"{ref}/ref_dense_parts"] + r0[f"{ref}/ref_own_expert_parts"]
+    assert _rel(r0[f"{ref}/parts"], want) < 1e-6
+
+
 # ------------------------------------------------- routing replay (R3): worker_moe_replay.py
 
 LAYERS, EXPERTS = 4, 4
 REPLAYS = ["replay_one", "replay_fixed", "replay_budget", "replay_packed"]
-LENGTHS = torch.tensor([8 + b % 8 for b in range(B)])  # row_lengths of the worker's mask
+LENGTHS = _real_lengths()
 REAL = torch.arange(S)[None, :] < LENGTHS[:, None]  # (B, S) tokens a row needs: the routes kept
 
 
@@ -229,7 +352,7 @@ def test_routes_follow_their_tokens_through_micro_batches_budgets_and_packing(ru
 
 @pytest.mark.parametrize("layout", ["ep1", "ep2"])
 def test_route_mismatch_metric_counts_the_live_choices_that_differ(run: dict, layout: str) -> None:
-    """moe/route_mismatch_l0 = the share of real tokens whose first-layer experts moved (the
+    """moe/route_mismatch/layer0 = the share of real tokens whose first-layer experts moved (the
     first layer's input does not depend on any routing, so a live forward gives its choices);
     no replay, no count."""
     r = _r3(run, layout, 0)

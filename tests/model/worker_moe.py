@@ -4,9 +4,12 @@ forward only: megatron trains MoE under TP only with sequence parallelism) in th
 and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
-router's gradient is checked against a direct implementation of their formulas; at EP 1, EP 2
-and PP 2 (DP 1: routing replay only) the routing replay checks of ``worker_moe_replay.py``. Each rank saves its own
-results; expert gradients are keyed by their GLOBAL expert index."""
+router's gradient is checked against a direct implementation of their formulas. Each rank
+saves its own results; expert gradients are keyed by their GLOBAL expert index. With the plain
+optimizer (and in three steps whose routing is forced onto two experts) the tokens each expert
+received (``megarl.model.expert_load``) are saved too. ``--hf-mixtral``:
+a Mixtral model's logits and the weights read back out of each layout (forward only). At EP 1,
+EP 2 and PP 2 (DP 1: routing replay only), the routing replay checks of ``worker_moe_replay.py``."""
 
 import argparse
 import dataclasses
@@ -24,9 +27,12 @@ from megarl.checkpoint.experts import to_global  # noqa: E402
 from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf  # noqa: E402
 from megarl.checkpoint.hf_io import hf_state_dict, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from megarl.distributed import init_distributed  # noqa: E402
+from megarl.coordinator.estimates import grad_updates  # noqa: E402
+from megarl.distributed import init_distributed, shutdown  # noqa: E402
+from megarl.grad_parts import ExpertParts, chunks, grad_stats, read_parts  # noqa: E402
 from megarl.model.builder import build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs  # noqa: E402
+from megarl.model.grad_stats import GradProbe  # noqa: E402
 from megarl.model.routes import attach as attach_routes  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
 from tests.model.worker_moe_replay import replay_checks  # noqa: E402
@@ -35,6 +41,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
+ap.add_argument("--hf-mixtral", help="a Mixtral HF model: its logits and read-back weights only")
 ap.add_argument("--layouts", default="ep1,ep2,tp2,pp2", help="which of LAYOUTS to run, in order")
 args = ap.parse_args()
 
@@ -103,29 +110,138 @@ def full_logits(model):
     return logits[..., : model.vocab_size].clone()
 
 
+def force_routing(model, first, second):
+    """Every token of every layer to experts ``first`` and ``second`` (router logits 10 and 5,
+    the others 0): all token embeddings one vector v, attention and expert outputs zero, so each
+    layer's router sees the same input x = pre_mlp_layernorm(v), and its rows are set along x."""
+    core = model.core
+    with torch.no_grad():
+        core.embedding.word_embeddings.weight.fill_(1.0)
+        for layer in core.decoder.layers:
+            layer.self_attention.linear_proj.weight.zero_()
+            for expert in layer.mlp.experts.local_experts:
+                expert.linear_fc2.weight.zero_()
+            x = layer.pre_mlp_layernorm(torch.ones(1, base.hidden_size))[0]
+            router = layer.mlp.router.weight
+            router.zero_()
+            router[first], router[second] = 10.0 * x / x.square().sum(), 5.0 * x / x.square().sum()
+
+
+def forced_routing_steps(layout, dims, ep):
+    """Three optimizer steps with every token forced to experts 1 and 3 (experts 0 and 2
+    dead; at EP=2 one live expert on each rank): each step's expert counts."""
+    model = build_gpt(base, ParallelConfig(micro_batch_size=MBS, expert_parallel=ep), dims, optim=OPTIM,
+                      track_experts=True)  # fmt: skip
+    load_hf_tensors(model, adapter, hf)
+    force_routing(model, 1, 3)
+    old = forward_logprobs(model, tokens, micro_batch_size=MBS, temperature=1.0)["logprobs"]
+    rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
+    batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
+    out = {}
+    for step in range(3):
+        model.expert_load.reset()
+        train_step(model, batch, loss_fn(1.0), micro_batch_size=MBS)
+        out[f"{layout}/forced/counts{step}"] = model.expert_load.read()
+    return out
+
+
+# The coordinator's noise probe (#44 item 6), on the plain and distributed-optimizer steps at
+# DP = 2: parts are the micro-batches (runs of 1: the test is about accounting, not about whole
+# groups), units are tokens (token-mean loss), every row has an advantage.
+EVERY = [slice(0, B // 2), slice(B // 2, B)]  # each DP rank's rows
+UNITS, SIGNAL = mask.sum(1), (mask.sum(1) > 0) & (adv != 0)
+
+
+class GradRecorder:
+    """Every parameter's accumulated gradient at each call the schedule makes to the probe, read
+    from ``main_grad`` by name (not from the probe's buffer ranges): the EP=1 reference. Hands
+    each call on to ``probe``."""
+
+    def __init__(self, model, probe):
+        self.model, self.probe, self.snaps = model, probe, []
+
+    def _snap(self):
+        self.snaps.append({n: p.main_grad.detach().double().clone() for n, p in self.model.core.named_parameters()})
+
+    def microbatch_boundary(self, ddp, last=False):
+        self._snap()
+        self.probe.microbatch_boundary(ddp, last)
+
+    def before_reduce(self, ddp):
+        self._snap()
+        self.probe.before_reduce(ddp)
+
+    def after_reduce(self, ddp):
+        self.probe.after_reduce(ddp)
+
+
+def estimate(parts, rows, dense_sq, experts):
+    """(|G|², tr Σ, dof) the coordinator takes from these parts (its own code path)."""
+    stats = grad_stats("actor", parts, rows, UNITS, SIGNAL, dense_sq**0.5, "tokens", "microbatch", experts)
+    (u,) = grad_updates([stats], {"actor": 1.0}, {})
+    return torch.tensor([u.g2, u.tr_sigma, u.dof], dtype=torch.float64)
+
+
+def reference_parts(recorder, dims):
+    """At EP=1 (DP=2): each rank's micro-batch gradients gathered; the dense parts per rank and
+    micro-batch, the experts' parts as the SUM of the two ranks' micro-batch k gradients (the
+    union EP=2 sends to the experts), and both classes' global |G|², all by brute force."""
+    names = list(recorder.snaps[0])
+    flat = [torch.cat([snap[n].flatten() for n in names]) for snap in recorder.snaps]
+    mine = torch.stack([flat[0]] + [b - a for a, b in zip(flat, flat[1:])])  # (micro-batches, params)
+    both = [torch.zeros_like(mine) for _ in range(dims.dp)]
+    torch.distributed.all_gather(both, mine, group=dims.dp_group)
+    is_expert = torch.cat([torch.full((recorder.snaps[0][n].numel(),), "local_experts" in n) for n in names])
+    dense = [float(g[~is_expert].square().sum()) for rank in both for g in rank]
+    union = sum(both)  # (micro-batches, params): micro-batch k of both ranks
+    experts = [float(g[is_expert].square().sum()) for g in union]
+    total = union.sum(0)
+    own = [float(g[is_expert].square().sum()) for rank in both for g in rank]
+    return dense, experts, own, float(total[~is_expert].square().sum()), float(total[is_expert].square().sum())
+
+
+def forward_only(hf_dir, tp, ep, dims):
+    """Another HF model at this layout: (its megarl config, full logits, weights read back)."""
+    cfg, tensors = read_hf_folder(hf_dir)
+    mcfg = model_config_from_hf(cfg, ModelConfig())
+    model = build_gpt(mcfg, ParallelConfig(tensor_parallel=tp, expert_parallel=ep), dims, trainable=False)
+    load_hf_tensors(model, LlamaQwen2Adapter(mcfg), tensors)
+    return mcfg, full_logits(model), hf_state_dict(model, LlamaQwen2Adapter(mcfg))
+
+
+def routing_replay(layout, dims, ep, pp):
+    """The routing replay checks (worker_moe_replay.py) on a fresh model of this layout."""
+    pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, pipeline_parallel=pp)
+    model = build_gpt(base, pcfg, dims, optim=OPTIM)
+    load_hf_tensors(model, adapter, hf)
+    attach_routes(model)
+    return {f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()}
+
+
 LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 1), "tp2": (2, 1, 1), "tp2ep2": (2, 2, 1), "pp2": (1, 1, 2)}  # (TP, EP, PP)
 result: dict[str, torch.Tensor] = {}
 for layout in args.layouts.split(","):
     tp, ep, pp = LAYOUTS[layout]
     dims = init_distributed(tp, pp, seed=7, ep=ep)
+    if pp > 1:  # routing replay only
+        result.update(routing_replay(layout, dims, ep, pp))
+        continue
     local = base.num_experts // ep
-    if args.hf_softmax_all and tp == 1 and pp == 1:
-        cfg2, hf2 = read_hf_folder(args.hf_softmax_all)
-        m2 = model_config_from_hf(cfg2, ModelConfig())
+    if args.hf_softmax_all and tp == 1:
+        m2, result[f"{layout}/softmax_all_logits"], _ = forward_only(args.hf_softmax_all, tp, ep, dims)
         assert not m2.moe_norm_topk_prob
-        other = build_gpt(m2, ParallelConfig(expert_parallel=ep), dims, trainable=False)
-        load_hf_tensors(other, LlamaQwen2Adapter(m2), hf2)
-        result[f"{layout}/softmax_all_logits"] = full_logits(other)
+    if args.hf_mixtral:
+        m3, result[f"mixtral/{layout}/logits"], loaded = forward_only(args.hf_mixtral, tp, ep, dims)
+        assert m3.arch == "mixtral"
+        result.update({f"mixtral/{layout}/loaded/{k}": v for k, v in loaded.items()})
     for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
-        if pp > 1:  # routing replay only
-            break
         if tp > 1 and variant != "plain":
             continue
         mcfg = dataclasses.replace(base, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z) if router_losses else base
         pcfg = ParallelConfig(
             tensor_parallel=tp, micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt
         )
-        model = build_gpt(mcfg, pcfg, dims, optim=OPTIM)
+        model = build_gpt(mcfg, pcfg, dims, optim=OPTIM, track_experts=variant == "plain")
         load_hf_tensors(model, adapter, hf)
         key = f"{layout}/{variant}"
         if variant == "plain":
@@ -141,8 +257,35 @@ for layout in args.layouts.split(","):
         router_before = router.weight.detach().clone()
         seen: list[torch.Tensor] = []
         hook = router.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].detach().clone()))
+        measured = variant == "plain" or (variant == "distopt" and ep > 1)  # (the EP=1 reference once)
+        probe = GradProbe(dims, microbatch=True) if measured else None
+        if probe is not None:
+            probe.start()
+            model.probe = GradRecorder(model, probe) if ep == 1 and variant == "plain" else probe
         stats, gnorm = train_step(model, batch, loss_fn(weight), micro_batch_size=MBS)
         hook.remove()
+        if variant == "plain":  # tokens each expert received in the step (summed over DP ranks)
+            result[f"{key}/expert_counts"] = model.expert_load.read()
+        if isinstance(model.probe, GradRecorder):  # the reference, and the EP=1 probe (one class)
+            dense, experts, own, g_dense, g_experts = reference_parts(model.probe, dims)
+            result[f"{key}/probe/ref_dense_parts"] = torch.tensor(dense, dtype=torch.float64)
+            result[f"{key}/probe/ref_expert_parts"] = torch.tensor(experts, dtype=torch.float64)
+            result[f"{key}/probe/ref_own_expert_parts"] = torch.tensor(own, dtype=torch.float64)
+            result[f"{key}/probe/ref_global"] = torch.tensor([g_dense, g_experts], dtype=torch.float64)
+            union = [list(k) for k in zip(*(chunks(sl, MBS) for sl in EVERY))]
+            rows = [r for sl in EVERY for r in chunks(sl, MBS)]
+            ref = ExpertParts(sq=experts, rows=union, global_sq=g_experts)
+            result[f"{key}/probe/ref_estimate"] = estimate(dense, rows, g_dense, ref)
+            result[f"{key}/probe/parts"] = torch.tensor(probe.gather_microbatches(), dtype=torch.float64)
+        elif probe is not None:  # EP=2: the probe's two classes
+            parts, rows, expert_parts = read_parts(probe, EVERY, MBS)
+            assert expert_parts is not None and probe.global_sq is not None
+            result[f"{key}/probe/parts"] = torch.tensor(parts, dtype=torch.float64)
+            result[f"{key}/probe/expert_parts"] = torch.tensor(expert_parts.sq, dtype=torch.float64)
+            result[f"{key}/probe/expert_rows"] = torch.tensor([[r.start for r in u] for u in expert_parts.rows])
+            result[f"{key}/probe/global"] = torch.tensor([probe.global_sq, expert_parts.global_sq], dtype=torch.float64)
+            result[f"{key}/probe/estimate"] = estimate(parts, rows, probe.global_sq, expert_parts)
+        model.probe = None
         result[f"{key}/loss"] = torch.tensor([stats["loss"]], dtype=torch.float64)
         result[f"{key}/grad_norm"] = torch.tensor([gnorm], dtype=torch.float64)
         if not dist_opt and tp == 1:  # (the distributed optimizer leaves only its shard of each gradient)
@@ -155,10 +298,11 @@ for layout in args.layouts.split(","):
             result[f"{key}/router_grad_ref"] = ref
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
-    if tp == 1:  # routing replay (worker_moe_replay.py)
-        pcfg = ParallelConfig(micro_batch_size=MBS, expert_parallel=ep, pipeline_parallel=pp)
-        model = build_gpt(base, pcfg, dims, optim=OPTIM)
-        load_hf_tensors(model, adapter, hf)
-        attach_routes(model)
-        result.update({f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()})
+    if tp == 1:
+        result.update(forced_routing_steps(layout, dims, ep))
+        result.update(routing_replay(layout, dims, ep, 1))
 save_file({k: v.contiguous() for k, v in result.items()}, str(Path(args.out) / f"rank{dims.rank}.safetensors"))
+# leave together: a rank that exits while a peer still holds live gloo groups can abort in their
+# destructors ("terminate called without an active exception", -6; seen in a full suite run)
+torch.distributed.barrier()
+shutdown()

@@ -84,7 +84,7 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
         out[key + "lp"] = torch.tensor([stats["lp"]], dtype=torch.float64)
         out[key + "router_grad"] = torch.stack([r.weight.main_grad.detach().clone() for r in _routers(model)])
         metrics = model.routes.mismatch(dims)
-        out[key + "mismatch"] = torch.tensor([metrics.get(f"moe/route_mismatch_l{i}", -1.0) for i in range(LAYERS)])
+        out[key + "mismatch"] = torch.tensor([metrics.get(f"moe/route_mismatch/layer{i}", -1.0) for i in range(LAYERS)])
 
     update("live", False, n)
     seen: list[torch.Tensor] = []

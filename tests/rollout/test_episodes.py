@@ -163,6 +163,7 @@ def test_episodes_overlap_and_reproduce_whatever_the_timing(tmp_path: Path) -> N
         assert [e.ids() for e in flat] == [e.ids() for e in reference]
         assert totals == [[pytest.approx(0.6)] * 2] * 4  # 0.1 + 0.2 + 0.3 from the environment, exact_match 0
         assert version == 7 and sum(fleet.batches) == 24
+        assert max(fleet.batches) == 1  # ready episodes split over the free calls: each returns on its own
         assert (report.episodes, report.turns, report.tool_calls, report.failures) == (8, 24, 24.0, 0)
         assert (report.later_turns, report.metrics()["env/same_engine_frac"]) == (16, 1.0)  # asked for its engine
         assert 3 * 0.03 <= report.chain_s < wall  # three steps of 30-70 ms (and a reset), within the round
@@ -195,3 +196,13 @@ def test_failing_environments_end_only_their_episodes(tmp_path: Path) -> None:
     merged.merge(report)
     merged.merge(report)
     assert (merged.failures, merged.timeouts, merged.errors, merged.examples) == (8, 4, 4, report.examples)
+
+
+def test_ready_episodes_are_split_over_the_free_calls() -> None:
+    from megarl.rollout.episodes import _chunks
+
+    batch = list(range(10))
+    assert _chunks(batch, 16) == [[i] for i in range(10)]  # type: ignore[arg-type]
+    assert _chunks(batch, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # type: ignore[arg-type]
+    assert _chunks(batch, 1) == [batch]  # type: ignore[arg-type]
+    assert sum(_chunks(list(range(128)), 16), []) == list(range(128))  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from megarl.checkpoint.hf_adapter import LlamaQwen2Adapter, model_config_from_hf
 from megarl.checkpoint.hf_io import copy_weights, load_hf_tensors, read_hf_folder  # noqa: E402
 from megarl.config import AlgoConfig, CriticConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig  # noqa: E402
 from megarl.coordinator import StepPlan  # noqa: E402
-from megarl.distributed import init_distributed  # noqa: E402
+from megarl.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.model.builder import Model, build_gpt  # noqa: E402
 from megarl.model.forward import forward_logprobs  # noqa: E402
 from megarl.planning import Planner, PlanSettings  # noqa: E402
@@ -163,3 +163,5 @@ result["warmup"] = run(warm, critic=True, step=0)
 
 if dims.is_rank0:
     Path(args.out, "result.json").write_text(json.dumps(result))
+torch.distributed.barrier()  # leave together (tests/model/worker_moe.py says why)
+shutdown()
