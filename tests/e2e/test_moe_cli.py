@@ -1,5 +1,5 @@
-"""``megarl train`` with a Qwen3-MoE actor (2 layers, hidden 128, 4 experts of width 64, top-2)
-on two trainer ranks (TP 1, DP 2) with the experts at EP 1 and EP 2, and one real vLLM CPU
+"""``megarl train`` with a MoE actor (2 layers, hidden 128, 4 experts of width 64, top-2) — a
+Mixtral at EP 1 and a Qwen3-MoE at EP 2 — on two trainer ranks (TP 1, DP 2), and one real vLLM CPU
 engine: GRPO steps whose every sync writes the experts in the engine's kernel layout
 (``megarl.engine.experts``) and is checked twice, by the coverage check (every engine
 parameter written, every sent tensor used) and by the integrity probe (engine vs trainer
@@ -23,11 +23,17 @@ from tests.helpers import megarl_train
 STEPS = 3
 
 
+FAMILY = {1: "mixtral", 2: "qwen3_moe"}
+"""The MoE family run at each EP: both families end to end, EP 2's run shared with the resume test."""
+
+
 def _sets(ep: int, run: Path, steps: int = STEPS) -> list[str]:
+    # a Mixtral expert is model.ffn_hidden_size wide (no separate expert width)
+    width = ["model.ffn_hidden_size=64"] if FAMILY[ep] == "mixtral" else ["model.moe_ffn_hidden_size=64"]
     return [
-        "model.arch=qwen3_moe",
+        f"model.arch={FAMILY[ep]}",
         "model.num_experts=4",
-        "model.moe_ffn_hidden_size=64",
+        *width,
         "parallel.tensor_parallel=1",
         "parallel.data_parallel=2",
         f"parallel.expert_parallel={ep}",
@@ -72,7 +78,7 @@ def test_moe_grpo_steps_with_engine_parity(tmp_path_factory: pytest.TempPathFact
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     probes = [r["sync/integrity_max_abs_diff"] for r in steps]
     grads = [r["train/grad_norm"] for r in steps]
-    print(f"Qwen3-MoE megarl train, EP={ep}: sync/integrity_max_abs_diff per step = {probes}, grad norms {grads}")
+    print(f"{FAMILY[ep]} megarl train, EP={ep}: sync/integrity_max_abs_diff per step = {probes}, grad norms {grads}")
     assert all(g > 0 for g in grads), grads  # each sync sends changed weights
     probed = [r.get("coord/probe_s/actor") for r in steps]
     print(f"EP={ep}: probe seconds {probed}, noise dof {[r.get('coord/noise_dof/actor') for r in steps]}")
