@@ -29,14 +29,30 @@ __all__ = ["CheckpointError"]
 # --------------------------------------------------------------------------- public API
 
 
-def _load_optimizer_state(optimizer: Any, state: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict`` plus the fixes megatron's torch-Adam path needs."""
+def _load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict`` plus the fixes megatron's torch-Adam path needs.
+
+    A MoE model with expert parallelism has a chain of two optimizers (dense parameters over
+    DP, expert parameters over the expert-data-parallel group); megatron's sharded state dict
+    of a chain, and so the loaded state, is ``{index: that optimizer's state}``."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(opts) == 1:
+        _load_one(opts[0], state)
+        return
+    parts = sorted(state) if isinstance(state, dict) else None
+    if parts != list(range(len(opts))):
+        raise CheckpointError(
+            f"the checkpoint's optimizer state has parts {parts}; this model chains {len(opts)} optimizers "
+            "(dense and expert-parallel parameters): resume with the expert_parallel it was saved with"
+        )
+    for i, opt in enumerate(opts):
+        _load_one(opt, state[i])
+    optimizer._synchronize_steps()  # (megatron's own load does this: TE's FusedAdam keeps steps per group)
+
+
+def _load_one(opt: Any, state: dict[str, Any]) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(opts) != 1:
-        raise CheckpointError(f"chained optimizers ({len(opts)}) are not supported by megarl checkpoints")
-    opt = opts[0]
     if not isinstance(opt, DistributedOptimizer):
         torch_sd = state.get("optimizer", state)  # the fp16/bf16 optimizer nests torch's state dict
         per_param = [v for k, v in torch_sd["state"].items() if k != "common_step"]
