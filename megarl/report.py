@@ -3,7 +3,8 @@
 Panels: rollout reward and validation reward; KL; the coordinator's B_noise per model with
 its approximate band next to the chosen batch; learning rate per model; throughput (gen
 tokens/s, responses/s); a MoE actor's expert load (busiest expert over the mean, per layer) and
-dead experts; the step-time split. Reads ``metrics.jsonl`` only — and, with ``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
+dead experts, and with routing replay the share of tokens whose live experts differed; the
+step-time split. Reads ``metrics.jsonl`` only — and, with ``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
 folder, so the batch the coordinator chose can be read against the best fixed batch of a
 sweep and the critical batch fitted from it (both drawn as lines on the B_noise panel and
 listed in the summary).
@@ -91,6 +92,10 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
         )
         panels.append(("Expert load (busiest expert / mean)", lines, {}))
         panels.append(("Dead experts (no token in the step)", [("moe/dead_experts", "all layers")], {}))
+    if _keys(recs, "moe/route_mismatch"):  # MoE routing replay (megarl.model.routes)
+        layers = _keys(recs, "moe/route_mismatch/")
+        lines = [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else [("moe/route_mismatch", "mean")]
+        panels.append(("Routing replay: share of tokens whose live experts differ", lines, {}))
     panels.append(
         (
             "Step time split (s)",
