@@ -55,7 +55,10 @@ docs-check: venv
 pytest: venv
 	$(BIN)/pytest -q --timeout=900 --durations=15 tests
 
-test: lint typecheck docs-check pytest
+# the static checks (mypy: ~1 min cold) run beside the tests (~29 min, ~1.3 cores busy on
+# average on 2 cores), their output interleaved line by line
+test: venv
+	$(MAKE) --no-print-directory -j4 --output-sync=line lint typecheck docs-check pytest
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache build/site

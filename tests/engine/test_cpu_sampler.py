@@ -135,33 +135,37 @@ def test_engines_sample_with_the_mode_asked_for_tp_workers_too(tmp_path: Path, m
     prompts = [[1, 5 + i, 9, 13] for i in range(8)]
     seeds: list[int | None] = [1000 + i for i in range(8)]
 
-    def tokens(mode: str, tp: int, which: list[int]) -> tuple[list[list[int]], str]:
+    def tokens(mode: str, tp: int, calls: list[list[int]]) -> tuple[list[list[list[int]]], str]:
+        """Each call's samples from one engine started for them (later calls on the same engine)."""
         logs = tmp_path / f"logs_{mode}_{tp}"
         fleet = Fleet.start_local(
             engine_dir, 1, tp, 0.25, logs, seed=0, request_timeout_s=120, start_timeout_s=300, cpu_sampler=mode
         )
+        results = []
         try:
-            out, _ = fleet.generate(
-                [prompts[i] for i in which],
-                n=4,
-                max_tokens=12,
-                temperature=1.0,
-                top_p=1.0,
-                stop_token_ids=[],
-                seeds=[seeds[i] for i in which],
-                ignore_eos=True,
-                logprobs=False,
-            )
+            for which in calls:
+                out, _ = fleet.generate(
+                    [prompts[i] for i in which],
+                    n=4,
+                    max_tokens=12,
+                    temperature=1.0,
+                    top_p=1.0,
+                    stop_token_ids=[],
+                    seeds=[seeds[i] for i in which],
+                    ignore_eos=True,
+                    logprobs=False,
+                )
+                results.append([list(s["token_ids"]) for group in out for s in group])
         finally:
             fleet.shutdown()
-        return [list(s["token_ids"]) for group in out for s in group], (logs / "engine0.log").read_text()
+        return results, (logs / "engine0.log").read_text()
 
-    batched, log = tokens("batched", 1, list(range(8)))
+    # requests 6 and 1 alone, in another order, after the whole batch on the same engine
+    (batched, part), log = tokens("batched", 1, [list(range(8)), [6, 1]])
     assert "CPU sampler batched" in log
-    part, _ = tokens("batched", 1, [6, 1])  # requests 6 and 1 alone, in another order
     assert part == batched[6 * 4 : 7 * 4] + batched[1 * 4 : 2 * 4]
-    stock, log = tokens("vllm", 1, list(range(8)))
+    (stock,), log = tokens("vllm", 1, [list(range(8))])
     assert "CPU sampler vllm" in log
     assert stock != batched  # another stream (so the TP 2 comparison below can tell them apart)
-    tp2, log = tokens("batched", 2, list(range(8)))
+    (tp2,), log = tokens("batched", 2, [list(range(8))])
     assert tp2 == batched
