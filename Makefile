@@ -56,9 +56,10 @@ pytest: venv
 	$(BIN)/pytest -q --timeout=900 --durations=15 tests
 
 # the static checks (mypy: ~1 min cold) run beside the tests (~29 min, ~1.3 cores busy on
-# average on 2 cores), their output interleaved line by line
+# average on 2 cores); their outputs interleave as they come (no output sync: pytest's
+# progress shows as it runs)
 test: venv
-	$(MAKE) --no-print-directory -j4 --output-sync=line lint typecheck docs-check pytest
+	$(MAKE) --no-print-directory -j4 lint typecheck docs-check pytest
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache build/site
