@@ -278,16 +278,6 @@ class LlamaQwen2Adapter:
         ``dtype``: the ``torch_dtype`` to record (e.g. "bfloat16"); default the trainer's dtype.
         """
         c = self.cfg
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
-        if c.rope_scaling == "llama3":
-            rope = {
-                "rope_type": "llama3",
-                "rope_theta": c.rotary_base,
-                "factor": c.rope_scaling_factor,
-                "low_freq_factor": c.rope_low_freq_factor,
-                "high_freq_factor": c.rope_high_freq_factor,
-                "original_max_position_embeddings": c.rope_original_max_position_embeddings,
-            }
         common: dict[str, Any] = dict(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -297,7 +287,7 @@ class LlamaQwen2Adapter:
             num_key_value_heads=c.num_query_groups,
             max_position_embeddings=c.max_position_embeddings,
             rms_norm_eps=c.norm_eps,
-            rope_parameters=rope,
+            rope_parameters=_rope_parameters(c),
             tie_word_embeddings=c.tie_embeddings,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
@@ -305,52 +295,70 @@ class LlamaQwen2Adapter:
             hidden_act="silu",
             torch_dtype=dtype or ("float32" if c.dtype == "fp32" else "bfloat16"),
         )
-        if c.arch == "qwen2":
-            from transformers import Qwen2Config
+        return _family_config(c, common)
 
-            return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
-        if c.arch == "qwen3_moe":
-            from transformers import Qwen3MoeConfig
 
-            # head_dim is no declared field of Qwen3MoeConfig: its attention reads it when present
-            moe: dict[str, Any] = dict(common, head_dim=c.head_dim)
-            return Qwen3MoeConfig(
-                **moe,
-                attention_bias=False,
-                num_experts=c.num_experts,
-                moe_intermediate_size=c.expert_ffn_hidden_size,
-                num_experts_per_tok=c.moe_router_topk,
-                norm_topk_prob=c.moe_norm_topk_prob,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                architectures=["Qwen3MoeForCausalLM"],
-            )
-        if c.arch == "mixtral":
-            from transformers import MixtralConfig
+def _rope_parameters(c: ModelConfig) -> dict[str, Any]:
+    """HF's ``rope_parameters``: default RoPE, or Llama 3's frequency scaling."""
+    if c.rope_scaling != "llama3":
+        return {"rope_type": "default", "rope_theta": c.rotary_base}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": c.rotary_base,
+        "factor": c.rope_scaling_factor,
+        "low_freq_factor": c.rope_low_freq_factor,
+        "high_freq_factor": c.rope_high_freq_factor,
+        "original_max_position_embeddings": c.rope_original_max_position_embeddings,
+    }
 
-            # intermediate_size is one expert's width; Mixtral's k routing weights are always
-            # renormalised (no norm_topk_prob), its attention has no biases and no q/k norms
-            return MixtralConfig(
-                **dict(common, intermediate_size=c.expert_ffn_hidden_size),
-                head_dim=c.head_dim,
-                num_local_experts=c.num_experts,
-                num_experts_per_tok=c.moe_router_topk,
-                sliding_window=None,
-                architectures=["MixtralForCausalLM"],
-            )
-        if c.arch == "qwen3":
-            from transformers import Qwen3Config
 
-            return Qwen3Config(**common, head_dim=c.head_dim, attention_bias=False, architectures=["Qwen3ForCausalLM"])
-        from transformers import LlamaConfig
+def _family_config(c: ModelConfig, common: dict[str, Any]) -> Any:
+    """The transformers config class of ``c.arch``, with the fields every family shares."""
+    if c.arch == "qwen2":
+        from transformers import Qwen2Config
 
-        return LlamaConfig(
-            **common,
-            head_dim=c.head_dim,
-            attention_bias=c.linear_bias,
-            mlp_bias=c.linear_bias,
-            architectures=["LlamaForCausalLM"],
+        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    if c.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # head_dim is no declared field of Qwen3MoeConfig: its attention reads it when present
+        return Qwen3MoeConfig(
+            **dict(common, head_dim=c.head_dim),
+            attention_bias=False,
+            num_experts=c.num_experts,
+            moe_intermediate_size=c.expert_ffn_hidden_size,
+            num_experts_per_tok=c.moe_router_topk,
+            norm_topk_prob=c.moe_norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            architectures=["Qwen3MoeForCausalLM"],
         )
+    if c.arch == "mixtral":
+        from transformers import MixtralConfig
+
+        # intermediate_size is one expert's width; Mixtral's k routing weights are always
+        # renormalised (no norm_topk_prob), its attention has no biases and no q/k norms
+        return MixtralConfig(
+            **dict(common, intermediate_size=c.expert_ffn_hidden_size),
+            head_dim=c.head_dim,
+            num_local_experts=c.num_experts,
+            num_experts_per_tok=c.moe_router_topk,
+            sliding_window=None,
+            architectures=["MixtralForCausalLM"],
+        )
+    if c.arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=c.head_dim, attention_bias=False, architectures=["Qwen3ForCausalLM"])
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **common,
+        head_dim=c.head_dim,
+        attention_bias=c.linear_bias,
+        mlp_bias=c.linear_bias,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def iter_layer_groups(named: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
