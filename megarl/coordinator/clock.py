@@ -30,7 +30,7 @@ import random
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from statistics import NormalDist
 
 ENV = "MEGARL_VIRTUAL_CLOCK"
 """``PATH#CLOCK`` (e.g. ``benchmarks/ttt/clocks.toml#gpu-mid``): the run charges each step this
@@ -103,10 +103,10 @@ class Clock:
         """Mean of the clipped log-normal response length (numerically, fixed grid)."""
         p = self.p
         mu, s = math.log(p["response_median"]), p["response_sigma"]
-        n = 2000
+        n, normal = 2000, NormalDist()
         total = 0.0
         for i in range(n):  # midpoint quantiles of the normal
-            z = _norm_ppf((i + 0.5) / n)
+            z = normal.inv_cdf((i + 0.5) / n)
             total += min(max(math.exp(mu + s * z), 1.0), p["response_max"])
         return total / n
 
@@ -181,17 +181,6 @@ class Clock:
                 out[f"{phase}_fixed"] = times[f"{phase}_fixed"] * f
         return out
 
-    def describe(self, batches: list[int]) -> list[dict[str, Any]]:
-        """Per batch: each phase's seconds and the step's seconds per response (step 0)."""
-        rows = []
-        for b in batches:
-            t = self.phase_times(b, 0)
-            step_s = sum(t[k] for k in PHASES)
-            rows.append({"batch": b, **{k: round(t[k], 3) for k in PHASES}, "step_s": round(step_s, 3),
-                         "ms_per_response": round(1000 * step_s / b, 2),
-                         "gen_tokens_per_s": round(sum(self.lengths(b, 0)) / t["generate"])})  # fmt: skip
-        return rows
-
 
 def from_env() -> Clock | None:
     """The clock :data:`ENV` names, or None when it is unset."""
@@ -202,45 +191,3 @@ def from_env() -> Clock | None:
     if not sep or not path:
         raise ValueError(f"{ENV}={spec!r}: expected PATH#CLOCK, e.g. benchmarks/ttt/clocks.toml#gpu-mid")
     return Clock.load(path, name)
-
-
-def _norm_ppf(q: float) -> float:
-    """The standard normal's quantile (Acklam's rational approximation, |error| < 1.2e-9)."""
-    a = (-39.69683028665376, 220.9460984245205, -275.9285104469687, 138.3577518672690, -30.66479806614716,
-         2.506628277459239)  # fmt: skip
-    b = (-54.47609879822406, 161.5858368580409, -155.6989798598866, 66.80131188771972, -13.28068155288572)
-    c = (-0.007784894002430293, -0.3223964580411365, -2.400758277161838, -2.549732539343734, 4.374664141464968,
-         2.938163982698783)  # fmt: skip
-    d = (0.007784695709041462, 0.3224671290700398, 2.445134137142996, 3.754408661907416)
-    lo = 0.02425
-    if q < lo:
-        u = math.sqrt(-2 * math.log(q))
-        return (((((c[0] * u + c[1]) * u + c[2]) * u + c[3]) * u + c[4]) * u + c[5]) / (
-            (((d[0] * u + d[1]) * u + d[2]) * u + d[3]) * u + 1
-        )
-    if q > 1 - lo:
-        return -_norm_ppf(1 - q)
-    u = q - 0.5
-    r = u * u
-    return (
-        (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5])
-        * u
-        / (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
-    )
-
-
-def main() -> None:
-    """``python -m megarl.coordinator.clock FILE [CLOCK ...]``: each clock's phases by batch."""
-    import sys
-
-    path = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/ttt/clocks.toml"
-    names = sys.argv[2:] or sorted(tomllib.loads(Path(path).read_text())["clock"])
-    for name in names:
-        clock = Clock.load(path, name)
-        print(f"[{name}] sha256 {clock.sha256[:12]}, {clock.slots()} sequences per engine at once")
-        for row in clock.describe([64, 128, 256, 512, 1024, 2048, 4096]):
-            print("  " + "  ".join(f"{k} {v}" for k, v in row.items()))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.coordinator.clock import PHASES, Clock, _norm_ppf
+from megarl.coordinator.clock import PHASES, Clock
 from tests.helpers import ROOT
 
 CLOCKS = ROOT / "benchmarks/ttt/clocks.toml"
@@ -107,13 +107,6 @@ def test_the_committed_file_is_hashed_and_bad_files_refused(tmp_path: Path) -> N
     bad.write_text(CLOCKS.read_text().replace("epochs = 1\n", "", 1))
     with pytest.raises(ValueError, match=r"lacks \['epochs'\]"):
         Clock.load(bad, "gpu-mid")
-
-
-def test_normal_quantile() -> None:
-    from statistics import NormalDist
-
-    for q in (1e-6, 0.01, 0.2, 0.5, 0.77, 0.999):
-        assert _norm_ppf(q) == pytest.approx(NormalDist().inv_cdf(q), abs=1e-8)
 
 
 def test_a_run_under_a_virtual_clock_shows_the_coordinator_its_times(monkeypatch: pytest.MonkeyPatch) -> None:
