@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run ON the lent GPU machine from the repository root (the device tool's command):
 #   bash tools/gpu_check.sh [gpu_check.py options]
+#   bash tools/gpu_check.sh --script gpu_clock_check.py [its options]   # another tools/ script, same setup
 # Installs the wheels tools/gpu_check_prepare.sh put in .whl/ (megatron-core always, --no-deps;
 # the others only when their module is missing) into a private folder on PYTHONPATH, then runs
 # tools/gpu_check.py with megarl from this checkout. Output: stdout, $OUT/gpu_check.log and
@@ -35,5 +36,7 @@ if [ ${#todo[@]} -gt 0 ]; then
   fi
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore OUT
-"$PY" tools/gpu_check.py "$@" 2>&1 | tee "$OUT/gpu_check.log"
+SCRIPT=gpu_check.py
+if [ "${1:-}" = "--script" ]; then SCRIPT=$(basename "${2:?--script needs a tools/ file name}"); shift 2; fi
+"$PY" "tools/$SCRIPT" "$@" 2>&1 | tee "$OUT/${SCRIPT%.py}.log"
 exit "${PIPESTATUS[0]}"
