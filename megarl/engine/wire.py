@@ -12,7 +12,10 @@
   a small JSON header (version, byte order, counts) then flat arrays — samples per prompt,
   response lengths, finish-reason codes, token ids (int32) and log-probs (float64, so
   every value arrives bit-identical). :func:`encode_generation` / :func:`decode_generation`
-  are exact inverses; decoding checks every length against the frame before reading.
+  are exact inverses; decoding checks every length against the frame before reading. With
+  MoE routing replay from the engines (``algo.router_replay: rollout``) each sample also
+  carries ``routes`` (rows, layers, top-k): the experts vLLM sent each token to (int16, two
+  more arrays after the others; the header's ``route_shape`` = [layers, top-k] says so).
 """
 
 from __future__ import annotations
@@ -86,14 +89,18 @@ _ARRAYS = (
     ("ids", "i"),
     ("logprobs", "d"),
 )
+_ROUTE_ARRAYS = (("route_rows", "I"), ("routes", "h"))
+"""With ``route_shape`` in the header: each sample's route rows, then every route, flat."""
 
 
 def encode_generation(
     version: int, outputs: list[list[dict[str, Any]]], timings: dict[str, float] | None = None
 ) -> bytes:
-    """Outputs per prompt (each sample ``{"token_ids", "logprobs", "finish_reason"}``) → one frame;
+    """Outputs per prompt (each sample ``{"token_ids", "logprobs", "finish_reason"}``, and
+    ``"routes"`` — an int array (rows, layers, top-k) — in every sample or none) → one frame;
     ``timings``: the engine's own seconds (e.g. ``engine_s``), carried in the header."""
     cols: dict[str, array[Any]] = {name: array(code) for name, code in _ARRAYS}
+    samples = [s for group in outputs for s in group]
     for group in outputs:
         cols["samples"].append(len(group))
         for s in group:
@@ -105,10 +112,36 @@ def encode_generation(
             cols["finish"].append(FINISH_REASONS.index(reason))
             cols["ids"].extend(s["token_ids"])
             cols["logprobs"].extend(s["logprobs"])
-    header = {"version": int(version), "byteorder": sys.byteorder, "timings": timings or {}}
+    header: dict[str, Any] = {"version": int(version), "byteorder": sys.byteorder, "timings": timings or {}}
+    routed = [s.get("routes") is not None for s in samples]
+    if any(routed):
+        if not all(routed):
+            raise ValueError("routes in some samples of a generation but not in all")
+        header["route_shape"] = list(_route_shape([s["routes"] for s in samples]))
+        cols |= _route_columns([s["routes"] for s in samples])
     header |= {n: len(a) for n, a in cols.items()}
     head = json.dumps(header).encode()
     return b"".join([GENERATION_MAGIC, struct.pack("<I", len(head)), head, *(a.tobytes() for a in cols.values())])
+
+
+def _route_shape(routes: list[Any]) -> tuple[int, int]:
+    """The (layers, top-k) every sample's routes share; ValueError otherwise."""
+    shapes = {tuple(int(x) for x in r.shape[1:]) for r in routes}
+    if len(shapes) != 1 or any(len(r.shape) != 3 for r in routes):
+        raise ValueError(f"routes must be (rows, layers, top-k) alike in every sample, got {sorted(shapes)}")
+    (shape,) = shapes
+    return shape[0], shape[1]
+
+
+def _route_columns(routes: list[Any]) -> dict[str, array[Any]]:
+    rows, flat = array("I"), array("h")
+    for r in routes:
+        t = torch.as_tensor(r).to(torch.int32)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= 2**15):
+            raise ValueError(f"expert ids must lie in [0, 2**15), got [{int(t.min())}, {int(t.max())}]")
+        rows.append(int(t.shape[0]))
+        flat.frombytes(t.to(torch.int16).contiguous().numpy().tobytes())
+    return {"route_rows": rows, "routes": flat}
 
 
 def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], dict[str, float]]:
@@ -124,7 +157,8 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
         raise ValueError(f"generation frame header is not JSON: {e}") from e
     pos = m + 4 + hlen
     cols: dict[str, list[Any]] = {}
-    for name, code in _ARRAYS:
+    route_shape = header.get("route_shape")
+    for name, code in _ARRAYS + (_ROUTE_ARRAYS if route_shape is not None else ()):
         a = array(code)
         n = int(header.get(name, -1))
         end = pos + n * a.itemsize
@@ -133,13 +167,14 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
         a.frombytes(frame[pos:end])
         if header.get("byteorder") != sys.byteorder:
             a.byteswap()
-        cols[name], pos = a.tolist(), end
+        cols[name], pos = (a if name == "routes" else a.tolist()), end
     if pos != len(frame):
         raise ValueError(f"generation frame: {len(frame) - pos} bytes after the last array")
     if sum(cols["samples"]) != len(cols["lengths"]) or sum(cols["lengths"]) != len(cols["ids"]):
         raise ValueError("generation frame: sample counts, lengths and token ids do not add up")
     if sum(cols["logprob_lengths"]) != len(cols["logprobs"]) or max(cols["finish"], default=0) >= len(FINISH_REASONS):
         raise ValueError("generation frame: log-prob lengths or finish codes do not add up")
+    routes = _split_routes(cols, route_shape) if route_shape is not None else None
     outputs: list[list[dict[str, Any]]] = []
     k = i = j = 0
     for count in cols["samples"]:
@@ -151,10 +186,22 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
                 "logprobs": cols["logprobs"][j : j + nl],
                 "finish_reason": FINISH_REASONS[cols["finish"][k]],
             })  # fmt: skip
+            if routes is not None:
+                group[-1]["routes"] = routes[k]
             k, i, j = k + 1, i + n, j + nl
         outputs.append(group)
     timings = {str(k): float(v) for k, v in dict(header.get("timings") or {}).items()}
     return int(header["version"]), outputs, timings
+
+
+def _split_routes(cols: dict[str, Any], shape: Any) -> list[torch.Tensor]:
+    """Each sample's routes (rows, layers, top-k) int16, from the frame's two route arrays."""
+    layers, topk = (int(x) for x in shape)
+    rows = cols["route_rows"]
+    if len(rows) != len(cols["lengths"]) or sum(rows) * layers * topk != len(cols["routes"]):
+        raise ValueError("generation frame: route rows and routes do not add up")
+    flat = torch.frombuffer(bytearray(cols["routes"].tobytes()), dtype=torch.int16) if len(cols["routes"]) else torch.empty(0)
+    return [r.view(-1, layers, topk) for r in flat.to(torch.int16).split([n * layers * topk for n in rows])]
 
 
 # ------------------------------------------------------------------ CUDA IPC handles as JSON

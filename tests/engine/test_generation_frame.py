@@ -57,6 +57,34 @@ def test_frame_is_smaller_and_faster_than_json() -> None:
     assert t_frame < t_json, (t_frame, t_json)
 
 
+def test_routes_round_trip_exactly() -> None:
+    """MoE routes (``algo.router_replay: rollout``): each sample's (rows, layers, top-k) experts,
+    as vLLM's uint8/uint16 arrays come, arrive as int16 of the same values; none: no route
+    arrays at all (the frame of a dense run is unchanged)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    outputs = _outputs(3, prompts=3, n=2)
+    for group in outputs:
+        for s in group:  # prompt of 4 tokens + response - 1 rows, 3 layers, top-2, 128 experts
+            s["routes"] = rng.integers(0, 128, size=(4 + max(len(s["token_ids"]) - 1, 0), 3, 2)).astype(np.uint8)
+    _, back, _ = decode_generation(encode_generation(5, outputs))
+    for group, got in zip(outputs, back):
+        for s, b in zip(group, got):
+            assert b["routes"].dtype == torch.int16 and b["routes"].shape == s["routes"].shape
+            assert torch.equal(b["routes"], torch.from_numpy(s["routes"].astype(np.int16)))
+            assert b["token_ids"] == s["token_ids"]
+    wide = [[{**outputs[0][0], "routes": np.full((2, 3, 2), 300, dtype=np.uint16)}]]
+    assert int(decode_generation(encode_generation(1, wide))[1][0][0]["routes"].max()) == 300
+    plain = _outputs(3, prompts=3, n=2)
+    assert b"route_shape" not in encode_generation(5, plain)
+    with pytest.raises(ValueError, match="routes in some samples"):
+        encode_generation(5, [[outputs[0][0], plain[0][0]]])
+    with pytest.raises(ValueError, match="alike in every sample"):
+        encode_generation(5, [[outputs[0][0], {**outputs[0][1], "routes": np.zeros((2, 4, 2))}]])
+
+
 def test_damaged_frames_are_refused() -> None:
     frame = encode_generation(3, _outputs(1, prompts=2, n=2))
     with pytest.raises(ValueError, match="not a generation frame"):
