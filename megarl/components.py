@@ -383,11 +383,10 @@ def _start_local_fleet(cfg: RunConfig, run_dir: Path) -> Fleet:
         token=run_token(run_dir),
         lease_s=r.engine_lease_s,
         threads=engine_threads(cfg, len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-        # as long as it takes this process to read the data and build the tokenizer: an engine
-        # whose trainer dies meanwhile exits (--parent-pid); the start timeout counts from ready()
-        wait_for_model_s=math.inf,
+        wait_for_model_s=math.inf,  # while the trainer lives (--parent-pid); the start timeout counts from ready()
         cpu_gemm=r.cpu_gemm,
         cpu_sampler=r.cpu_sampler,
+        return_routes=cfg.algo.router_replay == "rollout",  # (refused on CPU, AlgoConfig.check_model)
     )
 
 

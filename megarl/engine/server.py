@@ -89,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--sleep-mode", action="store_true", help="vLLM sleep mode for colocation (CUDA only)")
     ap.add_argument(
+        "--return-routes",
+        action="store_true",
+        help="MoE: return each sample's routed experts (algo.router_replay: rollout; vLLM's V2 runner, GPU only)",
+    )
+    ap.add_argument(
         "--cpu-gemm",
         choices=CPU_GEMMS,
         default="auto",
@@ -174,6 +179,7 @@ def _start_engine(args: argparse.Namespace, stop: threading.Event) -> VllmEngine
         args.staging_dir,
         args.cpu_gemm,
         args.cpu_sampler,
+        args.return_routes,
     )
 
 

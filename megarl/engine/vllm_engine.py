@@ -124,6 +124,12 @@ def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
     return [float(d[t].logprob) for d, t in zip(logprobs or [], tokens) if d is not None]
 
 
+def _routes_of(c: Any) -> Any:
+    if c.routed_experts is None:
+        raise EngineError("vLLM returned no routed experts (enable_return_routed_experts)")
+    return c.routed_experts
+
+
 class VllmEngine(WeightUpdates):
     """One vLLM ``LLM`` on token ids: generation, prompt log-probs, staged weight updates, sleep."""
 
@@ -138,6 +144,7 @@ class VllmEngine(WeightUpdates):
         staging_dir: str = "",
         cpu_gemm: str = "auto",
         cpu_sampler: str = "batched",
+        return_routes: bool = False,
     ) -> None:
         from vllm import LLM
 
@@ -148,6 +155,11 @@ class VllmEngine(WeightUpdates):
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
         on_cpu = not torch.cuda.is_available()
+        self.return_routes = return_routes  # MoE routing replay from the engines: routes per sample
+        if return_routes:  # vLLM returns routes from its V2 model runner only (Triton: GPU)
+            if on_cpu:
+                raise EngineError("--return-routes (algo.router_replay: rollout) needs vLLM's V2 runner: GPU only")
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         hidden = int(hf_config.get("hidden_size", 0))
         self.vocab = int(hf_config.get("vocab_size", 0))
@@ -180,6 +192,7 @@ class VllmEngine(WeightUpdates):
             enable_sleep_mode=sleep_mode,
             max_num_batched_tokens=max(CPU_PREFILL_TOKENS, max_len) if on_cpu else None,
             max_num_seqs=CPU_MAX_SEQS if on_cpu else None,
+            enable_return_routed_experts=return_routes,
         )
         # One worker in this very process: staged tensors are handed over without a copy.
         self.in_process = tp == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -285,20 +298,16 @@ class VllmEngine(WeightUpdates):
             detokenize=False,
         )
 
-    @staticmethod
-    def _encode(version: int, results: list[Any], timings: dict[str, float], want_logprobs: bool) -> bytes:
+    def _encode(self, version: int, results: list[Any], timings: dict[str, float], want_logprobs: bool) -> bytes:
         outputs = []
         for r in results:
             group = []
             for c in r.outputs:
                 tokens = list(c.token_ids)
-                group.append(
-                    {
-                        "token_ids": tokens,
-                        "logprobs": sampled_logprobs(c.logprobs, tokens) if want_logprobs else [],
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+                lp = sampled_logprobs(c.logprobs, tokens) if want_logprobs else []
+                group.append({"token_ids": tokens, "logprobs": lp, "finish_reason": c.finish_reason})
+                if self.return_routes:  # (prompt + response - 1, layers, top-k): every token the model was fed
+                    group[-1]["routes"] = _routes_of(c)
             outputs.append(group)
         return encode_generation(version, outputs, timings)
 

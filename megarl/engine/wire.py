@@ -200,8 +200,9 @@ def _split_routes(cols: dict[str, Any], shape: Any) -> list[torch.Tensor]:
     rows = cols["route_rows"]
     if len(rows) != len(cols["lengths"]) or sum(rows) * layers * topk != len(cols["routes"]):
         raise ValueError("generation frame: route rows and routes do not add up")
-    flat = torch.frombuffer(bytearray(cols["routes"].tobytes()), dtype=torch.int16) if len(cols["routes"]) else torch.empty(0)
-    return [r.view(-1, layers, topk) for r in flat.to(torch.int16).split([n * layers * topk for n in rows])]
+    raw = bytearray(cols["routes"].tobytes())
+    flat = torch.frombuffer(raw, dtype=torch.int16) if raw else torch.empty(0, dtype=torch.int16)
+    return [r.view(-1, layers, topk) for r in flat.split([n * layers * topk for n in rows])]
 
 
 # ------------------------------------------------------------------ CUDA IPC handles as JSON

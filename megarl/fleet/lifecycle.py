@@ -44,6 +44,8 @@ class EngineLaunch:
     cpu_gemm: str
     cpu_sampler: str
     sleep_mode: bool
+    return_routes: bool
+    """MoE routing replay from the engines (``algo.router_replay: rollout``): ``--return-routes``."""
     wait_for_model_s: float
     token: str
     threads: int
@@ -78,6 +80,7 @@ class EngineLaunch:
             "--cpu-sampler",
             self.cpu_sampler,
         ] + (["--sleep-mode"] if self.sleep_mode else [])
+        cmd += ["--return-routes"] if self.return_routes else []
         cmd += ["--wait-for-model", str(self.wait_for_model_s)] if self.wait_for_model_s > 0 else []
         # the KV budget is --kv-cache-gb (kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE would override it
         # the credential travels in the environment: a command line is visible to every user
@@ -121,6 +124,7 @@ class EngineProcesses:
         heartbeat_s: float = 5.0,
         cpu_gemm: str = "auto",
         cpu_sampler: str = "batched",
+        return_routes: bool = False,
     ) -> Self:
         """Spawn ``num_engines`` local engine servers. ``wait=False`` returns right after the
         spawn so the caller can build its models meanwhile; :meth:`ready` then waits.
@@ -130,7 +134,7 @@ class EngineProcesses:
         engine's OMP_NUM_THREADS (0: inherited); ``wait_for_model_s``: how long the engines wait
         for ``model_dir``'s manifest (0: it must exist now) — the caller may write the folder
         after the spawn, while the engines import vLLM; ``cpu_gemm``, ``cpu_sampler``: the engines'
-        ``--cpu-gemm`` and ``--cpu-sampler``."""
+        ``--cpu-gemm`` and ``--cpu-sampler``; ``return_routes``: ``--return-routes``."""
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         staging = make_staging_dir()
         launch = EngineLaunch(
@@ -143,6 +147,7 @@ class EngineProcesses:
             cpu_gemm=cpu_gemm,
             cpu_sampler=cpu_sampler,
             sleep_mode=sleep_mode,
+            return_routes=return_routes,
             wait_for_model_s=wait_for_model_s,
             token=token or new_token(),
             threads=threads,
