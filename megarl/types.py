@@ -50,6 +50,10 @@ class RolloutBatch:
     """Multi-turn episodes: an environment's step reward at its turn's last generated token, the
     rest of the episode's reward at its last one (each row sums to ``rewards``); None: each
     row's reward at its last response token."""
+    routes: torch.Tensor | None = None  # (B, S, L, k) int16, the engine's experts of tokens[b, t]
+    """MoE routing replay from the engines (``algo.router_replay: rollout``): every decoder
+    layer's top-k experts (global ids) per token as vLLM routed it, -1 where it did not
+    (padding, a row's last token); ``megarl.rollout.routes``. None otherwise."""
 
     @property
     def size(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,6 +20,7 @@ from megarl.data.tokenizer import PromptTokenizer
 from megarl.fleet.fleet import Fleet
 from megarl.rewards.runner import RewardReport, RewardRunner, RewardSample
 from megarl.rollout.episode import Episode
+from megarl.rollout.routes import place_routes
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl.rollout")
@@ -148,6 +149,9 @@ class Group:
     episodes: list[Episode] | None = None
     """Multi-turn: each sample's episode (``samples[j]`` is ``episodes[j].sample()``), whose
     observation ids are not trained; None: every response id was generated."""
+    routes: list[torch.Tensor] | None = None
+    """Each sample's engine routes (prompt + response - 1, layers, top-k) when the engines
+    return them (``algo.router_replay: rollout``; ``megarl.rollout.routes``), else None."""
 
 
 def engine_logprobs_wanted(cfg: CollectSettings, step: int) -> bool:
@@ -191,8 +195,8 @@ def sample_groups(
         per_prompt.append([(list(s["token_ids"]), list(s["logprobs"]), s["finish_reason"] == "length") for s in out])
     texts = tok.decode_many([ids for smp in per_prompt for ids, _, _ in smp])
     groups = [
-        Group(rec, pids, smp, texts[i * samples : (i + 1) * samples], [], version)
-        for i, ((rec, pids), smp) in enumerate(zip(prompts, per_prompt))
+        Group(rec, pids, smp, texts[i * samples : (i + 1) * samples], [], version, routes=_routes(out))
+        for i, ((rec, pids), smp, out) in enumerate(zip(prompts, per_prompt, outs))
     ]
     # one call for the whole round: the reward workers share it out
     scores, report = rewards.score([reward_sample(g.record, t, j) for g in groups for j, t in enumerate(g.texts)])
@@ -205,6 +209,11 @@ def sample_groups(
             )
             g.rewards = [x + float(p) for x, p in zip(g.rewards, pen)]
     return groups, version, report
+
+
+def _routes(out: list[dict[str, Any]]) -> list[torch.Tensor] | None:
+    """A prompt's samples' engine routes, when the engines sent them."""
+    return [s["routes"] for s in out] if out and "routes" in out[0] else None
 
 
 def reward_sample(rec: PromptRecord, response: str, j: int) -> RewardSample:
@@ -292,7 +301,18 @@ def pack_groups(groups: list[Group], pad_id: int, version: int, logprobs: bool =
         texts=[t for g in groups for t in g.texts],
         versions=torch.tensor([g.version if g.version >= 0 else version for g in groups for _ in g.samples]),
         turn_rewards=turn_rewards,
+        routes=_batch_routes(groups, tokens.shape[1]),
     )
+
+
+def _batch_routes(groups: list[Group], S: int) -> torch.Tensor | None:
+    """(B, S, L, k) engine routes when the groups carry them (all or none do)."""
+    if all(g.routes is None for g in groups):
+        return None
+    if any(g.routes is None or g.episodes is not None for g in groups):
+        raise RolloutError("engine routes in some groups only, or with multi-turn episodes (not supported)")
+    lengths = [len(g.prompt_ids) + len(ids) for g in groups for ids, _, _ in g.samples]
+    return place_routes([r for g in groups for r in g.routes or []], lengths, S)
 
 
 def _prompts(g: Group) -> list[list[int]]:

@@ -8,7 +8,15 @@ from dataclasses import fields
 import pytest
 import torch
 
-from megarl.rollout.batch import FIELDS, batch_from_dict, batch_from_flat, batch_to_dict, batch_to_flat
+from megarl.rollout.batch import (
+    FIELDS,
+    ROUTES,
+    batch_from_dict,
+    batch_from_flat,
+    batch_to_dict,
+    batch_to_flat,
+    broadcast_batch,
+)
 from megarl.types import RolloutBatch
 
 B, S = 3, 5
@@ -29,11 +37,12 @@ def _full_batch() -> RolloutBatch:
         texts=["a", "bc", ""],
         versions=torch.tensor([5, 6, 7]),
         turn_rewards=torch.randn(B, S, generator=g),
+        routes=torch.randint(-1, 300, (B, S, 4, 2), generator=g, dtype=torch.int16),
     )
 
 
 def test_the_table_names_every_tensor_field() -> None:
-    assert {f.name for f in fields(RolloutBatch)} == set(FIELDS) | {"version", "texts"}
+    assert {f.name for f in fields(RolloutBatch)} == set(FIELDS) | {"version", "texts", ROUTES}
 
 
 def _flat(b: RolloutBatch) -> RolloutBatch:
@@ -55,3 +64,39 @@ def test_every_field_round_trips(wire) -> None:
         assert torch.equal(a, b), f
     assert back.version == batch.version
     assert back.texts == (batch.texts if wire is _json else [])  # the broadcast leaves texts on rank 0
+
+
+def test_routes_survive_the_checkpoint_exactly() -> None:
+    batch = _full_batch()
+    back = _json(batch)
+    assert back.routes is not None and back.routes.dtype == torch.int16 and torch.equal(back.routes, batch.routes)
+    assert _json(RolloutBatch(**{**batch.__dict__, "routes": None})).routes is None
+
+
+def _broadcast_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        batch = _full_batch()
+        for routes in (batch.routes, None):  # with the engines' routes, and a batch without them
+            got = broadcast_batch(RolloutBatch(**{**batch.__dict__, "routes": routes}) if rank == 0 else None)
+            if rank == 1:
+                torch.save({"routes": got.routes, "tokens": got.tokens}, f"{out}.{routes is None}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_carries_routes_to_every_rank(tmp_path) -> None:
+    """Two real gloo ranks: rank 1 receives rank 0's routes bit for bit (int16 bytes beside
+    the float64 vector), and a batch without routes still arrives without them."""
+    import torch.multiprocessing as mp
+
+    from megarl.fleet.client import free_port
+
+    out = str(tmp_path / "got")
+    mp.spawn(_broadcast_worker, args=(free_port(), out), nprocs=2)
+    batch = _full_batch()
+    with_routes, without = torch.load(f"{out}.False"), torch.load(f"{out}.True")
+    assert with_routes["routes"].dtype == torch.int16 and torch.equal(with_routes["routes"], batch.routes)
+    assert torch.equal(with_routes["tokens"], batch.tokens) and without["routes"] is None

@@ -85,3 +85,38 @@ def test_a_batch_without_engine_logprobs_packs_and_travels_without_them() -> Non
         for name in ("tokens", "mask", "rewards", "group_ids", "response_lens", "truncated", "versions"):
             got, want = getattr(back, name), getattr(full, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_engine_routes_sit_under_their_tokens() -> None:
+    """``algo.router_replay: rollout``: each sample's engine routes (prompt + response - 1 rows,
+    as vLLM returns them) land at the columns of the tokens they were routed for, -1 beyond
+    (the last token, padding); here each route is a function of its token, so any shift shows."""
+    rng = random.Random(2)
+    L, k, E = 3, 2, 64
+
+    def routes_of(ids: list[int]) -> torch.Tensor:  # (len - 1, L, k): every token but the last
+        t = torch.tensor(ids[:-1], dtype=torch.long)[:, None, None]
+        return ((t + torch.arange(L)[None, :, None] * 7 + torch.arange(k)[None, None, :]) % E).to(torch.int16)
+
+    for _ in range(20):
+        groups = _groups(rng)
+        for g in groups:
+            g.routes = [routes_of(g.prompt_ids + ids) for ids, _, _ in g.samples]
+        batch = pack_groups(groups, pad_id=7, version=3)
+        assert batch.routes is not None and batch.routes.shape == (*batch.tokens.shape, L, k)
+        lengths = [len(g.prompt_ids) + len(ids) for g in groups for ids, _, _ in g.samples]
+        for b, n in enumerate(lengths):
+            assert torch.equal(batch.routes[b, : n - 1], routes_of(batch.tokens[b, :n].tolist()))
+            assert (batch.routes[b, n - 1 :] == -1).all()
+    assert pack_groups(_groups(rng), pad_id=7, version=3).routes is None  # a dense run's batch
+
+
+def test_engine_routes_longer_than_the_sample_are_refused() -> None:
+    import pytest
+
+    from megarl.errors import RolloutError
+
+    g = Group(PromptRecord("q", "a", "f:1"), [1, 2], [([3], [-0.1], False)], ["t"], [1.0])
+    g.routes = [torch.zeros(4, 2, 2, dtype=torch.int16)]  # 4 rows for 3 tokens
+    with pytest.raises(RolloutError, match="routes for 4 tokens, it has 3"):
+        pack_groups([g], pad_id=0, version=0)
