@@ -20,7 +20,6 @@ import base64
 from dataclasses import fields
 from typing import Any
 
-
 import torch
 import torch.distributed as dist
 
