@@ -77,8 +77,11 @@ class PolicyEval:
     ref_logprobs: torch.Tensor | None = None  # (B, S) log π_ref(a_t|s_t), the frozen reference
     old_values: torch.Tensor | None = None  # (B, S) V_old(s_t), the critic before the update
     routes: torch.Tensor | None = None  # (B, S, L, k) int, the experts π_old sent each token to
-    """MoE routing replay (``algo.router_replay: trainer``): this rank's pipeline stage's L MoE
-    layers, -1 where not recorded (``megarl.model.routes``)."""
+    """MoE routing replay: this rank's pipeline stage's L MoE layers, -1 where not recorded
+    (``megarl.model.routes``); ``algo.router_replay: trainer`` records them in the old forward,
+    ``rollout`` takes them from the engines (the old forward replays them too)."""
+    route_mismatch: dict[str, float] = field(default_factory=dict)
+    """``rollout``: ``moe/engine_route_mismatch*``, the old forward's live experts vs the engines'."""
 
 
 @dataclass

@@ -187,10 +187,12 @@ def forward_logprobs(
     max_tokens: int = 0,
     pack: bool = False,
     routes: bool = False,
+    replay: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (B, S) (and entropy) of ``tokens`` under ``model``; no grad.
     ``routes``: also the MoE routes this rank's stage took, ``routes`` (B, S, L, k)
-    (``megarl.model.routes``; a model with ``Model.routes``).
+    (``megarl.model.routes``; a model with ``Model.routes``). ``replay`` (B, S, L, k): routes
+    this rank's stage replays instead (the engines'), cut with the tokens into micro-batches.
 
     Computed on the last PP stage and broadcast over the pipeline group, so every rank
     returns the same tensors. With ``max_tokens`` and the rows' ``lengths``
@@ -209,8 +211,8 @@ def forward_logprobs(
 
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     if max_tokens and lengths is not None:
-        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys, pack, routes)
-    return _forward_collect(model, tokens, micro_batch_size, fn, keys, routes=routes)
+        return _forward_collect_budget(model, tokens, lengths, max_tokens, fn, keys, pack, routes, replay)
+    return _forward_collect(model, tokens, micro_batch_size, fn, keys, routes=routes, replay=replay)
 
 
 def forward_values(
@@ -243,6 +245,7 @@ def _forward_collect(
     keys: list[str],
     split_dp: bool = False,
     routes: bool = False,
+    replay: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Forward-only pass; ``fn`` maps the last stage's output to (B, S) tensors, which are
     broadcast over the pipeline group so every rank returns them.
@@ -260,7 +263,10 @@ def _forward_collect(
     def loss_fn(mb: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[Any, ...]:
         return torch.zeros((), device=out.device), torch.tensor(1), fn(mb, out)
 
-    mbs = micro_batches({"tokens": rows}, micro_batch_size)
+    local = {"tokens": rows}
+    if replay is not None:  # the same rows as the tokens
+        local["routes"] = replay if rows is tokens else replay.chunk(dims.dp, dim=0)[dims.dp_rank]
+    mbs = micro_batches(local, micro_batch_size)
     model.module.eval()
     with torch.no_grad(), recording(model, routes) as taken:
         store = run_schedule(model, mbs, loss_fn, forward_only=True)
@@ -295,6 +301,7 @@ def _forward_collect_budget(
     keys: list[str],
     pack: bool = False,
     routes: bool = False,
+    replay: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`_forward_collect` in token-budget micro-batches: DP ranks take token-balanced
     rows (when there are at least DP rows), run them grouped by length and cut to each
@@ -307,6 +314,8 @@ def _forward_collect_budget(
     parts = balance_rows(lengths, dims.dp) if split else [torch.arange(B)]
     mine = parts[dims.dp_rank] if split else parts[0]
     local = {"tokens": tokens[mine], "labels": labels_of(tokens[mine])}
+    if replay is not None:  # cut with the tokens (rows, then each micro-batch's width)
+        local["routes"] = replay[mine]
     plan = token_budget_split(lengths[mine], max_tokens, packed=pack)
     packs = packings_of(plan)
 

@@ -26,6 +26,16 @@ The live top-k is taken beside every replayed one (one ``topk`` over the scores 
 has anyway): ``moe/route_mismatch/layer{i}`` is the fraction of counted tokens whose live top-k
 set differs from the recorded one, per global layer i over a step's updates, and
 ``moe/route_mismatch`` its mean over layers.
+
+``algo.router_replay: rollout`` replays the engines' routes instead (``RolloutBatch.routes``,
+every decoder layer as vLLM numbers them): :func:`stage_routes` takes this stage's layers out of
+them. The old-log-prob forward then replays them too, and its live choices give
+``moe/engine_route_mismatch/layer{i}`` (engine vs the trainer's π_old); the update's give
+``moe/route_mismatch`` as above (engine vs π_θ). Layers: vLLM's layer index is the HF decoder
+layer's, megatron's router ``layer_number`` - 1 the same global index on every PP stage.
+Experts: vLLM returns logical ids before its EPLB mapping, megatron's router scores every expert
+on every EP rank (the dispatcher maps global ids to ranks after the top-k), and the adapter maps
+HF expert g to megatron's global expert g (``megarl.checkpoint.experts``): the ids pass as they are.
 """
 
 from __future__ import annotations
@@ -79,6 +89,20 @@ class RouteTape:
         self.differ += int((differ & known).sum())
         self.counted += int(known.sum())
         return scores.gather(1, idx), idx
+
+
+def stage_routes(engine: torch.Tensor, layers: list[int], num_experts: int, topk: int) -> torch.Tensor:
+    """The engines' routes (B, S, L_model, k) → this stage's (B, S, len(layers), k), layer j =
+    global layer ``layers[j]`` (:attr:`RouteReplay.layers`); expert ids unchanged (see the module
+    docstring), -1 kept. ValueError naming what does not fit this model."""
+    if engine.dim() != 4 or engine.shape[3] != topk:
+        raise ValueError(f"engine routes must be (B, S, layers, top-k={topk}), got {tuple(engine.shape)}")
+    if layers and max(layers) >= engine.shape[2]:
+        raise ValueError(f"engine routes cover {engine.shape[2]} layers; this stage routes global layer {max(layers)}")
+    lo, hi = int(engine.min()), int(engine.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"engine routes name experts in [{lo}, {hi}]; the model has {num_experts} (and -1: live)")
+    return engine[:, :, layers]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -160,9 +184,9 @@ class RouteReplay:
         flat = torch.stack([r for r in recorded if r is not None], dim=1).to(route_dtype(self.num_experts))
         self.recording.append(from_router(flat, tokens.shape[0], tokens.shape[1], packing).cpu())
 
-    def mismatch(self, dims: ParallelDims) -> dict[str, float]:
-        """``moe/route_mismatch/layer{i}`` per global layer and their mean ``moe/route_mismatch``
-        since the last call (collective over DP and PP; TP ranks route alike); resets the counts."""
+    def mismatch(self, dims: ParallelDims, name: str = "moe/route_mismatch") -> dict[str, float]:
+        """``{name}/layer{i}`` per global layer and their mean ``{name}`` since the last call
+        (collective over DP and PP; TP ranks route alike); resets the counts."""
         counts = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=dims.device)
         for layer, t in zip(self.layers, self.tapes, strict=True):
             counts[layer, 0] += t.differ
@@ -171,9 +195,9 @@ class RouteReplay:
         dist.all_reduce(counts, group=dims.dp_group)
         if dims.pp > 1:
             dist.all_reduce(counts, group=dims.pp_group)
-        out = {f"moe/route_mismatch/layer{i}": float(d / n) for i, (d, n) in enumerate(counts.tolist()) if n > 0}
+        out = {f"{name}/layer{i}": float(d / n) for i, (d, n) in enumerate(counts.tolist()) if n > 0}
         if out:
-            out["moe/route_mismatch"] = sum(out.values()) / len(out)
+            out[name] = sum(out.values()) / len(out)
         return out
 
     def _set(self, mode: Literal["live", "record", "replay"]) -> None:

@@ -9,6 +9,7 @@ from megarl.config import AlgoConfig, ParallelConfig, RolloutConfig
 from megarl.model.builder import Model
 from megarl.model.forward import forward_logprobs, forward_values
 from megarl.model.microbatch import row_lengths
+from megarl.model.routes import stage_routes
 from megarl.types import PolicyEval, RolloutBatch
 
 
@@ -25,8 +26,9 @@ def evaluate(
     KL is a reward penalty, there is a critic, or the samples come from an older policy
     (``rollout.max_staleness`` > 0: π_old is then decoupled PPO's proximal policy, the engine's
     log-probs the behaviour policy), or its MoE routes are replayed in the update
-    (``algo.router_replay: trainer``: recorded in the same forward); π_ref when KL is on; V_old
-    with a critic. Log-probs are taken at ``rollout.temperature``; micro-batches follow ``parallel``."""
+    (``algo.router_replay: trainer``: recorded in the same forward; ``rollout``: the engines',
+    replayed in it too); π_ref when KL is on; V_old with a critic. Log-probs are taken at
+    ``rollout.temperature``; micro-batches follow ``parallel``."""
     temp = r.temperature
     lmbs = p.logprob_micro_batch_size
 
@@ -39,7 +41,7 @@ def evaluate(
     # last response position come back as 0; every consumer reads them under the mask)
     lengths, budget, pack = row_lengths(batch.mask), p.max_tokens_per_micro_batch, p.pack_sequences
 
-    def logprobs(model: Model, routes: bool = False) -> dict[str, torch.Tensor]:
+    def logprobs(model: Model, routes: bool = False, replay: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return forward_logprobs(
             model,
             batch.tokens,
@@ -49,16 +51,20 @@ def evaluate(
             max_tokens=budget,
             pack=pack,
             routes=routes,
+            replay=replay,
         )
 
     stale = r.max_staleness > 0  # decoupled PPO: the proximal policy is the trainer's
-    replay = a.router_replay == "trainer"
-    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale or replay:
-        old = logprobs(actor, routes=replay)
+    record, replay = a.router_replay == "trainer", a.router_replay == "rollout"
+    if a.ppo_epochs * a.mini_batches > 1 or a.kl_mode == "reward" or critic is not None or stale or record or replay:
+        beyond = torch.arange(batch.tokens.shape[1]) >= lengths[:, None]  # padding routes live in the update
+        engine = engine_routes(batch, actor).masked_fill(beyond[:, :, None, None], -1) if replay else None
+        old = logprobs(actor, routes=record, replay=engine)
         out.old_logprobs = old["logprobs"]
-        if replay:  # tokens beyond a row's length (padding) route live in the update
-            beyond = torch.arange(batch.tokens.shape[1]) >= lengths[:, None]
+        if record:
             out.routes = old["routes"].masked_fill(beyond[:, :, None, None], -1)
+        if engine is not None:  # the old forward's live choices were counted against the engines'
+            out.routes, out.route_mismatch = engine, actor.routes.mismatch(actor.dims, "moe/engine_route_mismatch")
     if a.kl_coef > 0:
         assert ref is not None
         out.ref_logprobs = logprobs(ref)["logprobs"]
@@ -69,15 +75,27 @@ def evaluate(
     return out
 
 
+def engine_routes(batch: RolloutBatch, actor: Model) -> torch.Tensor:
+    """The engines' routes of ``batch`` for the actor's pipeline stage (``algo.router_replay: rollout``)."""
+    if batch.routes is None:
+        raise ValueError("algo.router_replay='rollout' needs the engines' routes; this batch has none")
+    if actor.routes is None:
+        raise ValueError("algo.router_replay='rollout': the actor was built without routing replay")
+    cfg = actor.config
+    return stage_routes(batch.routes, actor.routes.layers, int(cfg.num_moe_experts), int(cfg.moe_router_topk))
+
+
 def mismatch(batch: RolloutBatch, ev: PolicyEval) -> dict[str, float]:
-    """Train/inference mismatch on the sampled tokens: mean |Δlogp| and max p_train/p_engine."""
+    """Train/inference mismatch on the sampled tokens: mean |Δlogp| and max p_train/p_engine;
+    with the engines' routes, the old forward's experts vs theirs (``moe/engine_route_mismatch*``)."""
     if ev.old_logprobs is None or batch.engine_logprobs is None:
-        return {}
+        return dict(ev.route_mismatch)
     m = batch.mask.bool()
     d = ev.old_logprobs[m] - batch.engine_logprobs[m]
     if d.numel() == 0:
-        return {}
+        return dict(ev.route_mismatch)
     return {
+        **ev.route_mismatch,
         "rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
         "rollout/mismatch_max_prob_ratio": float(d.exp().max()),
     }

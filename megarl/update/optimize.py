@@ -97,7 +97,7 @@ class PolicyUpdater:
     ) -> None:
         self.s, self.dims, self.actor, self.critic, self.planner = settings, dims, actor, critic, planner
         self.dead_experts = DeadExpertWatch(settings.dead_expert_steps)
-        if settings.algo.router_replay == "trainer":  # phase 2 records the actor's routes, the update replays them
+        if settings.algo.router_replay != "off":  # phase 2 records or takes the routes, the update replays them
             attach_routes(actor)
 
     def learners(self, plan: StepPlan, update_actor: bool) -> list[Learner]:

@@ -2,11 +2,12 @@
 layouts between a micro-batch and the router, and one router's tape against megatron's own top-k
 routing function. The whole path runs on megatron's MoE layer in ``tests/model/test_moe.py``."""
 
+import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
 from megarl.model.packing import Packing
-from megarl.model.routes import RouteTape, from_router, route_dtype, to_router
+from megarl.model.routes import RouteTape, from_router, route_dtype, stage_routes, to_router
 
 
 def _routes(b: int, w: int, layers: int = 3, k: int = 2) -> torch.Tensor:
@@ -72,3 +73,24 @@ def test_tape_records_replays_and_counts_live_choices() -> None:
 
 def test_route_dtype_holds_every_expert_and_the_mark() -> None:
     assert route_dtype(128) == torch.int16 and route_dtype(2**15) == torch.int32
+
+
+def test_stage_routes_take_each_stages_global_layers() -> None:
+    """The engines' routes cover every decoder layer (vLLM's index = the HF layer's); a PP stage
+    replays its own MoE layers by megatron's global layer number - 1 (dense layers skipped),
+    expert ids unchanged at any EP size (the router scores every expert on every EP rank)."""
+    B, S, L, k, E = 2, 5, 6, 2, 8
+    g = torch.Generator().manual_seed(0)
+    engine = torch.randint(0, E, (B, S, L, k), generator=g, dtype=torch.int16)
+    engine[1, 3:] = -1  # padding / the last token: live
+    engine[:, :, 2] = 0  # a dense layer: vLLM's rows there mean nothing
+    first, second = stage_routes(engine, [0, 1], E, k), stage_routes(engine, [3, 4, 5], E, k)  # PP 2, layer 2 dense
+    assert first.shape == (B, S, 2, k) and second.shape == (B, S, 3, k)
+    assert torch.equal(first, engine[:, :, :2]) and torch.equal(second, engine[:, :, 3:])
+    assert (second[1, 3:] == -1).all() and first.dtype == torch.int16
+    with pytest.raises(ValueError, match="cover 6 layers; this stage routes global layer 6"):
+        stage_routes(engine, [5, 6], E, k)
+    with pytest.raises(ValueError, match=r"name experts in \[-1, 7\]; the model has 4"):
+        stage_routes(engine, [0], 4, k)
+    with pytest.raises(ValueError, match="top-k=4"):
+        stage_routes(engine, [0], E, 4)
