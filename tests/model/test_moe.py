@@ -319,7 +319,9 @@ def test_replay_sends_tokens_to_the_recorded_experts(run: dict, layout: str) -> 
 def test_replay_drift_falls_well_below_live_routing_and_routers_still_learn(run: dict, layout: str) -> None:
     r = _r3(run, layout, 0)
     live, replay = r["live/drift"].item(), r["replay_one/drift"].item()
-    print(f"{layout}: mean |log π_update - log π_old| after the router perturbation: live {live:.3g}, replay {replay:.3g}")
+    print(
+        f"{layout}: mean |log π_update - log π_old| after the router perturbation: live {live:.3g}, replay {replay:.3g}"
+    )
     assert live > 1e-3 and replay < 0.2 * live
     grads = r["replay_one/router_grad"].flatten(1).norm(dim=1)  # per layer, after the DP reduction
     assert grads.min() > 0.1 * r["live/router_grad"].flatten(1).norm(dim=1).max(), grads
@@ -388,3 +390,35 @@ def test_replay_at_pp2_matches_one_stage(run: dict) -> None:
             grads = _max_diff(r[f"{name}/router_grad"], one[f"{name}/router_grad"][layers])
             assert lp < 1e-6 and grads < 1e-6, (stage, name, lp, grads)
             assert torch.equal(r[f"{name}/mismatch"], one[f"{name}/mismatch"])
+
+
+# ------------------------------------ routing replay from the engines (algo.router_replay: rollout)
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "pp2"])
+def test_engine_routes_replayed_in_the_old_forward(run: dict, layout: str) -> None:
+    """Phase 2 with the engine's routes (every layer, in the batch): each stage replays its own
+    layers' (PP 2: global layers 2s, 2s+1), in fixed micro-batches, token budgets and packed
+    alike (EP 1), its log-probs are the update's replayed ones (the same weights and routes), and
+    ``moe/engine_route_mismatch`` counts the live choices that differ from the engine's exactly
+    as the update's ``moe/route_mismatch`` does."""
+    for rank in (0, 1):
+        r, one = _r3(run, layout, rank), _r3(run, "ep1", 0)
+        assert torch.equal(r["engine_routes"], one["routes"].masked_fill(~REAL[:, :, None, None], -1))
+        layers = slice(2 * rank, 2 * rank + 2) if layout == "pp2" else slice(None)
+        assert torch.equal(r["engine_fixed/routes"], r["engine_routes"][:, :, layers])
+        names = ["fixed", "budget", "packed"] if layout != "ep2" else ["fixed"]
+        m = torch.zeros(B, S, dtype=torch.bool)
+        m[:, :-1] = REAL[:, 1:]  # positions whose label is a real token
+        for name in names[1:]:
+            assert _max_diff(r[f"engine_{name}/old"][m], r["engine_fixed/old"][m]) < 1e-5, name
+            assert torch.equal(r[f"engine_{name}/mismatch"], r["engine_fixed/mismatch"])
+        if layout == "pp2":
+            assert _max_diff(r["engine_fixed/old"], one["engine_fixed/old"]) < 1e-5
+            continue
+        replayed = r["engine_fixed/lp"].item()
+        print(f"{layout} rank {rank}: Σ old log-probs replaying the engine's routes {replayed:.6f}, "
+              f"the update's replay {r['replay_one/lp'].item():.6f}")  # fmt: skip
+        assert abs(replayed - r["replay_one/lp"].item()) < 1e-5 * abs(replayed)
+        assert torch.equal(r["engine_fixed/mismatch"], r["replay_one/mismatch"])
+        assert ((r["engine_fixed/mismatch"] > 0) & (r["engine_fixed/mismatch"] < 1)).all()

@@ -17,14 +17,24 @@ router logits the first dominates (a swapped expert carries about half of the to
 output); with confident routers (the shared model's, std ~1) the second does: there the same
 perturbation moved log-probs by 6.4e-3 live and 5.9e-3 replayed (a session-30 experiment).
 
+``algo.router_replay: rollout`` (:func:`engine_replay_checks`): the routes recorded before the
+perturbation play the engine's, laid out as vLLM returns them (every layer: gathered over the
+pipeline stages) and carried by a ``RolloutBatch``; phase 2 (``megarl.update.evaluate``) then
+replays them in the old-log-prob forward in fixed micro-batches, token budgets and packed, and
+counts its live choices against them (``moe/engine_route_mismatch``).
+
 Everything is returned under ``{layout}/r3/``; ``tests/model/test_moe.py`` asserts it."""
 
 import torch
+import torch.distributed as dist
 
+from megarl.config import AlgoConfig, ParallelConfig, RolloutConfig
 from megarl.model.builder import Model
 from megarl.model.forward import forward_logprobs, labels_of, vocab_parallel_logprobs
 from megarl.model.microbatch import row_lengths, token_budget_split
 from megarl.model.train import train_step
+from megarl.types import RolloutBatch
+from megarl.update.evaluate import evaluate
 
 BUDGET = 40  # tokens per budget micro-batch: 8-15-token rows, 2-4 to a micro-batch
 LAYERS = 4  # the model's (every one a MoE layer); a pipeline stage holds some of them
@@ -49,7 +59,14 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
     budgets = [("budget", False), ("packed", True)] if dims.ep == 1 else []
     for name, pack in budgets:
         got = forward_logprobs(
-            model, tokens, micro_batch_size=mbs, temperature=1.0, lengths=lengths, max_tokens=BUDGET, pack=pack, routes=True
+            model,
+            tokens,
+            micro_batch_size=mbs,
+            temperature=1.0,
+            lengths=lengths,
+            max_tokens=BUDGET,
+            pack=pack,
+            routes=True,
         )["routes"]
         out[f"routes_{name}"] = got
     beyond = torch.arange(S) >= lengths[:, None]
@@ -63,6 +80,7 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
     live_after = forward_logprobs(model, tokens, micro_batch_size=mbs, temperature=1.0, routes=True)["routes"]
     out["routes_live_after"] = live_after
     model.routes.mismatch(dims)  # counts start at 0
+    out |= engine_replay_checks(model, tokens, mask, mbs, routes, [name for name, _ in budgets])
 
     denom = float(mask.sum())
     rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
@@ -96,4 +114,42 @@ def replay_checks(model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: i
     update("replay_fixed", True, mbs)
     for name, pack in budgets:
         update(f"replay_{name}", True, mbs, token_budget_split(lengths[rows], BUDGET, packed=pack))
+    return out
+
+
+def engine_replay_checks(
+    model: Model, tokens: torch.Tensor, mask: torch.Tensor, mbs: int, routes: torch.Tensor, budgets: list[str]
+) -> dict[str, torch.Tensor]:
+    """Phase 2 of ``algo.router_replay: rollout`` with ``routes`` (this stage's, recorded before
+    the perturbation) as the engine's: every layer's, int16, in a RolloutBatch."""
+    dims, out = model.dims, {}
+    engine = routes.to(torch.int32)
+    if dims.pp > 1:  # the engine returns every layer: the stages' routes side by side, in stage order
+        parts = [torch.empty_like(engine) for _ in range(dims.pp)]
+        dist.all_gather(parts, engine, group=dims.pp_group)
+        engine = torch.cat(parts, dim=2)
+    out["engine_routes"] = engine.to(torch.int16)
+    B = tokens.shape[0]
+    batch = RolloutBatch(
+        tokens=tokens,
+        mask=mask,
+        engine_logprobs=None,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        response_lens=mask.sum(1).long(),
+        truncated=torch.zeros(B, dtype=torch.bool),
+        version=0,
+        routes=engine.to(torch.int16),
+    )
+    algo = AlgoConfig(router_replay="rollout", kl_coef=0.0)
+    for name in ["fixed", *budgets]:
+        p = ParallelConfig(micro_batch_size=mbs, max_tokens_per_micro_batch=0 if name == "fixed" else BUDGET)
+        p.pack_sequences = name == "packed"
+        ev = evaluate(algo, RolloutConfig(), p, batch, model, None, None)
+        assert ev.old_logprobs is not None and ev.routes is not None
+        out[f"engine_{name}/old"] = ev.old_logprobs
+        out[f"engine_{name}/lp"] = (ev.old_logprobs * mask).sum().double()[None]  # (the update's: DP-reduced)
+        out[f"engine_{name}/routes"] = ev.routes
+        metric = [ev.route_mismatch.get(f"moe/engine_route_mismatch/layer{i}", -1.0) for i in range(LAYERS)]
+        out[f"engine_{name}/mismatch"] = torch.tensor(metric)
     return out
