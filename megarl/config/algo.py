@@ -64,7 +64,8 @@ class AlgoConfig:
     """Mask truncated responses out of the loss (DAPO overlong filtering)."""
     router_replay: Literal["off", "trainer", "rollout"] = "off"
     """MoE routing replay (R3): off | trainer (the old-log-prob forward's experts per token
-    replayed in the update's forwards) | rollout (the engine's; GPU only, not built yet)."""
+    replayed in the update's forwards) | rollout (the engines' experts per token, returned by
+    vLLM's V2 runner: GPU only; replayed in the old-log-prob forward and the update's)."""
 
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("overlong_buffer_len",)
 
@@ -94,16 +95,15 @@ class AlgoConfig:
 
     def check_model(self, m: ModelConfig) -> None:
         """Routing replay needs routers (``m`` the model the run builds); the engines' routes
-        need vLLM's V2 model runner (GPU), and megarl's engine server does not return them yet."""
+        need vLLM's V2 model runner, which needs Triton: GPU only."""
         import torch
 
         mode = self.router_replay
         if mode != "off" and not m.is_moe:
             fail("algo.router_replay", mode, f"needs a mixture-of-experts model; model.arch={m.arch} has a dense MLP")
-        if mode == "rollout":
-            why = "not on CPU" if not torch.cuda.is_available() else "which megarl's engine server does not return yet"
+        if mode == "rollout" and not torch.cuda.is_available():
             fail(
                 "algo.router_replay",
                 mode,
-                f"needs the engines' routes (vLLM's V2 runner, GPU only), {why}; use trainer",
+                "needs the engines' routes (vLLM's V2 runner, GPU only), not on CPU; use trainer",
             )

@@ -78,7 +78,10 @@ def evaluate(
 def engine_routes(batch: RolloutBatch, actor: Model) -> torch.Tensor:
     """The engines' routes of ``batch`` for the actor's pipeline stage (``algo.router_replay: rollout``)."""
     if batch.routes is None:
-        raise ValueError("algo.router_replay='rollout' needs the engines' routes; this batch has none")
+        raise ValueError(
+            "algo.router_replay='rollout' needs the engines' routes; this batch has none "
+            "(engines started elsewhere need --return-routes)"
+        )
     if actor.routes is None:
         raise ValueError("algo.router_replay='rollout': the actor was built without routing replay")
     cfg = actor.config

@@ -229,11 +229,17 @@ def test_the_coordinator_measures_an_ep2_layout_from_two_expert_parts() -> None:
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["algo.router_replay=trainer"], "algo.router_replay='trainer' needs a mixture-of-experts model; model.arch=llama"),
+        (
+            ["algo.router_replay=trainer"],
+            "algo.router_replay='trainer' needs a mixture-of-experts model; model.arch=llama",
+        ),
         (["algo.router_replay=rollout"], "algo.router_replay='rollout' needs a mixture-of-experts model"),
         (["algo.router_replay=always"], "algo.router_replay='always' must be one of ['off', 'trainer', 'rollout']"),
         # the engines' routes need vLLM's V2 model runner: GPU only
-        (_moe("algo.router_replay=rollout"), "algo.router_replay='rollout' needs the engines' routes (vLLM's V2 runner, GPU only), not on CPU"),
+        (
+            _moe("algo.router_replay=rollout"),
+            "algo.router_replay='rollout' needs the engines' routes (vLLM's V2 runner, GPU only), not on CPU; use trainer",
+        ),
     ],
 )
 def test_router_replay_rules_name_the_field(sets: list[str], message: str) -> None:
@@ -245,3 +251,14 @@ def test_router_replay_trainer_is_accepted_for_moe() -> None:
     cfg = load_config(None, _moe("algo.router_replay=trainer"))
     assert cfg.algo.router_replay == "trainer" and validate(cfg, 1) is None
     assert load_config(None, _moe()).algo.router_replay == "off"
+
+
+def test_router_replay_rollout_is_refused_with_episodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a GPU the engines' routes are accepted for single-turn samples; multi-turn episodes
+    (each turn a request of its own) are refused naming the field."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    cfg = load_config(None, _moe("algo.router_replay=rollout"))
+    assert validate(cfg, 1) is None
+    cfg = load_config(None, _moe("algo.router_replay=rollout", "env.agent=pkg.mod:fn"))
+    with pytest.raises(ConfigError, match=re.escape("algo.router_replay='rollout' takes single-turn samples' routes")):
+        validate(cfg, 1)
