@@ -96,6 +96,10 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
         layers = _keys(recs, "moe/route_mismatch/")
         lines = [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else [("moe/route_mismatch", "mean")]
         panels.append(("Routing replay: share of tokens whose live experts differ", lines, {}))
+    if _keys(recs, "moe/engine_route_mismatch"):  # algo.router_replay: rollout (megarl.model.routes)
+        layers = _keys(recs, "moe/engine_route_mismatch/")
+        lines = [(k, k.split("/")[-1]) for k in layers] if len(layers) <= 8 else [("moe/engine_route_mismatch", "mean")]
+        panels.append(("Engine vs trainer routing: share of tokens whose old-forward experts differ", lines, {}))
     panels.append(
         (
             "Step time split (s)",

@@ -119,7 +119,7 @@ def test_report_shows_what_episodes_did(tmp_path: Path) -> None:
 def test_report_draws_expert_load_and_dead_experts(tmp_path: Path) -> None:
     """A MoE run's ``moe/*`` metrics (``megarl.model.expert_load``): a panel per layer's load and
     one of dead experts, and the last step's values in the table; with routing replay a panel of
-    the route mismatch per layer."""
+    the route mismatch per layer, and with the engines' routes one of engine vs trainer."""
     run = tmp_path / "run"
     run.mkdir()
     lines = [{"step": 0, "val/reward": 0.1}]
@@ -136,6 +136,8 @@ def test_report_draws_expert_load_and_dead_experts(tmp_path: Path) -> None:
                 "moe/route_mismatch/layer0": 0.01 * s,  # routing replay (megarl.model.routes)
                 "moe/route_mismatch/layer1": 0.02,
                 "moe/route_mismatch": (0.01 * s + 0.02) / 2,
+                "moe/engine_route_mismatch/layer0": 0.03,  # the engines' routes (algo.router_replay: rollout)
+                "moe/engine_route_mismatch": 0.03,
             }
         )
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -144,5 +146,5 @@ def test_report_draws_expert_load_and_dead_experts(tmp_path: Path) -> None:
     assert rows["expert load, busiest / mean, worst layer (step 5)"] == "2"
     assert rows["dead experts (step 5)"] == "0"
     assert rows["steps with a dead expert"] == "2 of 5"
-    for name in ("expert", "dead", "routing"):
+    for name in ("expert", "dead", "routing", "engine"):
         assert next((run / "report").glob(f"*_{name}.png")).stat().st_size > 1000
