@@ -93,9 +93,10 @@ class AlgoConfig:
         if self.dual_clip and self.dual_clip <= 1:
             fail("algo.dual_clip", self.dual_clip, "must be > 1 (or 0 = off)")
 
-    def check_model(self, m: ModelConfig) -> None:
+    def check_model(self, m: ModelConfig, episodes: bool = False) -> None:
         """Routing replay needs routers (``m`` the model the run builds); the engines' routes
-        need vLLM's V2 model runner, which needs Triton: GPU only."""
+        need vLLM's V2 model runner, which needs Triton: GPU only, and single-turn samples
+        (``episodes``: env.fn / env.agent, each turn a request of its own)."""
         import torch
 
         mode = self.router_replay
@@ -107,3 +108,5 @@ class AlgoConfig:
                 mode,
                 "needs the engines' routes (vLLM's V2 runner, GPU only), not on CPU; use trainer",
             )
+        if mode == "rollout" and episodes:
+            fail("algo.router_replay", mode, "takes single-turn samples' routes; not with env.fn / env.agent episodes")

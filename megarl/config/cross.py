@@ -65,9 +65,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
-    cfg.algo.check_model(m)  # routing replay: a MoE model, and on CPU not the engines' routes
-    if cfg.algo.router_replay == "rollout" and (cfg.env.fn or cfg.env.agent):
-        fail("algo.router_replay", "rollout", "takes single-turn samples' routes; not with env.fn / env.agent episodes")
+    cfg.algo.check_model(m, episodes=bool(cfg.env.fn or cfg.env.agent))  # routing replay: a MoE model, ...
 
 
 def _group_estimator(cfg: RunConfig) -> None:

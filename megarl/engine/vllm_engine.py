@@ -155,11 +155,6 @@ class VllmEngine(WeightUpdates):
         self.manifest: dict[str, list[int]] = manifest
         self.tp = tp
         on_cpu = not torch.cuda.is_available()
-        self.return_routes = return_routes  # MoE routing replay from the engines: routes per sample
-        if return_routes:  # vLLM returns routes from its V2 model runner only (Triton: GPU)
-            if on_cpu:
-                raise EngineError("--return-routes (algo.router_replay: rollout) needs vLLM's V2 runner: GPU only")
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         hidden = int(hf_config.get("hidden_size", 0))
         self.vocab = int(hf_config.get("vocab_size", 0))
@@ -167,14 +162,7 @@ class VllmEngine(WeightUpdates):
         self.failed = ""
         """Why a generation left vLLM with requests it could not abort: /health then answers 503
         and the fleet restarts the engine (it would otherwise loop on them, holding every request)."""
-        self.cpu_gemm = cpu_gemm_mode(cpu_gemm, hidden, on_cpu)
-        if self.cpu_gemm == "plain":  # before vLLM builds the model, here and in its worker processes
-            os.environ[CPU_GEMM_ENV] = "plain"
-            use_plain_cpu_gemm()
-        self.cpu_sampler = "n/a"
-        if on_cpu:  # likewise before vLLM builds its sampler
-            os.environ[CPU_SAMPLER_ENV] = cpu_sampler
-            self.cpu_sampler = "batched" if use_cpu_sampler(cpu_sampler) else "vllm"
+        self._before_vllm(on_cpu, hidden, cpu_gemm, cpu_sampler, return_routes)
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -220,6 +208,22 @@ class VllmEngine(WeightUpdates):
             self.cpu_gemm if on_cpu else "n/a",
             self.cpu_sampler,
         )
+
+    def _before_vllm(self, on_cpu: bool, hidden: int, cpu_gemm: str, cpu_sampler: str, return_routes: bool) -> None:
+        """What vLLM reads as it builds the model and its sampler, here and in its worker processes."""
+        self.cpu_gemm = cpu_gemm_mode(cpu_gemm, hidden, on_cpu)
+        if self.cpu_gemm == "plain":
+            os.environ[CPU_GEMM_ENV] = "plain"
+            use_plain_cpu_gemm()
+        self.cpu_sampler = "n/a"
+        if on_cpu:
+            os.environ[CPU_SAMPLER_ENV] = cpu_sampler
+            self.cpu_sampler = "batched" if use_cpu_sampler(cpu_sampler) else "vllm"
+        self.return_routes = return_routes  # MoE routing replay from the engines: routes per sample
+        if return_routes:  # vLLM returns routes from its V2 model runner only (Triton: GPU)
+            if on_cpu:
+                raise EngineError("--return-routes (algo.router_replay: rollout) needs vLLM's V2 runner: GPU only")
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
 
     def _kv_capacity(self, kv_cache_gb: float, tp: int) -> tuple[int, int]:
         """(block size, KV-cache tokens) of this engine, as vLLM sized it."""

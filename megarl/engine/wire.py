@@ -156,7 +156,7 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"generation frame header is not JSON: {e}") from e
     pos = m + 4 + hlen
-    cols: dict[str, list[Any]] = {}
+    cols: dict[str, Any] = {}  # lists of values; routes: the array itself
     route_shape = header.get("route_shape")
     for name, code in _ARRAYS + (_ROUTE_ARRAYS if route_shape is not None else ()):
         a = array(code)
@@ -178,7 +178,7 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
     outputs: list[list[dict[str, Any]]] = []
     k = i = j = 0
     for count in cols["samples"]:
-        group = []
+        group: list[dict[str, Any]] = []
         for _ in range(count):
             n, nl = cols["lengths"][k], cols["logprob_lengths"][k]
             group.append({

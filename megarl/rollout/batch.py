@@ -116,7 +116,7 @@ def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
 def batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
     """``engine_logprobs`` is None (JSON null) when the step did not ask the engines,
     ``turn_rewards`` when the batch holds no multi-turn episodes."""
-    out = {k: v.tolist() if v is not None else None for k, v in _values(batch).items()}
+    out: dict[str, Any] = {k: v.tolist() if v is not None else None for k, v in _values(batch).items()}
     r = batch.routes
     if r is not None:  # int16 bytes as base64: ~2.7 bytes a route, not a JSON list's ~3-6
         raw = r.to(torch.int16).contiguous().view(torch.uint8).numpy().tobytes()
