@@ -14,8 +14,9 @@
   every value arrives bit-identical). :func:`encode_generation` / :func:`decode_generation`
   are exact inverses; decoding checks every length against the frame before reading. With
   MoE routing replay from the engines (``algo.router_replay: rollout``) each sample also
-  carries ``routes`` (rows, layers, top-k): the experts vLLM sent each token to (int16, two
-  more arrays after the others; the header's ``route_shape`` = [layers, top-k] says so).
+  carries ``routes`` (rows, layers, top-k): the experts vLLM sent each token to (two more
+  arrays after the others, one byte a route up to 256 experts, else two; the header's
+  ``route_shape`` = [layers, top-k] and ``route_code`` say so); they arrive as int16.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ _ARRAYS = (
     ("ids", "i"),
     ("logprobs", "d"),
 )
-_ROUTE_ARRAYS = (("route_rows", "I"), ("routes", "h"))
-"""With ``route_shape`` in the header: each sample's route rows, then every route, flat."""
+_ROUTE_CODES = {"B": torch.uint8, "h": torch.int16}
+"""A frame's route array type (``route_code``): uint8 when every expert id < 256, else int16."""
 
 
 def encode_generation(
@@ -119,6 +120,7 @@ def encode_generation(
             raise ValueError("routes in some samples of a generation but not in all")
         header["route_shape"] = list(_route_shape([s["routes"] for s in samples]))
         cols |= _route_columns([s["routes"] for s in samples])
+        header["route_code"] = cols["routes"].typecode
     header |= {n: len(a) for n, a in cols.items()}
     head = json.dumps(header).encode()
     return b"".join([GENERATION_MAGIC, struct.pack("<I", len(head)), head, *(a.tobytes() for a in cols.values())])
@@ -134,13 +136,17 @@ def _route_shape(routes: list[Any]) -> tuple[int, int]:
 
 
 def _route_columns(routes: list[Any]) -> dict[str, array[Any]]:
-    rows, flat = array("I"), array("h")
-    for r in routes:
-        t = torch.as_tensor(r).to(torch.int32)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= 2**15):
-            raise ValueError(f"expert ids must lie in [0, 2**15), got [{int(t.min())}, {int(t.max())}]")
-        rows.append(int(t.shape[0]))
-        flat.frombytes(t.to(torch.int16).contiguous().numpy().tobytes())
+    ts = [torch.as_tensor(r).to(torch.int32) for r in routes]
+    lo, hi = (
+        min((int(t.min()) for t in ts if t.numel()), default=0),
+        max((int(t.max()) for t in ts if t.numel()), default=0),
+    )
+    if lo < 0 or hi >= 2**15:
+        raise ValueError(f"expert ids must lie in [0, 2**15), got [{lo}, {hi}]")
+    code = "B" if hi < 256 else "h"
+    rows, flat = array("I", [int(t.shape[0]) for t in ts]), array(code)
+    for t in ts:
+        flat.frombytes(t.to(_ROUTE_CODES[code]).contiguous().numpy().tobytes())
     return {"route_rows": rows, "routes": flat}
 
 
@@ -157,8 +163,11 @@ def decode_generation(frame: bytes) -> tuple[int, list[list[dict[str, Any]]], di
         raise ValueError(f"generation frame header is not JSON: {e}") from e
     pos = m + 4 + hlen
     cols: dict[str, Any] = {}  # lists of values; routes: the array itself
-    route_shape = header.get("route_shape")
-    for name, code in _ARRAYS + (_ROUTE_ARRAYS if route_shape is not None else ()):
+    route_shape, route_code = header.get("route_shape"), str(header.get("route_code", "h"))
+    if route_code not in _ROUTE_CODES:
+        raise ValueError(f"generation frame: route code {route_code!r} is not one of {sorted(_ROUTE_CODES)}")
+    routed = (("route_rows", "I"), ("routes", route_code)) if route_shape is not None else ()
+    for name, code in _ARRAYS + routed:
         a = array(code)
         n = int(header.get(name, -1))
         end = pos + n * a.itemsize
@@ -200,8 +209,8 @@ def _split_routes(cols: dict[str, Any], shape: Any) -> list[torch.Tensor]:
     rows = cols["route_rows"]
     if len(rows) != len(cols["lengths"]) or sum(rows) * layers * topk != len(cols["routes"]):
         raise ValueError("generation frame: route rows and routes do not add up")
-    raw = bytearray(cols["routes"].tobytes())
-    flat = torch.frombuffer(raw, dtype=torch.int16) if raw else torch.empty(0, dtype=torch.int16)
+    raw, dtype = bytearray(cols["routes"].tobytes()), _ROUTE_CODES[cols["routes"].typecode]
+    flat = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).to(torch.int16)
     return [r.view(-1, layers, topk) for r in flat.split([n * layers * topk for n in rows])]
 
 
