@@ -18,7 +18,9 @@ Mixtral model of the same size forward-only in the same run (its logits and read
   perturbed the replayed experts are the recorded ones, the log-prob drift falls well below live
   routing's, the routers still get gradients, the routes survive micro-batching, token budgets
   and packing, and the mismatch metric counts what it says; at PP 2 each stage replays its own
-  layers' routes, with the same result.
+  layers' routes, with the same result;
+* the engines' routes (``algo.router_replay: rollout``; recorded routes standing in for vLLM's)
+  replayed in phase 2's old forward at EP 1, EP 2 and PP 2.
 """
 
 import logging
