@@ -421,6 +421,6 @@ def test_engine_routes_replayed_in_the_old_forward(run: dict, layout: str) -> No
         replayed = r["engine_fixed/lp"].item()
         print(f"{layout} rank {rank}: Σ old log-probs replaying the engine's routes {replayed:.6f}, "
               f"the update's replay {r['replay_one/lp'].item():.6f}")  # fmt: skip
-        assert abs(replayed - r["replay_one/lp"].item()) < 1e-5 * abs(replayed)
+        assert abs(replayed - r["replay_one/lp"].item()) < 1e-6 * abs(replayed)  # (measured 1e-7; live routing: 1.3e-5)
         assert torch.equal(r["engine_fixed/mismatch"], r["replay_one/mismatch"])
         assert ((r["engine_fixed/mismatch"] > 0) & (r["engine_fixed/mismatch"] < 1)).all()
