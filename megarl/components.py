@@ -305,7 +305,7 @@ def _reference_and_critic(
         cd = critic_dims
         critic = build_gpt(
             dataclasses.replace(cfg.model, tie_embeddings=False),
-            dataclasses.replace(cfg.parallel, tensor_parallel=cd.tp, pipeline_parallel=cd.pp, data_parallel=cd.dp),
+            cfg.parallel.critic(cd.tp, cd.pp, cd.dp),
             cd,
             value_head=True,
             optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr),

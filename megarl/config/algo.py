@@ -93,15 +93,23 @@ class AlgoConfig:
         if self.dual_clip and self.dual_clip <= 1:
             fail("algo.dual_clip", self.dual_clip, "must be > 1 (or 0 = off)")
 
-    def check_model(self, m: ModelConfig, episodes: bool = False) -> None:
-        """Routing replay needs routers (``m`` the model the run builds); the engines' routes
-        need vLLM's V2 model runner, which needs Triton: GPU only, and single-turn samples
-        (``episodes``: env.fn / env.agent, each turn a request of its own)."""
+    def check_model(self, m: ModelConfig, episodes: bool = False, sequence_parallel: bool = False) -> None:
+        """Routing replay needs routers (``m`` the model the run builds) and whole rows on each
+        TP rank (no sequence parallelism); the engines' routes need vLLM's V2 model runner, which
+        needs Triton: GPU only, and single-turn samples (``episodes``: env.fn / env.agent, each
+        turn a request of its own)."""
         import torch
 
         mode = self.router_replay
         if mode != "off" and not m.is_moe:
             fail("algo.router_replay", mode, f"needs a mixture-of-experts model; model.arch={m.arch} has a dense MLP")
+        if mode != "off" and sequence_parallel:
+            fail(
+                "algo.router_replay",
+                mode,
+                "with parallel.sequence_parallel: routes are replayed per token of whole rows, but under sequence "
+                "parallelism each TP rank's routers see only its slice of a micro-batch",
+            )
         if mode == "rollout" and not torch.cuda.is_available():
             fail(
                 "algo.router_replay",

@@ -112,3 +112,14 @@ class CoordinatorConfig:
                 self.lr_reference_batch,
                 "must be >= 0 responses (0 = the configured batch)",
             )
+
+    def check_sequence_parallel(self, sequence_parallel: bool) -> None:
+        """The grad probe reads each rank's gradients before megatron's finalisation, where
+        sequence parallelism sums the TP ranks' parts of the norms' and routers' gradients."""
+        if self.enabled and sequence_parallel:
+            fail(
+                "parallel.sequence_parallel",
+                True,
+                "with coordinator.enabled: its grad probe reads gradients before the TP sum that sequence "
+                "parallelism needs for norms and routers (each TP rank holds its own positions' part)",
+            )

@@ -5,9 +5,8 @@ engines' KV cache, the algorithm against the rollout, the coordinator against th
 and what this machine can run (:func:`check`, in this order). Each section's rules about its
 own fields sit beside them, in its ``validate()``.
 
-The order of :func:`validate` is the order errors are reported in (a config with two problems
-names the first): every field's generic rules (ints positive, floats finite:
-:mod:`megarl.config.rules`), then the sections' own rules and these, as :func:`validate` lists them.
+The order of :func:`validate` is the order errors are reported in (of two problems, the first is named): every
+field's generic rules (ints positive, floats finite: :mod:`megarl.config.rules`), then the sections' and these.
 
 The probe's part size (:func:`probe_part_rows`, :func:`probe_min_batch`) is defined here, not
 by its owner ``megarl.planning``: the config's check needs it at load time, and the config is
@@ -65,7 +64,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _pipeline(cfg)
     _coordinator(cfg)
     _devices(cfg, m)
-    cfg.algo.check_model(m, episodes=bool(cfg.env.fn or cfg.env.agent))  # routing replay: a MoE model, ...
+    cfg.algo.check_model(m, bool(cfg.env.fn or cfg.env.agent), cfg.parallel.sequence_parallel)  # routing replay
 
 
 def _group_estimator(cfg: RunConfig) -> None:
@@ -282,14 +281,10 @@ def _pipeline(cfg: RunConfig) -> None:
 
 def _coordinator(cfg: RunConfig) -> None:
     """coordinator: what it needs from the optimizer, its layout and the starting batch."""
-    r = cfg.rollout
-    c = cfg.coordinator
+    r, c = cfg.rollout, cfg.coordinator
     if c.enabled and cfg.optim.clip_grad <= 0:
-        fail(
-            "optim.clip_grad",
-            cfg.optim.clip_grad,
-            "must be > 0 with coordinator.enabled (its grad norm is reused)",
-        )
+        fail("optim.clip_grad", cfg.optim.clip_grad, "must be > 0 with coordinator.enabled (its grad norm is reused)")
+    c.check_sequence_parallel(cfg.parallel.sequence_parallel)
     if c.enabled and c.noise_kind == "adam" and cfg.parallel.use_distributed_optimizer:
         fail(
             "parallel.use_distributed_optimizer",
@@ -367,6 +362,7 @@ def _critic_layout(cfg: RunConfig, world_size: int) -> None:
             fail(field_tp, tp, f"does not divide {name}={size}")
     if m.num_layers % pp:
         fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
+    cfg.parallel.check_sequence_parallel(m, tp, field_tp)
     if world_size % (tp * pp):
         fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
     p, mb = cfg.parallel, cfg.algo.mini_batches

@@ -5,7 +5,7 @@ the model, the batch and the world size are :mod:`megarl.config.cross`'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from megarl.config.rules import fail
@@ -25,8 +25,17 @@ class ParallelConfig:
     expert_parallel: int = 1
     """Expert-parallel size (MoE models): each layer's experts are split over this many DP ranks,
     each holding model.num_experts / EP of them; tokens travel to their experts through
-    megatron's alltoall dispatcher. Must divide model.num_experts and DP. (A MoE model trains at
-    tensor_parallel 1: megatron trains MoE under TP only with sequence parallelism.)"""
+    megatron's alltoall dispatcher. Must divide model.num_experts and DP. Expert tensor
+    parallelism equals tensor_parallel (each expert split over TP like a dense MLP); a MoE model
+    at tensor_parallel > 1 needs sequence_parallel."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: outside attention and the MLP's TP-split matmuls (norms,
+    residuals, dropout, the MoE router) each TP rank holds 1/TP of the sequence, halving those
+    activations per rank at TP 2; all-gather / reduce-scatter replace the TP all-reduces.
+    Micro-batches whose width (packed: token count) TP does not divide run right-padded by a few
+    positions, cut off again at the output. Same log-probs and gradients. Needs
+    tensor_parallel > 1; required for a mixture-of-experts model at tensor_parallel > 1
+    (megatron refuses MoE training under TP without it)."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on one DP rank."""
     logprob_micro_batch_size: int = 0
@@ -56,13 +65,37 @@ class ParallelConfig:
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("logprob_micro_batch_size", "max_tokens_per_micro_batch")
 
     def validate(self) -> None:
-        """pack_sequences packs token-budget micro-batches."""
+        """pack_sequences packs token-budget micro-batches; sequence parallelism splits the
+        sequence over TP ranks."""
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            fail(
+                "parallel.sequence_parallel",
+                True,
+                "splits the sequence over TP ranks: needs parallel.tensor_parallel > 1",
+            )
         if self.pack_sequences and not self.max_tokens_per_micro_batch:
             fail(
                 "parallel.pack_sequences",
                 True,
                 "packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch",
             )
+
+    def check_sequence_parallel(self, m: ModelConfig, tp: int, field: str) -> None:
+        """A MoE model at TP > 1 (``field``: the actor's or the critic's TP) trains only with
+        sequence parallelism: megatron's MoELayer raises in training without it."""
+        if m.is_moe and tp > 1 and not self.sequence_parallel:
+            fail(
+                "parallel.sequence_parallel",
+                False,
+                f"with a mixture-of-experts model at {field}={tp}: megatron trains MoE layers under TP only "
+                "with sequence parallelism (set parallel.sequence_parallel: true)",
+            )
+
+    def critic(self, tp: int, pp: int, dp: int) -> ParallelConfig:
+        """This section for the critic's own layout (``critic.parallel``): sequence parallelism
+        only where that layout has TP > 1 (megatron refuses it at TP 1)."""
+        sp = self.sequence_parallel and tp > 1
+        return replace(self, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, sequence_parallel=sp)
 
     def check_experts(self, m: ModelConfig, dp: int) -> None:
         """Expert parallelism splits a MoE model's experts over DP ranks (megatron's expert
@@ -81,13 +114,7 @@ class ParallelConfig:
             )
         if m.is_moe and m.expert_ffn_hidden_size % tp:
             fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
-        if m.is_moe and tp > 1:
-            fail(
-                "parallel.tensor_parallel",
-                tp,
-                "with a mixture-of-experts model: megatron trains MoE layers under TP only with sequence "
-                "parallelism (tokens split over TP), which megarl does not build (conversion at TP > 1 works)",
-            )
+        self.check_sequence_parallel(m, tp, "parallel.tensor_parallel")
         if ep > 1 and self.max_tokens_per_micro_batch:
             fail(
                 "parallel.max_tokens_per_micro_batch",

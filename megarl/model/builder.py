@@ -46,6 +46,7 @@ def transformer_config(mcfg: ModelConfig, pcfg: ParallelConfig) -> Any:
         kv_channels=mcfg.head_dim,
         tensor_model_parallel_size=pcfg.tensor_parallel,
         pipeline_model_parallel_size=pcfg.pipeline_parallel,
+        sequence_parallel=pcfg.sequence_parallel,
         normalization="RMSNorm",
         layernorm_epsilon=mcfg.norm_eps,
         gated_linear_unit=True,
@@ -101,6 +102,18 @@ def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
         expert_model_parallel_size=pcfg.expert_parallel,
         expert_tensor_parallel_size=pcfg.tensor_parallel,
     )
+
+
+def block_spec(mcfg: ModelConfig, tcfg: Any, pp_rank: int) -> Any:
+    """The decoder spec GPTModel builds: the layer spec, or under sequence parallelism with the
+    local spec this stage's block of them with megarl's SP-capable norms (``megarl.model.seqpar``;
+    Transformer Engine's norms support it themselves)."""
+    spec = layer_spec(mcfg)
+    if not tcfg.sequence_parallel or mcfg.transformer_impl == "transformer_engine":
+        return spec
+    from megarl.model import seqpar
+
+    return seqpar.block_spec(tcfg, seqpar.layer_spec_for(spec), pp_rank)
 
 
 def layer_spec(mcfg: ModelConfig) -> Any:
@@ -195,7 +208,7 @@ def build_gpt(
     with layout_rng(dims, seed):
         gpt = GPTModel(
             config=tcfg,
-            transformer_layer_spec=layer_spec(mcfg),
+            transformer_layer_spec=block_spec(mcfg, tcfg, dims.pp_rank),
             vocab_size=padded,
             max_sequence_length=mcfg.max_position_embeddings,
             pre_process=dims.is_first_stage,

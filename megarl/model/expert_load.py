@@ -17,8 +17,10 @@ of its top-k experts.
 Reduction (:meth:`ExpertLoad.read`): summed over the DP group — every DP rank routes its own
 rows; expert-parallel ranks are DP ranks, and a router is whole on each of them, so the counts
 do not depend on EP — and over the PP group, each stage adding its own layers into a
-(layers, experts) table. TP ranks route the same tokens (megarl builds no sequence parallelism),
-so they are not summed.
+(layers, experts) table. Without sequence parallelism TP ranks route the same tokens, so they
+are not summed; with it (``parallel.sequence_parallel``) each TP rank routes its own slice of the
+(padded, ``megarl.model.seqpar``) sequence, so the counts are summed over TP too, and the
+positions a rank sees are offset by its slice.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class ExpertLoad:
     def __init__(self, model: Any) -> None:
         """Hooks every MoE layer's router of ``model`` (a :class:`megarl.model.builder.Model`)."""
         config = model.config
-        if getattr(config, "sequence_parallel", False):
-            raise ValueError("expert-load counting assumes no sequence parallelism (each TP rank routes every token)")
         self.dims = model.dims
+        self.sp = self.dims.tp if getattr(config, "sequence_parallel", False) else 1
+        """TP ranks that split the sequence (1: each routes every position)."""
         self.num_layers: int = config.num_layers
         self.num_experts: int = config.num_moe_experts
         self.topk: int = config.moe_router_topk
@@ -46,31 +48,40 @@ class ExpertLoad:
         self.layers = [layer.layer_number - 1 for layer in layers]
         """Global 0-based index of each hooked layer (megatron's layer_number counts from 1 across stages)."""
         self.counts = torch.zeros(len(layers), self.num_experts, dtype=torch.long, device=self.dims.device)
-        self._rows: tuple[torch.Tensor | None, bool] = (None, True)
+        self._rows: tuple[torch.Tensor | None, bool, int | None] = (None, True, None)
         self._mask: torch.Tensor | None = None  # the micro-batch's real-token mask, built by its first layer
         for i, layer in enumerate(layers):
             layer.mlp.router.register_forward_hook(self._hook(i))
 
-    def expect(self, lengths: torch.Tensor | None, packed: bool) -> None:
+    def expect(self, lengths: torch.Tensor | None, packed: bool, width: int | None = None) -> None:
         """The next forward's micro-batch: each row's real length (b,) (None: every position
-        counts), and whether it runs packed (then every token of the packed row is real)."""
-        self._rows, self._mask = (lengths, packed), None
+        counts), whether it runs packed (then every token of the packed row is real), and its
+        columns (packed: tokens) before any sequence-parallel padding (None: the router's)."""
+        self._rows, self._mask = (lengths, packed, width), None
 
     def reset(self) -> None:
         self.counts.zero_()
 
     def _valid(self, n_tokens: int, device: torch.device) -> torch.Tensor | None:
         """Which of the router's ``n_tokens`` rows are real tokens (megatron's [s, b] order
-        flattened, sequence first), or None for all of them."""
-        lengths, packed = self._rows
-        if packed or lengths is None:
+        flattened, sequence first; under sequence parallelism this TP rank's slice of s), or
+        None for all of them."""
+        lengths, packed, width = self._rows
+        if width is None and (packed or lengths is None):
             return None
         if self._mask is None or self._mask.numel() != n_tokens:
-            b = int(lengths.numel())
-            if n_tokens % b:
+            b = 1 if packed or lengths is None else int(lengths.numel())
+            s_local = -(-width // self.sp) if width is not None else n_tokens // b
+            if width is not None and lengths is None and not packed:
+                b = n_tokens // s_local
+            if n_tokens != s_local * b:
                 raise RuntimeError(f"router saw {n_tokens} tokens, not a multiple of the micro-batch's {b} rows")
-            positions = torch.arange(n_tokens // b)[:, None]
-            self._mask = (positions < lengths.cpu()[None, :]).reshape(-1).to(device)
+            first = self.dims.tp_rank * s_local if self.sp > 1 else 0
+            positions = first + torch.arange(s_local)[:, None]
+            real = positions < (width if width is not None else s_local)
+            if lengths is not None and not packed:
+                real = real & (positions < lengths.cpu()[None, :])
+            self._mask = real.expand(s_local, b).reshape(-1).to(device)
         return self._mask
 
     def _hook(self, index: int) -> Any:
@@ -87,10 +98,13 @@ class ExpertLoad:
 
     def read(self) -> torch.Tensor:
         """(num_layers, num_experts) long on CPU: the counts of every layer, summed over DP ranks
-        and gathered over pipeline stages; the same on every rank. Collective over DP and PP."""
+        (and TP ranks under sequence parallelism) and gathered over pipeline stages; the same on
+        every rank. Collective over DP, PP (and TP)."""
         table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long, device=self.dims.device)
         table[self.layers] = self.counts
         dist.all_reduce(table, group=self.dims.dp_group)
+        if self.sp > 1:  # each TP rank routed its own slice of the sequence
+            dist.all_reduce(table, group=self.dims.tp_group)
         if self.dims.pp > 1:
             dist.all_reduce(table, group=self.dims.pp_group)
         return table.cpu()

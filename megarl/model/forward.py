@@ -40,6 +40,7 @@ from megarl.model.microbatch import balance_rows, row_lengths, take, token_budge
 from megarl.model.packing import Packing, packings_of
 from megarl.model.routes import collect, recording
 from megarl.model.rows import micro_batches, routes_of, tokens_of
+from megarl.model.seqpar import forward_padded, padded_length
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -111,6 +112,7 @@ def run_schedule(
 
     dims = model.dims
     seen = [0]
+    sp = dims.tp if model.config.sequence_parallel else 1  # widths run padded to a multiple of this
 
     def forward_step(data_iterator: Iterator[tuple[Any, Packing | None]], module: torch.nn.Module):  # type: ignore[no-untyped-def]
         mb, packing = next(data_iterator)
@@ -119,14 +121,11 @@ def run_schedule(
         seen[0] += 1
         tokens = tokens_of(mb)
         if model.expert_load is not None and module.training:  # only real tokens count (its docstring)
-            model.expert_load.expect(_row_lengths(mb), packing is not None)
+            width = tokens.shape[1] if packing is None else packing.tokens  # before SP padding
+            model.expert_load.expect(_row_lengths(mb), packing is not None, width)
         if model.routes is not None:  # MoE routing replay: this micro-batch's routes, or live / recording
             model.routes.before(routes_of(mb), packing)
-        if packing is not None:  # one (1, T) row; the loss sees the padded (b, width) layout
-            params = packing.seq_params(tokens.device)
-            out = module(packing.pack(tokens), packing.positions.to(tokens.device), None, packed_seq_params=params)
-        else:
-            out = module(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+        out = forward_padded(module, tokens, packing, sp)
         if model.routes is not None:
             model.routes.after(tokens, packing)
         if packing is None or not dims.is_last_stage:
@@ -135,7 +134,7 @@ def run_schedule(
             return out, partial(loss_fn, {k: packing.pack(v) for k, v in mb.items()})
         return packing.unpack(out), partial(loss_fn, mb)
 
-    seq_len = tokens_of(mbs[0]).shape[1]
+    seq_len = padded_length(tokens_of(mbs[0]).shape[1], sp)  # (the p2p shapes when every micro-batch has it)
     packs = packings or [None] * len(mbs)
     # this model's groups, never megatron's globals (which describe the actor's layout)
     groups: dict[str, Any] = {"pg_collection": dims.pgs}

@@ -78,12 +78,17 @@ class Packing:
         flat = flat.index_copy(0, self.index.to(y.device), y[0])
         return flat.reshape(b, self.width, *y.shape[2:])
 
-    def seq_params(self, device: torch.device | str) -> Any:
-        """megatron's ``PackedSeqParams`` for the ``thd`` layout (self-attention: q = kv)."""
+    def seq_params(self, device: torch.device | str, pad: int = 0) -> Any:
+        """megatron's ``PackedSeqParams`` for the ``thd`` layout (self-attention: q = kv);
+        ``pad`` > 0: the packed row carries that many padding tokens after the real ones
+        (sequence parallelism: the row's length must divide by TP), a sequence of their own."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = self.cu_seqlens.to(device)
-        longest = int(self.lengths.max())
+        cu = self.cu_seqlens
+        if pad:
+            cu = torch.cat([cu, cu[-1:] + pad])
+        cu = cu.to(device)
+        longest = max(int(self.lengths.max()), pad)
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
