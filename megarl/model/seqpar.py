@@ -79,7 +79,7 @@ def pad_columns(x: torch.Tensor, tp: int, value: int = 0) -> torch.Tensor:
 
 def cut_columns(out: torch.Tensor, s: int) -> torch.Tensor:
     """The model's (b, s', ...) output back to its first ``s`` columns."""
-    return out if out.shape[1] == s else out[:, :s]
+    return out if out.shape[1] == s else out[:, :s].contiguous()  # (megatron's cross entropy views it)
 
 
 def forward_padded(module: torch.nn.Module, tokens: torch.Tensor, packing: Packing | None, sp: int) -> torch.Tensor:

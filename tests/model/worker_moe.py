@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks; 4 for ``--layouts tp2ep2``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
-(DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP;
-forward only: megatron trains MoE under TP only with sequence parallelism) in the same process group: full logits, log-probs,
-and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
+(DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP,
+with sequence parallelism, which megatron needs to train MoE under TP; the plain variant) in the
+same process group: full logits, log-probs (and of 15-column rows, which SP pads), and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
 router's gradient is checked against a direct implementation of their formulas. Each rank
@@ -108,6 +108,20 @@ def full_logits(model):
         torch.distributed.all_gather(parts, logits.contiguous(), group=model.dims.tp_group)
         logits = torch.cat(parts, dim=-1)
     return logits[..., : model.vocab_size].clone()
+
+
+def hf_grads(model):
+    """Every gradient after the step's reduction, full and HF-named (rank 0; gathered over TP,
+    EP and PP as the weights are): the main grads swapped in for the weights while they are read."""
+    params = [p for p in model.core.parameters() if p.requires_grad]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.detach().to(p.dtype)
+    try:
+        return hf_state_dict(model, adapter)
+    finally:
+        for p, d in zip(params, saved):
+            p.data = d
 
 
 def force_routing(model, first, second):
@@ -239,7 +253,11 @@ for layout in args.layouts.split(","):
             continue
         mcfg = dataclasses.replace(base, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z) if router_losses else base
         pcfg = ParallelConfig(
-            tensor_parallel=tp, micro_batch_size=MBS, expert_parallel=ep, use_distributed_optimizer=dist_opt
+            tensor_parallel=tp,
+            micro_batch_size=MBS,
+            expert_parallel=ep,
+            use_distributed_optimizer=dist_opt,
+            sequence_parallel=tp > 1,
         )
         model = build_gpt(mcfg, pcfg, dims, optim=OPTIM, track_experts=variant == "plain")
         load_hf_tensors(model, adapter, hf)
@@ -249,15 +267,17 @@ for layout in args.layouts.split(","):
             result.update({f"{layout}/loaded/{k}": v for k, v in hf_state_dict(model, adapter).items()})
         old = forward_logprobs(model, tokens, micro_batch_size=MBS, temperature=1.0)["logprobs"]
         result[f"{key}/logprobs"] = old
-        if tp > 1:  # megatron trains MoE under TP only with sequence parallelism (megarl refuses it)
-            continue
+        if variant == "plain" and ep == 1:  # 15 columns: sequence parallelism at TP 2 pads them to 16
+            odd = forward_logprobs(model, tokens[:, :15], micro_batch_size=MBS, temperature=1.0)
+            result[f"{key}/logprobs_odd"] = odd["logprobs"]
         rows = slice(dims.dp_rank * B // dims.dp, (dims.dp_rank + 1) * B // dims.dp)
         batch = {"tokens": tokens[rows], "mask": mask[rows], "adv": adv[rows], "old": old[rows]}
         router = model.core.decoder.layers[-1].mlp.router
         router_before = router.weight.detach().clone()
         seen: list[torch.Tensor] = []
         hook = router.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append(inp[0].detach().clone()))
-        measured = variant == "plain" or (variant == "distopt" and ep > 1)  # (the EP=1 reference once)
+        # (the EP=1 reference once; not at TP 2: sequence parallelism and the probe are refused together)
+        measured = tp == 1 and (variant == "plain" or (variant == "distopt" and ep > 1))
         probe = GradProbe(dims, microbatch=True) if measured else None
         if probe is not None:
             probe.start()
@@ -291,6 +311,8 @@ for layout in args.layouts.split(","):
         if not dist_opt and tp == 1:  # (the distributed optimizer leaves only its shard of each gradient)
             for name, p in model.core.named_parameters():  # this rank's gradients after the DP reduction
                 result[f"{key}/grad/{to_global(name, dims.ep_rank, local)}"] = p.main_grad.detach().clone()
+        if variant == "plain":  # full gradients, HF-named: TP 2 / EP 2 (sharded) against TP 1
+            result.update({f"{key}/hfgrad/{k}": v for k, v in hf_grads(model).items()})
         if variant == "aux_only":
             ref = reference_router_grad(seen, router_before, base.moe_router_topk, B * S)
             torch.distributed.all_reduce(ref, group=dims.dp_group)  # the DP reduction of this replicated weight

@@ -3,7 +3,7 @@ optimizer step with a fixed GRPO loss, and save log-probs + updated HF weights (
 
 ``--max-tokens N``: token-budget micro-batches (rows balanced over DP by tokens, grouped by
 length, cut to each group's longest row) for every pass, against the same fixed-row run; ``--pack`` runs those
-micro-batches padding-free (``parallel.pack_sequences``). Rank 0 also saves its gradient
+micro-batches padding-free (``parallel.pack_sequences``); ``--sp`` turns on sequence parallelism. Rank 0 also saves its gradient
 shards per aggregation mode."""
 
 import argparse
@@ -43,13 +43,14 @@ ap.add_argument("--critic-steps", type=int, default=0)
 ap.add_argument("--attention", default="sdpa")
 ap.add_argument("--max-tokens", type=int, default=0)
 ap.add_argument("--pack", action="store_true")
+ap.add_argument("--sp", action="store_true", help="sequence parallelism (parallel.sequence_parallel)")
 args = ap.parse_args()
 
 dims = init_distributed(args.tp, args.pp, seed=7)
 hf_cfg, hf = read_hf_folder(args.hf)
 mcfg = model_config_from_hf(hf_cfg, ModelConfig(attention=args.attention))
 pcfg = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, micro_batch_size=args.mbs,
-                      use_distributed_optimizer=args.dist_opt)
+                      use_distributed_optimizer=args.dist_opt, sequence_parallel=args.sp)
 # adam_eps well above fp32 gradient noise: with eps=1e-8 the first Adam step is ~lr·sign(g),
 # which turns 1e-9 reduction-order differences in tiny gradients into lr-sized ones.
 OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-4)
