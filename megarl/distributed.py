@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.compat import cpu as cpu_compat
+from megarl.compat import gloo as gloo_compat
 from megarl.compat import megatron_moe
 
 
@@ -96,6 +97,7 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: i
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu_compat.install()
+        gloo_compat.install()  # uneven all-gather / reduce-scatter (SP × EP token dispatch)
     megatron_moe.install()
     if not dist.is_initialized():
         # On CUDA both backends: megatron's and megarl's groups (backend=None) then carry GPU

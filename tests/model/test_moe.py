@@ -2,10 +2,13 @@
 transformers (the independent oracle), all from one two-rank run of ``worker_moe.py``, with a
 Mixtral model of the same size forward-only in the same run (its logits and read-back weights):
 
-* logits at EP=1, EP=2 and TP=2 equal transformers' within 1e-4 (and each other exactly: the same
-  tokens meet the same experts, wherever they live), with renormalised top-k weights
-  (``norm_topk_prob``, as Qwen3-30B-A3B) and without; the weights read back out of either
-  layout are the HF tensors, bitwise; and at TP 2 × EP 2 (four ranks);
+* logits at EP=1, EP=2 and TP=2 (sequence parallel) equal transformers' within 1e-4 (and each
+  other exactly: the same tokens meet the same experts, wherever they live), with renormalised
+  top-k weights (``norm_topk_prob``, as Qwen3-30B-A3B) and without; the weights read back out of
+  either layout are the HF tensors, bitwise; and at TP 2 × EP 2 (four ranks);
+* one optimizer step at TP=2 with sequence parallelism (megatron trains MoE under TP only with
+  it), and at TP 2 × EP 2, equals EP=1 within 1e-6: log-probs (also of rows SP pads), loss,
+  grad norm, every full gradient, the weights after the step, the tokens each expert received;
 * one optimizer step at EP=2 equals EP=1 within 1e-6 — log-probs, loss, grad norm, every
   gradient (experts keyed by their global index on both ranks) and the weights after the step
   — with the plain and the distributed optimizer, and with the router losses on;
@@ -58,7 +61,7 @@ FAMILIES = {"qwen3_moe": ("hf", ""), "mixtral": ("mixtral", "mixtral/")}
 
 @pytest.fixture(scope="module")
 def run_tp2ep2(run: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """TP 2 × EP 2 on four ranks (forward only: see test_tp2_logprobs_match_ep1)."""
+    """TP 2 × EP 2 on four ranks (DP 2, sequence parallel): forward and the plain step."""
     out = tmp_path_factory.mktemp("moe_tp2ep2")
     torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2"])
     return load_file(str(out / "rank0.safetensors"))
@@ -133,21 +136,49 @@ def test_ep2_step_matches_ep1(run: dict, variant: str) -> None:
     assert max(v for k, v in diffs.items() if k != "grad norm") < 1e-6, diffs
 
 
-def test_tp2_logprobs_match_ep1(run: dict) -> None:
-    """Experts split over TP like a dense SwiGLU MLP ([gate; up] per shard), the router whole on
-    each TP rank (forward only: megatron trains MoE under TP only with sequence parallelism)."""
-    diff = _max_diff(run["ranks"][0]["tp2/plain/logprobs"], run["ranks"][0]["ep1/plain/logprobs"])
-    print(f"TP2 - EP1 log-probs {diff:.3g}")
-    assert diff < 1e-6
+def _step_diffs(got: dict, ref: dict, layout: str) -> dict[str, float]:
+    """``layout``'s plain step (rank 0's results ``got``) against EP 1's (``ref``): the largest
+    differences of each compared quantity."""
+    a, b = "ep1/plain", f"{layout}/plain"
+    grads = [k.removeprefix(f"{a}/hfgrad/") for k in ref if k.startswith(f"{a}/hfgrad/")]
+    weights = [k.removeprefix(f"{a}/w/") for k in ref if k.startswith(f"{a}/w/")]
+    assert len(grads) == len(weights) == 87 and {f"{b}/hfgrad/{k}" for k in grads} <= got.keys()
+    assert max(ref[f"{a}/hfgrad/{k}"].abs().max().item() for k in grads if ".experts.3." in k) > 1e-3
+    return {
+        "log-probs": _max_diff(got[f"{b}/logprobs"], ref[f"{a}/logprobs"]),
+        "loss": abs(got[f"{b}/loss"].item() - ref[f"{a}/loss"].item()),
+        "grad norm": abs(got[f"{b}/grad_norm"].item() - ref[f"{a}/grad_norm"].item()),
+        "gradients": max(_max_diff(got[f"{b}/hfgrad/{k}"], ref[f"{a}/hfgrad/{k}"]) for k in grads),
+        "weights after the step": max(_max_diff(got[f"{b}/w/{k}"], ref[f"{a}/w/{k}"]) for k in weights),
+    }
+
+
+def test_tp2_sequence_parallel_step_matches_ep1(run: dict) -> None:
+    """Experts split over TP like a dense SwiGLU MLP ([gate; up] per shard), each TP rank routing
+    its half of the sequence (sequence parallelism): one step equals EP 1's, and so do the
+    log-probs of 15-column rows, which run padded to 16 (the pad cut off again)."""
+    r0, r1 = run["ranks"]
+    diffs = _step_diffs(r0, r0, "tp2")
+    diffs["log-probs, 15 columns"] = _max_diff(r0["tp2/plain/logprobs_odd"], r0["ep1/plain/logprobs_odd"])
+    print("TP2 (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-6, diffs
+    assert r0["tp2/plain/logprobs_odd"].shape == (B, 15)
+    # both TP ranks count their own positions; summed over TP they are EP 1's counts
+    for rank in (r0, r1):
+        assert torch.equal(rank["tp2/plain/expert_counts"], r0["ep1/plain/expert_counts"])
 
 
 def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep2: dict) -> None:
-    """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP."""
+    """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP; one
+    step with sequence parallelism equals EP 1's."""
     logits, _ = _hf_forward(run["hf"])
     diff = _max_diff(run_tp2ep2["tp2ep2/logits"], logits)
     print(f"TP2×EP2: max |logit - transformers| = {diff:.3g}")
     assert diff < 1e-4
-    assert _max_diff(run_tp2ep2["tp2ep2/plain/logprobs"], run["ranks"][0]["ep1/plain/logprobs"]) < 1e-6
+    diffs = _step_diffs(run_tp2ep2, run["ranks"][0], "tp2ep2")  # trained with sequence parallelism
+    print("TP2×EP2 (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-6, diffs
+    assert torch.equal(run_tp2ep2["tp2ep2/plain/expert_counts"], run["ranks"][0]["ep1/plain/expert_counts"])
     init = load_file(str(run["hf"] / "model.safetensors"))
     loaded = {k.removeprefix("tp2ep2/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith("tp2ep2/loaded/")}
     assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
