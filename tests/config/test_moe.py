@@ -174,7 +174,12 @@ _COORD_EP2 = ("parallel.expert_parallel=2", "coordinator.enabled=true", "coordin
         ),
         (_moe("model.moe_router_topk=5"), 1, "model.moe_router_topk=5 exceeds model.num_experts=4"),
         (_moe("model.moe_aux_loss_coeff=-0.1"), 1, "model.moe_aux_loss_coeff=-0.1 must be >= 0"),
-        (_moe("parallel.tensor_parallel=2"), 2, "parallel.tensor_parallel=2 with a mixture-of-experts model"),
+        (
+            _moe("parallel.tensor_parallel=2"),
+            2,
+            "parallel.sequence_parallel=False with a mixture-of-experts model at parallel.tensor_parallel=2: "
+            "megatron trains MoE layers under TP only with sequence parallelism",
+        ),
         (
             _moe("parallel.expert_parallel=2", "parallel.max_tokens_per_micro_batch=512"),
             2,
@@ -212,6 +217,36 @@ def test_a_valid_moe_layout_trains(ep: int, arch: str) -> None:
     broken = _moe(f"parallel.expert_parallel={ep}", "model.hidden_size=144", "model.kv_channels=32", arch=arch)
     with pytest.raises(ConfigError, match=re.escape("model.hidden_size=144 is not a multiple of 32")):
         validate(load_config(None, broken), 2)
+
+
+_SP = ("parallel.tensor_parallel=2", "parallel.sequence_parallel=true")
+
+
+@pytest.mark.parametrize(
+    ("sets", "world", "message"),
+    [
+        (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=True splits the sequence over TP ranks: "
+         "needs parallel.tensor_parallel > 1"),
+        (_moe(*_SP, "algo.router_replay=trainer"), 2, "algo.router_replay='trainer' with parallel.sequence_parallel"),
+        ([*_SP, "coordinator.enabled=true"], 2, "parallel.sequence_parallel=True with coordinator.enabled: its grad "
+         "probe reads gradients before the TP sum"),
+        (_moe("algo.name=ppo", "algo.advantage=gae", "critic.parallel.tensor_parallel=2"), 2,
+         "parallel.sequence_parallel=False with a mixture-of-experts model at critic.parallel.tensor_parallel=2"),
+    ],
+)  # fmt: skip
+def test_sequence_parallel_rules_name_the_field(sets: list[str], world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(None, sets), world)
+
+
+@pytest.mark.parametrize(("sets", "world"), [(_moe(*_SP), 2), (_moe(*_SP, "parallel.expert_parallel=2"), 4), (_SP, 2)])
+def test_sequence_parallel_layouts_validate(sets: tuple[str, ...], world: int) -> None:
+    """MoE at TP 2 (and TP 2 × EP 2) with sequence parallelism, and a dense model with it; the
+    critic's own TP-1 layout runs without it (megatron refuses SP at TP 1)."""
+    cfg = load_config(None, list(sets))
+    assert validate(cfg, world) is None and cfg.parallel.sequence_parallel
+    assert not cfg.parallel.critic(1, 1, world).sequence_parallel
+    assert cfg.parallel.critic(2, 1, world // 2).sequence_parallel
 
 
 def test_the_coordinator_measures_an_ep2_layout_from_two_expert_parts() -> None:

@@ -30,16 +30,36 @@ class _Router(torch.nn.Module):
 class _Dims:
     dp_group: Any = None  # the default (one-rank) group
     pp_group: Any = None
+    tp_group: Any = None
     pp: int = 1
+    tp: int = 1
+    tp_rank: int = 0
     device: torch.device = torch.device("cpu")
 
 
-def _tracker(num_layers: int = 2, experts: int = 4) -> tuple[ExpertLoad, list[_Router]]:
+def _tracker(num_layers: int = 2, experts: int = 4, dims: _Dims | None = None) -> tuple[ExpertLoad, list[_Router]]:
     routers = [_Router() for _ in range(num_layers)]
     layers = [SimpleNamespace(mlp=SimpleNamespace(router=r), layer_number=i + 1) for i, r in enumerate(routers)]
-    config = SimpleNamespace(num_layers=num_layers, num_moe_experts=experts, moe_router_topk=1)
-    model = SimpleNamespace(config=config, dims=_Dims(), core=SimpleNamespace(decoder=SimpleNamespace(layers=layers)))
-    return ExpertLoad(model), routers
+    config = SimpleNamespace(
+        num_layers=num_layers, num_moe_experts=experts, moe_router_topk=1, sequence_parallel=dims is not None
+    )
+    core = SimpleNamespace(decoder=SimpleNamespace(layers=layers))
+    return ExpertLoad(SimpleNamespace(config=config, dims=dims or _Dims(), core=core)), routers
+
+
+def test_sequence_parallel_counts_this_ranks_slice_of_the_padded_rows() -> None:
+    """TP 2 with sequence parallelism, TP rank 1: a micro-batch of 2 rows × 5 columns runs padded
+    to 6, and this rank's router sees columns 3..5 of both rows, sequence first; real lengths 5
+    and 4 leave (s3,b0) (s3,b1) (s4,b0) real, the padded column s5 never. Packed, 7 tokens padded
+    to 8: this rank sees tokens 4..7, the last one padding."""
+    load, (r0, _) = _tracker(dims=_Dims(tp=2, tp_rank=1))
+    load.expect(torch.tensor([5, 4]), packed=False, width=5)
+    r0(_one_hot([0, 1, 2, 3, 3, 3]))  # (s3,b0) (s3,b1) (s4,b0) (s4,b1) (s5,b0) (s5,b1)
+    assert load.counts[0].tolist() == [1, 1, 1, 0]
+    load.reset()
+    load.expect(torch.tensor([3, 4]), packed=True, width=7)
+    r0(_one_hot([0, 1, 2, 3]))
+    assert load.counts[0].tolist() == [1, 1, 1, 0]
 
 
 def _one_hot(experts: list[int], n: int = 4) -> torch.Tensor:
