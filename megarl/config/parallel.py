@@ -28,6 +28,9 @@ class ParallelConfig:
     megatron's alltoall dispatcher. Must divide model.num_experts and DP. Expert tensor
     parallelism equals tensor_parallel (each expert split over TP like a dense MLP); a MoE model
     at tensor_parallel > 1 needs sequence_parallel."""
+    expert_tensor_parallel: int = 0
+    """Expert tensor-parallel size (megatron's expert_tensor_parallel_size); 0 = tensor_parallel,
+    the only layout megarl builds: each expert split over TP like a dense MLP."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside attention and the MLP's TP-split matmuls (norms,
     residuals, dropout, the MoE router) each TP rank holds 1/TP of the sequence, halving those
@@ -62,7 +65,11 @@ class ParallelConfig:
     activations and gradients). The ranks hold their peak memory, as a GPU caching allocator
     does. False = the C library's defaults."""
 
-    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("logprob_micro_batch_size", "max_tokens_per_micro_batch")
+    ZERO_ALLOWED: ClassVar[tuple[str, ...]] = (
+        "logprob_micro_batch_size",
+        "max_tokens_per_micro_batch",
+        "expert_tensor_parallel",
+    )
 
     def validate(self) -> None:
         """pack_sequences packs token-budget micro-batches; sequence parallelism splits the
@@ -115,6 +122,14 @@ class ParallelConfig:
         if m.is_moe and m.expert_ffn_hidden_size % tp:
             fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
         self.check_sequence_parallel(m, tp, "parallel.tensor_parallel")
+        if self.expert_tensor_parallel not in (0, tp):
+            fail(
+                "parallel.expert_tensor_parallel",
+                self.expert_tensor_parallel,
+                f"differs from parallel.tensor_parallel={tp}: megarl splits experts over TP exactly as a dense MLP "
+                "(expert-parallel groups over DP ranks, HF conversion, the weight sync's gather and the grad "
+                "probe's expert parts all assume it); megatron's other expert layouts are not built",
+            )
         if ep > 1 and self.max_tokens_per_micro_batch:
             fail(
                 "parallel.max_tokens_per_micro_batch",
