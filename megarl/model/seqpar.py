@@ -11,8 +11,9 @@ whole, (b, s, v/TP). megarl adds three things:
   normalised different positions); the block's final norm is one too (:func:`block_spec`);
 * padding: the sequence dimension a rank splits must divide by TP, so a micro-batch of width
   (packed: token count) ``s`` runs right-padded to :func:`padded_length` and its output is cut
-  back to ``s`` columns (:func:`forward_padded`, every forward of megarl's schedule runner). Causal attention makes the
-  padding invisible to every real position; packed, the padding is a sequence of its own;
+  back to ``s`` columns (:func:`forward_padded`, every forward of megarl's schedule runner).
+  Causal attention makes the padding invisible to every real position; packed, the padding is
+  a sequence of its own (one more ``cu_seqlens`` segment);
 * the value head gathers the sequence itself (``megarl.model.value_head``).
 """
 
