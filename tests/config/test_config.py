@@ -339,7 +339,7 @@ def test_only_the_ints_a_section_allows_may_be_zero() -> None:
     assert may_be_zero == [
         "model.kv_channels", "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_dead_expert_steps",
         "model.vocab_size",
-        "parallel.logprob_micro_batch_size",
+        "parallel.expert_tensor_parallel", "parallel.logprob_micro_batch_size",
         "parallel.max_tokens_per_micro_batch", "optim.warmup_steps", "reward.max_tasks_per_worker",
         "reward.worker_memory_mb", "reward.stop_after_failed_steps", "rollout.min_response_len",
         "rollout.engine_logprobs_every", "rollout.engine_threads", "rollout.max_staleness", "env.max_tokens",
