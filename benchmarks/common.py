@@ -14,9 +14,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train(config: str, sets: list[str], log_path: Path, timeout: int = 1800) -> dict[str, Any]:
-    """Run `megarl train` to completion; return its summary dict (raises with the log tail)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def run_train(
+    config: str, sets: list[str], log_path: Path, timeout: int = 1800, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run `megarl train` to completion; return its summary dict (raises with the log tail).
+    ``env``: extra environment variables of the run (e.g. ``MEGARL_VIRTUAL_CLOCK``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", config]
     for s in sets:
         cmd += ["--set", s]

@@ -61,6 +61,7 @@ def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def run_result(
     v: Variant, seed: int, run_dir: Path, summary: dict[str, Any], targets: list[float], wall_s: float
 ) -> dict[str, Any]:
+    from benchmarks.ttt.clocked import step_batches
     from megarl.metrics import read_metrics
 
     recs = read_metrics(run_dir)
@@ -72,11 +73,13 @@ def run_result(
         "key": f"{v.name}_s{seed}",
         "variant": v.name,
         "kind": v.kind,
+        "clock": v.clock,
         "seed": seed,
         "prompts": v.prompts,
         "batch": v.batch,
         "lr": v.lr,
         "curve": curve.to_dict(),
+        "step_batches": step_batches(recs),  # responses per step: re-costed under each clock
         "reached": [c.reached for c in cross],
         "time_s": [c.time_s for c in cross],
         "steps": [c.steps for c in cross],

@@ -36,6 +36,10 @@ class Variant:
     lr: float
     sets: tuple[str, ...] = field(default=())
     """`--set` overrides beyond batch and LR (coordinator settings)."""
+    clock: str = "cpu"
+    """The clock the run is shown (``MEGARL_VIRTUAL_CLOCK``): a ``[clock.NAME]`` of
+    ``clocks.toml``, or ``cpu`` for this machine's own. Only coordinator runs take one (a fixed
+    setting learns the same on every clock and is re-costed: ``benchmarks/ttt/clocked.py``)."""
 
     @property
     def batch(self) -> int:
@@ -48,6 +52,15 @@ class Variant:
             f"optim.lr={self.lr:.4g}",
             *(self.sets or ("coordinator.enabled=false",)),
         ]
+
+    def cache_tags(self) -> list[str]:
+        """What the result cache keys on beyond the ``--set`` overrides: the clock and the sha256
+        of the clocks file (a changed cost model is a new clock, so its results are rerun)."""
+        if self.clock == "cpu":
+            return []
+        from benchmarks.ttt.clocked import clocks_sha256
+
+        return [f"#vclock={self.clock}:{clocks_sha256()}"]
 
 
 def sqrt_lr(lr_ref: float, p_ref: int, prompts: int) -> float:
@@ -62,7 +75,10 @@ def sweep(prompts: list[int], mults: list[float], lr_ref: float, p_ref: int) -> 
     ]
 
 
-def coordinator(name: str, start: int, lo: int, hi: int, lr_ref: float, p_ref: int, extra: list[str]) -> Variant:
+def coordinator(
+    name: str, start: int, lo: int, hi: int, lr_ref: float, p_ref: int, extra: list[str], clock: str = "cpu"
+) -> Variant:
+    """The coordinator started at ``start`` prompts; under a virtual clock it is named ``NAME@CLOCK``."""
     sets = (
         "coordinator.enabled=true",
         f"coordinator.min_prompts={lo}",
@@ -71,7 +87,8 @@ def coordinator(name: str, start: int, lo: int, hi: int, lr_ref: float, p_ref: i
         f"coordinator.lr_max={sqrt_lr(lr_ref, p_ref, hi) * 4:.4g}",
         *extra,
     )
-    return Variant(name, "coord", start, SAMPLES, sqrt_lr(lr_ref, p_ref, start), sets)
+    name = name if clock == "cpu" else f"{name}@{clock}"
+    return Variant(name, "coord", start, SAMPLES, sqrt_lr(lr_ref, p_ref, start), sets, clock)
 
 
 def library_default() -> Variant:

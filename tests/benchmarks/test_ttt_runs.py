@@ -141,6 +141,7 @@ def test_base_keeps_its_validation_reward_and_is_cached(tmp_path, monkeypatch):
     """make_base with run_train standing in for the warm start (a quick run once had the
     task file's row counts overwrite the base's validation reward: targets of 600.03)."""
     import benchmarks.time_to_target as ttt
+    from benchmarks.ttt import harness
 
     calls = []
 
@@ -148,7 +149,7 @@ def test_base_keeps_its_validation_reward_and_is_cached(tmp_path, monkeypatch):
         calls.append(sets)
         return {"val/reward_start": 0.25, "warm_start/final_nll": 1.3}
 
-    monkeypatch.setattr(ttt, "run_train", fake_train)
+    monkeypatch.setattr(harness, "run_train", fake_train)
     mode = ttt.MODES["quick"]
     base = ttt.make_base(tmp_path, mode)
     assert base["val"] == 0.25 and (base["train_rows"], base["val_rows"]) == (20000, 600)
