@@ -209,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / ("runs/bench_ttt_quick" if args.quick else "runs/bench_ttt"))
     if args.study:
         from benchmarks.ttt import study
+        from benchmarks.ttt.registration import RegistrationError
 
-        return study.main(args, mode, out)
+        try:
+            return study.main(args, mode, out)
+        except RegistrationError as e:
+            raise SystemExit(f"time_to_target --study: {e}") from None
     grid = {v.name: v for v in runs.sweep(mode.prompts, mode.mults, mode.lr_ref, mode.p_ref)}
     if args.best and args.best not in grid:
         raise SystemExit(f"--best {args.best!r} is not a sweep setting of this mode ({', '.join(grid)})")

@@ -126,3 +126,7 @@ def seeds_needed(
         if gap >= (t_quantile(level, n - 1) + t_quantile(power, n - 1)) * sigma / math.sqrt(n):
             return n
     return None
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
