@@ -32,6 +32,16 @@ sweep vs the coordinators' online B_noise, and one JSON line of ratios; writes
     python benchmarks/time_to_target.py --best sweep_p32_m1 --seeds 3 --arm inf:coordinator.unresolved_as_infinite=true
         # an A/B of a coordinator option: both starts with and without it, interleaved per seed
         # (coord_small_inf, ...); the JSON line adds control/arm time ratios per start
+    python benchmarks/time_to_target.py --quick --clock cpu,gpu-mid,gpu-high
+        # each mode under virtual clocks (#45, benchmarks/ttt/clocks.toml): a fixed setting's run is
+        # re-costed from its recorded per-step batches under every clock, the coordinator is rerun
+        # under each (MEGARL_VIRTUAL_CLOCK: its choices depend on it); one report per clock, every
+        # JSON line with the clocks file's sha256, time = samples to target × cost per sample and
+        # each ratio's statistical × systems factors, CPU train time beside the clock's
+    python benchmarks/time_to_target.py --study [--pilot-only] [--power [--sigma S]] [--quick]
+        # the pre-registered study (benchmarks/ttt/registration.toml, benchmarks/ttt/study.py):
+        # V1/V2/V3/V5 per clock with one-sided 90 % lower bounds and PASS/FAIL; judged seeds run
+        # only with the registration committed and the base pinned (docs/COORDINATOR.md §6)
 """
 
 from __future__ import annotations
