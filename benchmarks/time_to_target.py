@@ -90,7 +90,9 @@ def plan(
     return order
 
 
-def coordinators(mode: Mode, extra: list[str], suffix: str = "", clocks: tuple[str, ...] | list[str] = (CPU,)) -> list[runs.Variant]:
+def coordinators(
+    mode: Mode, extra: list[str], suffix: str = "", clocks: tuple[str, ...] | list[str] = (CPU,)
+) -> list[runs.Variant]:
     """The coordinator started at the sweep's smallest and at its largest prompt count, under
     each clock: [small@c1, large@c1, small@c2, ...] (no suffix on ``cpu``)."""
     lo, hi = mode.coord_range

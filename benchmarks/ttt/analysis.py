@@ -43,8 +43,14 @@ def coordinator_stats(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return statistics.median(xs) if xs else None
 
     step_s = _finite([r.get("timing/step/total") for r in steps])
-    overhead = _finite(  # the micro-batch probe (coord/probe_s/<model>) + the observe phase (named "plan" in older results)
-        [sum(v for k, v in r.items() if k.startswith("coord/probe_s/")) + r.get("timing/step/observe", r.get("timing/step/plan", 0.0)) for r in steps]
+    overhead = (
+        _finite(  # the micro-batch probe (coord/probe_s/<model>) + the observe phase (named "plan" in older results)
+            [
+                sum(v for k, v in r.items() if k.startswith("coord/probe_s/"))
+                + r.get("timing/step/observe", r.get("timing/step/plan", 0.0))
+                for r in steps
+            ]
+        )
     )
     return {
         "model": m,
@@ -187,9 +193,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def estimate_wall_s(
-    results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int
-) -> float | None:
+def estimate_wall_s(results: list[dict[str, Any]], batches: list[int], samples: int, eval_samples: int) -> float | None:
     """Wall time of runs at ``batches`` training ``samples`` responses each, validated every
     ``eval_samples``, from the measured costs: step time t(B) = a + b·B (least squares over
     fixed runs), validation per evaluation and start-up/shutdown per run (means)."""

@@ -101,7 +101,9 @@ def on_clock(res: dict[str, Any], name: str, clock: Any, targets: list[float], h
     return out
 
 
-def clock_view(results: list[dict[str, Any]], name: str, clock: Any, targets: list[float], half: int) -> list[dict[str, Any]]:
+def clock_view(
+    results: list[dict[str, Any]], name: str, clock: Any, targets: list[float], half: int
+) -> list[dict[str, Any]]:
     """The results that count on clock ``name``: every fixed setting (re-costed) and the
     coordinator runs made under that clock."""
     keep = [r for r in results if r["kind"] != "coord" or r.get("clock", CPU) == name]

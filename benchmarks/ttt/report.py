@@ -50,7 +50,9 @@ def rows_with_clock(rows: list[dict[str, Any]], view: list[dict[str, Any]]) -> l
     out = []
     for row, r in zip(rows, view):
         cps = r["cost_per_sample"][-1]
-        out.append(row | {"cpu_s": round(r["cpu_s"][-1], 1), "ms_per_sample": None if cps is None else round(1e3 * cps, 3)})
+        out.append(
+            row | {"cpu_s": round(r["cpu_s"][-1], 1), "ms_per_sample": None if cps is None else round(1e3 * cps, 3)}
+        )
     return out
 
 
@@ -76,7 +78,9 @@ def report_clocks(
             print(report["calibration_line"])
         print(resolution_line(report["ratios"]["bar_resolution"]))
         if out_dir is not None and "sweep" in report:
-            (out_dir / ("sweep.json" if name == "cpu" else f"sweep_{name}.json")).write_text(json.dumps(report["sweep"], indent=1))
+            (out_dir / ("sweep.json" if name == "cpu" else f"sweep_{name}.json")).write_text(
+                json.dumps(report["sweep"], indent=1)
+            )
         coords = sorted({r["variant"] for r in view if r["kind"] == "coord"})
         h = headline_index(view, best)
         extra = {"clock": name, "clocks_sha256": sha, "decomposition": decomposition(view, best, coords, h)}

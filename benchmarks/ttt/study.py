@@ -121,9 +121,11 @@ def main(args: argparse.Namespace, mode: Mode, out: Path) -> int:
     base = make_base(out, mode)
     sha = base_sha256(out / "base/hf_final")
     if reg.base_sha256 and reg.base_sha256 != sha:
-        raise registration.RegistrationError(f"{reg.path}: base.sha256 = {reg.base_sha256[:12]}… but {out}/base is {sha[:12]}…")
+        raise registration.RegistrationError(
+            f"{reg.path}: base.sha256 = {reg.base_sha256[:12]}… but {out}/base is {sha[:12]}…"
+        )
     if judged and not reg.base_sha256:
-        raise registration.RegistrationError(f"{reg.path}: pin the base before judged runs: base.sha256 = \"{sha}\"")
+        raise registration.RegistrationError(f'{reg.path}: pin the base before judged runs: base.sha256 = "{sha}"')
     targets = [round(base["val"] + g, 4) for g in mode.gains]
     print(json.dumps({"base": base, "base_sha256": sha, "targets": targets}), flush=True)
     common, execute = common_sets(out, mode, targets) + reg.common_sets, executor(out, mode, targets)

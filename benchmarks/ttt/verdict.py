@@ -104,12 +104,16 @@ def _lower_ok(fig: dict[str, Any] | None, bar: float) -> bool:
     return fig is not None and fig["lower"] is not None and fig["lower"] >= bar
 
 
-def _row(name: str, clock: str, fig: dict[str, Any] | None, rule: str, ok: bool | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    name: str, clock: str, fig: dict[str, Any] | None, rule: str, ok: bool | None, extra: dict[str, Any]
+) -> dict[str, Any]:
     verdict = "-" if ok is None else "PASS" if ok else "FAIL"
     return {"figure": name, "clock": clock, "rule": rule, "verdict": verdict, **(fig or {"n": 0}), **extra}
 
 
-def power(rows: list[dict[str, Any]], bars: dict[str, Any], sigma: float | None = None, level: float = 0.9) -> list[dict[str, Any]]:
+def power(
+    rows: list[dict[str, Any]], bars: dict[str, Any], sigma: float | None = None, level: float = 0.9
+) -> list[dict[str, Any]]:
     """Seeds each lower-bound bar needs (V1, V2): at the pilot rows' geometric mean and their σ of
     log ratios (or ``sigma`` given), :func:`benchmarks.ttt.stats.seeds_needed` at power 0.8."""
     out = []

@@ -24,7 +24,9 @@ def _result(variant, kind, seed, batches, reward, clock=CPU, every=2):
 
 
 def test_step_batches_reads_each_steps_responses_and_refuses_a_gap():
-    recs = [{"step": 0, "val/reward": 0.1}] + [{"step": s, "timing/step/total": 1.0, "rollout/responses": 64 * s} for s in (1, 2, 3)]
+    recs = [{"step": 0, "val/reward": 0.1}] + [
+        {"step": s, "timing/step/total": 1.0, "rollout/responses": 64 * s} for s in (1, 2, 3)
+    ]
     assert step_batches(recs) == [64, 128, 192]
     with pytest.raises(ValueError, match=r"no step record for steps \[2\]"):
         step_batches([r for r in recs if r["step"] != 2])
@@ -65,7 +67,10 @@ def test_a_clocks_view_holds_every_fixed_run_and_only_its_own_coordinator_runs(g
                _result("coord_small@gpu-mid", "coord", 1, [128, 256, 512, 512, 512, 512, 512, 512], rw, "gpu-mid"),
                _result("coord_small@gpu-high", "coord", 1, [128] * 8, rw, "gpu-high")]  # fmt: skip
     view = clock_view(results, "gpu-mid", gpu_mid, [0.25], half=1)
-    assert [(r["key"], r["variant"]) for r in view] == [("sweep_p8_m1_s1", "sweep_p8_m1"), ("coord_small@gpu-mid_s1", "coord_small")]
+    assert [(r["key"], r["variant"]) for r in view] == [
+        ("sweep_p8_m1_s1", "sweep_p8_m1"),
+        ("coord_small@gpu-mid_s1", "coord_small"),
+    ]
     cpu = clock_view(results, CPU, None, [0.25], half=1)
     assert [r["key"] for r in cpu] == ["sweep_p8_m1_s1", "coord_small_s1"]
 
@@ -83,5 +88,7 @@ def test_a_time_ratio_splits_exactly_into_samples_and_cost_per_sample():
     ]  # fmt: skip
     got = decomposition(view, "fixed", ["coord"], 0)["fixed/coord"]
     # seed 2: time 1, statistical 0.5, systems 2 → gm time √2.5, statistical √0.625, systems 2
-    assert got["time"] == pytest.approx(2.5**0.5, abs=1e-4) and got["statistical"] == pytest.approx(0.625**0.5, abs=1e-4)
+    assert got["time"] == pytest.approx(2.5**0.5, abs=1e-4) and got["statistical"] == pytest.approx(
+        0.625**0.5, abs=1e-4
+    )
     assert got["systems"] == pytest.approx(2.0, abs=1e-4) and got["seeds"] == 2

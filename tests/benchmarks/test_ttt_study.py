@@ -17,7 +17,14 @@ BARS = registration.load().bars
 
 
 def _run(variant, seed, t, samples=1000.0, reached=True):
-    return {"variant": variant, "seed": seed, "time_s": [t], "cpu_s": [10 * t], "samples": [samples], "reached": [reached]}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "time_s": [t],
+        "cpu_s": [10 * t],
+        "samples": [samples],
+        "reached": [reached],
+    }
 
 
 def _view():
