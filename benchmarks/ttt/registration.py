@@ -68,12 +68,12 @@ def _ints(doc: dict[str, Any], path: Path, dotted: str) -> list[int]:
 
 
 def load(path: Path = DEFAULT, root: Path | None = None) -> Registration:
-    """Parse and check ``path``; the clocks file is resolved against ``root`` (the repository)."""
+    """Parse and check ``path``; the clocks file is resolved against ``root`` (default: this repository)."""
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise RegistrationError(f"{path}: {e}") from e
-    root = root or path.resolve().parents[2]
+    root = root or Path(__file__).resolve().parents[2]
     clocks_file = root / _get(doc, path, "clocks.file", str)
     sha = _get(doc, path, "clocks.sha256", str)
     if clocks_sha256(clocks_file) != sha:
