@@ -39,8 +39,7 @@ def decomposition(view: list[dict[str, Any]], other: str, methods: list[str], i:
                 pairs.append(d)
         if pairs:
             out[f"{other}/{m}"] = {
-                k: stats.paired([d[k] for d in pairs]).to_dict()["gm"]  # type: ignore[union-attr]
-                for k in ("time", "statistical", "systems")
+                k: round(stats.geomean([d[k] for d in pairs]), 4) for k in ("time", "statistical", "systems")
             } | {"seeds": len(pairs)}
     return out
 
