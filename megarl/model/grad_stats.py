@@ -65,9 +65,17 @@ class GradProbe:
     microbatches_per_part: int = 1
     """Consecutive micro-batches that make one part (whole GRPO groups); the rank's micro-batch
     count must be a multiple of it (the config keeps it so)."""
+    split: bool = False
+    """Also read each part's halves (a part is one GRPO group in an even number of micro-batches:
+    the first half of them holds half its responses): the squared norm of their difference,
+    ``split_sq``, for the between/within-prompt split (``megarl.coordinator.noise_split``)."""
     active: bool = False
     local_sq: float = 0.0
     mb_sq: list[float] = field(default_factory=list)
+    split_sq: list[float] = field(default_factory=list)
+    """With ``split``: per part, |Δ_1 - Δ_2|² of its halves' sum-scaled gradients (order of mb_sq)."""
+    _half: list[torch.Tensor] | None = None
+    _split_pending: list[torch.Tensor] = field(default_factory=list)
     _segments: list[list[tuple[int, int]]] | None = None
     _prev: list[torch.Tensor] | None = None
     _pending: list[torch.Tensor] = field(default_factory=list)
@@ -90,6 +98,11 @@ class GradProbe:
             # pipeline schedules interleave micro-batches' forwards and backwards (1F1B): the
             # buffer's change between two forwards is not one micro-batch's gradient
             raise ValueError("micro-batch gradient norms need pipeline_parallel = 1")
+        if self.split and (not self.microbatch or self.microbatches_per_part % 2 or self.dims.ep > 1):
+            raise ValueError(
+                f"the noise split needs micro-batch parts of an even number of micro-batches at EP = 1, got "
+                f"microbatch={self.microbatch}, microbatches_per_part={self.microbatches_per_part}, EP={self.dims.ep}"
+            )
 
     @staticmethod
     def _all_buffers(ddp: Any) -> list[Any]:
@@ -178,6 +191,7 @@ class GradProbe:
         """Measure the next update; ``weights``: Adam's preconditioner per grad buffer (or None)."""
         self.active, self.local_sq, self.mb_sq, self._prev, self.seconds = True, 0.0, [], None, 0.0
         self._pending, self.weights, self.global_sq, self._boundaries = [], weights, None, 0
+        self.split_sq, self._split_pending, self._half = [], [], None
 
     def microbatch_boundary(self, ddp: Any, last: bool = False) -> None:
         """Called before each micro-batch's forward (k > 0) and before the DP reduce (``last``).
@@ -189,6 +203,9 @@ class GradProbe:
         if not (self.active and self.microbatch):
             return
         self._boundaries += 1
+        if self.split and not last and self._boundaries % self.microbatches_per_part == self.microbatches_per_part // 2:
+            self._read_half(ddp)
+            return
         if not last and self._boundaries % self.microbatches_per_part:
             return  # inside a part: its micro-batches are read together
         if self._boundaries % self.microbatches_per_part:
@@ -199,14 +216,41 @@ class GradProbe:
         cur = self._buffers(ddp)
         if self._prev is None:
             self._pending.append(self._local_sq(ddp, cur))
+            self._read_difference(ddp, cur, -1.0)
             self._prev = [c.clone() for c in cur]
         else:
             for p, c in zip(self._prev, cur, strict=True):
                 p.sub_(c)
             self._pending.append(self._local_sq(ddp, self._prev))
+            self._read_difference(ddp, self._prev, 1.0)  # prev - cur = -(Δ_1 + Δ_2)
             for p, c in zip(self._prev, cur, strict=True):
                 p.copy_(c)
         self.seconds += time.perf_counter() - t0
+
+    def _read_half(self, ddp: Any) -> None:
+        """The middle of a part (``split``): keep its first half's gradient Δ_1 = cur - prev in a
+        second buffer copy (the probe's only other memory, for the measured update)."""
+        t0 = time.perf_counter()
+        cur = self._buffers(ddp)
+        if self._half is None:
+            self._half = [c.clone() for c in cur]
+        else:
+            for h, c in zip(self._half, cur, strict=True):
+                h.copy_(c)
+        if self._prev is not None:  # (the first part starts from the zeroed buffer)
+            for h, p in zip(self._half, self._prev, strict=True):
+                h.sub_(p)
+        self.seconds += time.perf_counter() - t0
+
+    def _read_difference(self, ddp: Any, whole: list[torch.Tensor], sign: float) -> None:
+        """The end of a part (``split``): with ``sign``·``whole`` = -(Δ_1 + Δ_2), the halves'
+        difference Δ_1 - Δ_2 = 2·Δ_1 - (Δ_1 + Δ_2), formed in the half copy, and its norm."""
+        if not self.split:
+            return
+        assert self._half is not None, "grad probe: a part ended before its middle was read"
+        for h, w in zip(self._half, whole, strict=True):
+            h.mul_(2.0).add_(w, alpha=sign)
+        self._split_pending.append(self._local_sq(ddp, self._half))
 
     def before_reduce(self, ddp: Any) -> None:
         """The step's last boundary, then every norm summed over the model-parallel group in one
@@ -216,7 +260,8 @@ class GradProbe:
             return
         self.microbatch_boundary(ddp, last=True)
         t0 = time.perf_counter()
-        sums = torch.stack([*self._pending, self._local_sq(ddp, self._buffers(ddp))])  # (parts + 1, classes)
+        k = len(self._pending)  # (parts + split parts + 1, classes)
+        sums = torch.stack([*self._pending, *self._split_pending, self._local_sq(ddp, self._buffers(ddp))])
         if self.dims.tp * self.dims.pp > 1:
             dist.all_reduce(sums, group=self.dims.mp_group)
         if self.classes > 1:  # disjoint experts: the sum is the EP group's part, each expert once
@@ -225,8 +270,8 @@ class GradProbe:
             values = [float(x) for x in experts.cpu()]
             self.expert_mb_sq, self.expert_local_sq = values[:-1], values[-1]
         values = [float(x) for x in sums[:, 0].cpu()]
-        self.mb_sq, self.local_sq = values[:-1], values[-1]
-        self._pending, self._prev = [], None  # the copy lives for the measured step only
+        self.mb_sq, self.split_sq, self.local_sq = values[:k], values[k:-1], values[-1]
+        self._pending, self._prev, self._split_pending, self._half = [], None, [], None  # copies: the measured step only
         self.seconds += time.perf_counter() - t0
 
     def after_reduce(self, ddp: Any) -> None:
@@ -270,6 +315,10 @@ class GradProbe:
     def gather_microbatches(self) -> list[float]:
         """Every DP rank's micro-batch norms, rank-major (ranks may hold different counts)."""
         return [x for rank in self._gather(self.mb_sq) for x in rank]
+
+    def gather_split(self) -> list[float]:
+        """Every DP rank's ``split_sq``, rank-major (the order of :meth:`gather_microbatches`)."""
+        return [x for rank in self._gather(self.split_sq) for x in rank]
 
     def gather_experts(self) -> list[list[float]]:
         """EP > 1: per EP group (consecutive DP ranks, megatron's order), its expert parts — one

@@ -52,3 +52,22 @@ def test_parts_are_runs_of_micro_batches() -> None:
     thirds.start()
     with pytest.raises(RuntimeError, match="6 micro-batches are not whole parts of 4"):
         _accumulate(thirds, grads)
+
+
+def test_split_reads_each_parts_halves_difference() -> None:
+    """``split``: per part of 2k micro-batches, |Δ_1 - Δ_2|² of its first k against its last k
+    (the halves of one GRPO group), beside the unchanged whole-part norms."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(40, generator=gen, dtype=torch.float64).float() for _ in range(8)]
+    plain = GradProbe(_dims(), microbatch=True, microbatches_per_part=4)
+    plain.start()
+    _accumulate(plain, grads)
+    split = GradProbe(_dims(), microbatch=True, microbatches_per_part=4, split=True)
+    split.start()
+    _accumulate(split, grads)
+    assert split.mb_sq == plain.mb_sq and split.local_sq == plain.local_sq  # bitwise: the split only adds
+    g = [x.double() for x in grads]
+    want = [float((g[i] + g[i + 1] - g[i + 2] - g[i + 3]).pow(2).sum()) for i in (0, 4)]
+    assert split.split_sq == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="even number of micro-batches"):
+        GradProbe(_dims(), microbatch=True, microbatches_per_part=3, split=True)
