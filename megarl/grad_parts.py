@@ -60,6 +60,20 @@ def read_parts(probe: GradProbe, every: list[slice], mbs: int) -> tuple[list[flo
     return parts, rows, ExpertParts(sq=sq, rows=union, global_sq=probe.expert_global_sq)
 
 
+def read_split(probe: GradProbe) -> list[float] | None:
+    """Each part's halves' |Δ_1 - Δ_2|² (sum-scaled), rank-major like the parts, when the probe
+    read them (``GradProbe.split``); a collective over DP then."""
+    if not probe.split:
+        return None
+    return probe.gather_split() if probe.dims.dp > 1 else probe.split_sq
+
+
+def halves(rows: slice) -> tuple[slice, slice]:
+    """A part's two halves: its first and last half of rows (one GRPO group, contiguous)."""
+    mid = (rows.start + rows.stop) // 2
+    return slice(rows.start, mid), slice(mid, rows.stop)
+
+
 def grad_stats(
     name: str,
     parts: list[float],
@@ -70,6 +84,7 @@ def grad_stats(
     unit: str,
     source: str,
     experts: ExpertParts | None = None,
+    split: list[float] | None = None,
 ) -> ModelGradStats | None:
     """ModelGradStats over the parts' units with signal; None when fewer than 2 parts have any
     (of either class at EP > 1).
@@ -81,7 +96,8 @@ def grad_stats(
     norm is ~0 and says nothing about the noise); ``signal_fraction`` tells the coordinator
     which share of the rollout's responses the estimate counts. ``source``: "microbatch" or
     "dp", what the parts are. ``experts``: at EP > 1 the experts' parts (``parts`` and
-    ``grad_norm`` then cover the dense parameters), scaled alike over the same D_s.
+    ``grad_norm`` then cover the dense parameters), scaled alike over the same D_s. ``split``:
+    each part's halves' |Δ_1 - Δ_2|² (`read_split`), rescaled like its part.
     """
     total = float(units.sum())
     weight = units * signal
@@ -99,6 +115,14 @@ def grad_stats(
             batches=[n for _, n in e_kept],
             global_sq_norm=rescale(experts.global_sq, signal_units, total),
         )
+    split_sq = split_halves = None
+    if split is not None:
+        if len(split) != len(parts):
+            raise RuntimeError(f"grad probe saw {len(split)} split parts, expected {len(parts)}")
+        per_part = [[float(weight[h].sum()) for h in halves(r)] for r in rows]
+        kept_split = [(s, h) for s, h in zip(split, per_part, strict=True) if sum(h) > 0]
+        split_sq = [rescale(s, sum(h), total) for s, h in kept_split]
+        split_halves = [h for _, h in kept_split]
     return ModelGradStats(
         model=name,
         local_sq_norms=[rescale(s, n, total) for s, n in kept],
@@ -109,6 +133,8 @@ def grad_stats(
         source=source,  # type: ignore[arg-type]
         grad_average="samples",
         experts=expert_stats,
+        split_sq_norms=split_sq,
+        split_halves=split_halves,
     )
 
 

@@ -6,9 +6,13 @@ and the starting batch is :mod:`megarl.config.cross`'s rule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from megarl.config.rules import fail
+
+if TYPE_CHECKING:
+    from megarl.config.parallel import ParallelConfig
+    from megarl.config.rollout import RolloutConfig
 
 
 @dataclass(kw_only=True)
@@ -96,15 +100,45 @@ class CoordinatorConfig:
     the phases that cannot measure theirs (generation; the log-prob forwards and the update
     measure it: time outside their micro-batch work)."""
 
+    choose: Literal["total", "prompts_and_samples"] = "total"
+    """What the planner chooses: "total" the prompts per step at the configured samples per prompt;
+    "prompts_and_samples" both, from the noise split by prompt (σ_b²/P + σ_w²/(P·S), docs/
+    COORDINATOR.md §2), samples per prompt in [min_samples_per_prompt, max_samples_per_prompt] and a
+    multiple of 2 × parallel.micro_batch_size (each group's halves in whole micro-batches)."""
+    noise_split: bool = False
+    """Measure the gradient noise split by prompt (``coord/noise_between|within``) while choosing
+    the total: each probe part is one GRPO group whose halves are read apart (needs
+    parallel.micro_batch_size to divide samples_per_prompt/2; one more grad-buffer copy during
+    the measured update). Always on with choose=prompts_and_samples."""
+    min_samples_per_prompt: int = 2
+    """Fewest samples per prompt choose=prompts_and_samples may pick (>= 2: a group-based
+    advantage needs a baseline from the group's other samples)."""
+    max_samples_per_prompt: int = 64
+    """Most samples per prompt choose=prompts_and_samples may pick (engine memory, dataset bound)."""
+
     ZERO_ALLOWED: ClassVar[tuple[str, ...]] = ("warmup_steps", "cooldown_steps", "lr_reference_batch")
 
     def validate(self) -> None:
-        """A known noise kind; a reference batch >= 0."""
+        """A known noise kind and choice; samples-per-prompt bounds >= 2 and ordered; a reference batch >= 0."""
         if self.noise_kind not in ("plain", "adam"):
             fail(
                 "coordinator.noise_kind",
                 self.noise_kind,
                 "must be 'plain' (raw gradients) or 'adam' (Adam-preconditioned)",
+            )
+        if self.choose not in ("total", "prompts_and_samples"):
+            fail("coordinator.choose", self.choose, "must be 'total' or 'prompts_and_samples'")
+        if self.min_samples_per_prompt < 2:
+            fail(
+                "coordinator.min_samples_per_prompt",
+                self.min_samples_per_prompt,
+                "must be >= 2 (a group-based advantage needs a baseline from the group's other samples)",
+            )
+        if self.max_samples_per_prompt < self.min_samples_per_prompt:
+            fail(
+                "coordinator.max_samples_per_prompt",
+                self.max_samples_per_prompt,
+                f"must be >= coordinator.min_samples_per_prompt={self.min_samples_per_prompt}",
             )
         if self.lr_reference_batch < 0:
             fail(
@@ -123,3 +157,35 @@ class CoordinatorConfig:
                 "with coordinator.enabled: its grad probe reads gradients before the TP sum that sequence "
                 "parallelism needs for norms and routers (each TP rank holds its own positions' part)",
             )
+
+    def check_samples_layout(self, r: RolloutConfig, p: ParallelConfig) -> None:
+        """choose=prompts_and_samples (a cross-section rule, run by ``megarl.config.cross``): the
+        starting group inside the bounds, its halves in whole micro-batches (the noise split reads
+        them), and no layout whose probe parts are not micro-batches."""
+        if not self.min_samples_per_prompt <= r.samples_per_prompt <= self.max_samples_per_prompt:
+            fail(
+                "rollout.samples_per_prompt",
+                r.samples_per_prompt,
+                f"must lie in [coordinator.min_samples_per_prompt={self.min_samples_per_prompt}, "
+                f"coordinator.max_samples_per_prompt={self.max_samples_per_prompt}] with "
+                "coordinator.choose=prompts_and_samples",
+            )
+        if r.samples_per_prompt % (2 * p.micro_batch_size):
+            fail(
+                "parallel.micro_batch_size",
+                p.micro_batch_size,
+                f"must divide rollout.samples_per_prompt/2={r.samples_per_prompt / 2:g} with coordinator.choose="
+                "prompts_and_samples (the noise split reads each group's halves as whole micro-batches)",
+            )
+        for field, value, rule in (
+            ("parallel.pipeline_parallel", p.pipeline_parallel, 1),
+            ("parallel.expert_parallel", p.expert_parallel, 1),
+            ("parallel.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, 0),
+            ("coordinator.microbatch_parts", self.microbatch_parts, True),
+        ):
+            if value != rule:
+                fail(
+                    field,
+                    value,
+                    f"must be {rule} with coordinator.choose=prompts_and_samples (probe parts are micro-batches)",
+                )

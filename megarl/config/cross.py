@@ -298,6 +298,8 @@ def _coordinator(cfg: RunConfig) -> None:
             r.num_prompts,
             f"must lie in [coordinator.min_prompts={c.min_prompts}, coordinator.max_prompts={c.max_prompts}]",
         )
+    if c.enabled and c.choose == "prompts_and_samples":
+        c.check_samples_layout(r, cfg.parallel)
 
 
 CPU_ENGINE_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

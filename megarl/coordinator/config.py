@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from megarl.config import CoordinatorConfig
 from megarl.coordinator.goodput import BatchGrid
 from megarl.coordinator.lr_rules import LR_RULES
+from megarl.coordinator.samples import SamplesLayout
 
 
 @dataclass(kw_only=True)
@@ -44,6 +45,9 @@ class CoordinatorRun:
     mini_batches: int = 1
     """Optimizer steps per rollout and PPO epoch (``algo.mini_batches``): each step trains on
     B/mini_batches responses, the batch McCandlish's model and the LR rules are about."""
+    samples_layouts: list[SamplesLayout] = field(default_factory=list)
+    """choose=prompts_and_samples: every samples-per-prompt value the coordinator may pick, with
+    what it asks of the batch (the starting one among them); empty: S stays samples_per_prompt."""
     clip_grad: float = 0.0
     """Global grad-norm clip of every trained model's optimizer (``optim.clip_grad``; 0 = none):
     Adam is handed min(1, clip_grad/|g|)·g, which the second-moment rescale follows."""
@@ -54,14 +58,18 @@ class CoordinatorRun:
         return self.initial_prompts * self.samples_per_prompt
 
 
-def grid(settings: CoordinatorConfig, run: CoordinatorRun) -> BatchGrid:
-    """The candidate prompt counts the coordinator chooses from."""
+def grid(settings: CoordinatorConfig, run: CoordinatorRun, layout: SamplesLayout | None = None) -> BatchGrid:
+    """The candidate prompt counts the coordinator chooses from (at ``layout``'s samples per
+    prompt, default the run's)."""
+    x = layout or SamplesLayout(
+        samples=run.samples_per_prompt, batch_divisor=run.batch_divisor, min_batch=run.min_batch
+    )
     return BatchGrid(
-        samples_per_prompt=run.samples_per_prompt,
-        min_prompts=max(settings.min_prompts, -(-run.min_batch // run.samples_per_prompt)),
+        samples_per_prompt=x.samples,
+        min_prompts=max(settings.min_prompts, -(-x.min_batch // x.samples)),
         max_prompts=settings.max_prompts,
         factor=settings.grid_factor,
-        divisor=run.batch_divisor,
+        divisor=x.batch_divisor,
     )
 
 
@@ -121,7 +129,23 @@ def validate(settings: CoordinatorConfig, run: CoordinatorRun) -> None:
     for name in run.batch_models or []:
         if name not in run.lr_ref:
             raise ValueError(f"batch_models contains {name!r}, which has no lr_ref (known: {sorted(run.lr_ref)})")
+    if s.choose == "prompts_and_samples":
+        _check_layouts(s, run)
     if s.time_window < 2:
         raise ValueError(f"time_window={s.time_window} must be >= 2")
     if not 0.0 <= s.prior_fixed_fraction < 1.0:
         raise ValueError(f"prior_fixed_fraction={s.prior_fixed_fraction} must be in [0, 1)")
+
+
+def _check_layouts(s: CoordinatorConfig, run: CoordinatorRun) -> None:
+    """choose=prompts_and_samples: the run's S among its layouts, each inside the bounds with a grid."""
+    found = sorted(x.samples for x in run.samples_layouts)
+    if run.samples_per_prompt not in found:
+        raise ValueError(f"samples_layouts {found} must include samples_per_prompt={run.samples_per_prompt}")
+    for x in run.samples_layouts:
+        if not s.min_samples_per_prompt <= x.samples <= s.max_samples_per_prompt:
+            raise ValueError(
+                f"samples_layouts: samples={x.samples} must lie in [min_samples_per_prompt="
+                f"{s.min_samples_per_prompt}, max_samples_per_prompt={s.max_samples_per_prompt}]"
+            )
+        grid(s, run, x).validate()

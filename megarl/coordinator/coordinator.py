@@ -49,7 +49,9 @@ from megarl.coordinator.estimates import ModelEstimates, check_grad_norms, grad_
 from megarl.coordinator.goodput import goodput
 from megarl.coordinator.lr_rules import LrInputs, apply_lr_rule
 from megarl.coordinator.noise import NoiseScaleEstimator
+from megarl.coordinator.noise_split import effective_batch
 from megarl.coordinator.records import ModelGradStats, StepPlan, StepTimings
+from megarl.coordinator.samples import best_prompts_and_samples, near
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorRun", "ModelGradStats", "StepPlan", "StepTimings"]
@@ -70,6 +72,8 @@ class Coordinator:
         self._last_step = -1
         self._observed = 0
         self._prompts = run.initial_prompts
+        self._samples = run.samples_per_prompt
+        """Samples per prompt of the latest plan (changes only with choose=prompts_and_samples)."""
         self._last_switch_step: int | None = None
         self._settled = False  # the first decision (jump to the argmax) was taken
         self._time = StepTimeModel(
@@ -104,7 +108,7 @@ class Coordinator:
         rank_tput = rank_throughputs(timings, self.run.dp_size, planned)
         norms = grad_norms or {}
         check_grad_norms(norms, self.run.lr_ref)
-        self._est.record(updates, norms, timings.rollout_responses)
+        self._est.record(updates, norms, timings.rollout_responses, self._samples)
         self._time.observe(
             responses=timings.rollout_responses,
             tokens=timings.rollout_tokens,
@@ -150,7 +154,7 @@ class Coordinator:
         model = min(known, key=lambda m: known[m])
         return model, known[model]
 
-    def _lr(self, model: str, b: int) -> float:
+    def _lr(self, model: str, b: float) -> float:
         cfg = self.config
         lr_ref = self.run.lr_ref[model]
         if not cfg.adapt:
@@ -179,30 +183,36 @@ class Coordinator:
         total = sum(tput)
         return [v / total for v in tput]
 
-    def _choose(self, step: int, decision: tuple[str, float] | None) -> tuple[int, str]:
+    def _choose(self, step: int, decision: tuple[str, float] | None) -> tuple[int, int, str]:
+        """(prompts, samples per prompt, why) of the next plan."""
         cfg = self.config
-        cur = self._prompts
+        cur, spp = self._prompts, self._samples
         if not cfg.adapt:
-            return cur, "disabled"
+            return cur, spp, "disabled"
         if self._observed < cfg.warmup_steps:
-            return cur, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
+            return cur, spp, f"warmup ({self._observed}/{cfg.warmup_steps} steps observed)"
         if self._last_switch_step is not None and step - self._last_switch_step < cfg.cooldown_steps:
-            return cur, f"cooldown (changed at step {self._last_switch_step})"
+            return cur, spp, f"cooldown (changed at step {self._last_switch_step})"
         if decision is None:
-            return cur, "keep: noise scale not resolved yet"
+            return cur, spp, "keep: noise scale not resolved yet"
         model, b_noise = decision
         if not self._time.ready:
-            return cur, "keep: no timings yet"
+            return cur, spp, "keep: no timings yet"
         b0 = float(self.run.initial_batch)
         if not self._settled:
             dof = self._est.noise[model].dof
             if dof < cfg.min_dof:
-                return cur, f"keep: noise estimate has {dof:.3g} degrees of freedom < min_dof={cfg.min_dof:g}"
+                return cur, spp, f"keep: noise estimate has {dof:.3g} degrees of freedom < min_dof={cfg.min_dof:g}"
+        both = self._both(model, b_noise, b0)
+        if both is not None:  # choose=prompts_and_samples, and the best S is another one
+            self._settled = True
+            return both
+        if not self._settled:
             self._settled = True
             d = jump(self.grid, b_noise, self._time, cur, b0)
             if math.isinf(b_noise):  # no upper bound yet: a step, not a leap to the grid's top
                 step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
-                return step_to, f"{d.reason}; |G|² not resolved: limited to {step_to} prompts"
+                return step_to, spp, f"{d.reason}; |G|² not resolved: limited to {step_to} prompts"
         else:
             band = self._est.band_per_rollout(model)
             d = hold_or_move(
@@ -210,8 +220,41 @@ class Coordinator:
             )
             step_to = limit_move(self.grid, cur, d.prompts, cfg.track_factor)
             if step_to != d.prompts:
-                return step_to, f"{d.reason}; limited to {step_to} prompts (track_factor={cfg.track_factor:g})"
-        return d.prompts, d.reason
+                return step_to, spp, f"{d.reason}; limited to {step_to} prompts (track_factor={cfg.track_factor:g})"
+        return d.prompts, spp, d.reason
+
+    def _both(self, model: str, b_noise: float, b0: float) -> tuple[int, int, str] | None:
+        """choose=prompts_and_samples: the (P, S) goodput argmax when its S differs from the current
+        one and it gains more than min_gain (any gain for the first decision); None otherwise (the
+        prompts are then chosen at the current S as in choose=total), or while the split is unknown."""
+        share = self._share(model, self._samples)
+        if self.config.choose != "prompts_and_samples" or share is None or math.isinf(b_noise):
+            return None
+        layouts = (
+            self.run.samples_layouts
+            if not self._settled
+            else near(self.run.samples_layouts, self._samples, self.config.track_factor)
+        )
+        grids = {x.samples: grid(self.config, self.run, x) for x in layouts}
+        gain = self.config.min_gain if self._settled else 0.0
+        c = best_prompts_and_samples(
+            grids, b_noise, share, self._time, (self._prompts, self._samples), b0=b0, min_gain=gain
+        )
+        return (c.prompts, c.samples, c.reason) if c.samples != self._samples else None
+
+    def _share(self, model: str, samples: int) -> float | None:
+        """The within-prompt share ω of `model`'s per-response noise at ``samples`` per prompt."""
+        split = self._est.split.get(model)
+        return None if split is None else split.share(samples)
+
+    def effective_batch(self, prompts: int, samples: int) -> float:
+        """The batch at the run's starting S as noisy as ``prompts`` × ``samples`` (the deciding
+        model's split, `noise_split.effective_batch`); prompts × samples in choose=total, or while
+        the split is unknown: the batch the LR rules and Adam's rescale follow."""
+        s0 = self.run.samples_per_prompt
+        decision = self._decision() if self.config.choose == "prompts_and_samples" else None
+        share = None if decision is None else self._share(decision[0], s0)
+        return float(prompts * samples) if share is None else effective_batch(prompts, samples, share, s0)
 
     def next_plan(self) -> StepPlan:
         """Plan for step last_observed + 1 (cached: repeated calls return the same plan)."""
@@ -220,25 +263,30 @@ class Coordinator:
             return self._plan
         decision = self._decision()
         b_noise = None if decision is None else decision[1]
-        old = self._prompts * self.run.samples_per_prompt
-        prompts, reason = self._choose(step, decision)
-        b = prompts * self.run.samples_per_prompt
+        old, old_eff = self._prompts * self._samples, self.effective_batch(self._prompts, self._samples)
+        prompts, samples, reason = self._choose(step, decision)
+        b = prompts * samples
         v_scale: dict[str, float] = {}
-        if prompts != self._prompts:
+        if (prompts, samples) != (self._prompts, self._samples):
             if self._time.ready:  # what the move was planned on, for the log line (Planner)
                 reason += f"; predicted step {self._time.predict(old):.3g} s at {old} -> {self._time.predict(b):.3g} s at {b} responses"
-            self._prompts = prompts
+            if samples != self._samples:
+                self.grid = next(
+                    grid(self.config, self.run, x) for x in self.run.samples_layouts if x.samples == samples
+                )
+            self._prompts, self._samples = prompts, samples
             self._last_switch_step = step
             if self.config.adam_rescale:
-                v_scale = {m: self._adam_v_scale(m, old, b) for m in sorted(self.run.lr_ref)}
+                new_eff = self.effective_batch(prompts, samples)
+                v_scale = {m: self._adam_v_scale(m, old_eff, new_eff) for m in sorted(self.run.lr_ref)}
         predicted: float | None = None
         if b_noise is not None and self._time.ready:
             predicted = goodput(float(b), b_noise, float(self.run.initial_batch), self._time.predict(b))
         self._plan = StepPlan(
             step=step,
             num_prompts=prompts,
-            samples_per_prompt=self.run.samples_per_prompt,
-            lr={m: self._lr(m, b) for m in sorted(self.run.lr_ref)},
+            samples_per_prompt=samples,
+            lr={m: self._lr(m, self.effective_batch(prompts, samples)) for m in sorted(self.run.lr_ref)},
             dp_shares=self._dp_shares(),
             predicted_goodput=predicted,
             b_noise={m: self._est.b_noise(m) for m in sorted(self._est.noise)},
@@ -247,7 +295,7 @@ class Coordinator:
         )
         return self._plan
 
-    def _adam_v_scale(self, model: str, old: int, new: int) -> float:
+    def _adam_v_scale(self, model: str, old: float, new: float) -> float:
         """Rule 3 of `decisions` for a change old -> new rollout responses: per optimizer step
         (B/m), from the *raw* noise scale (``noise_calibration`` corrects the batch decision,
         not E|g_B|²) and the model's recent pre-clip norms under the run's clip."""
@@ -282,12 +330,22 @@ class Coordinator:
             out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
             out[f"coord/noise_dof/{m}"] = est.dof
             out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
-        b = self._prompts * self.run.samples_per_prompt
+        for m, split in sorted(self._est.split.items()):  # per unit of the model's batch unit, like tr_sigma
+            out[f"coord/noise_between/{m}"] = nan if split.between is None else split.between
+            out[f"coord/noise_within/{m}"] = nan if split.within is None else split.within
+            share = split.share(self._samples)
+            out[f"coord/noise_within_share/{m}"] = nan if share is None else share
+        b = self._prompts * self._samples
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)
+        if self.config.choose == "prompts_and_samples":
+            out["coord/samples_per_prompt"] = float(self._samples)
+            out["coord/effective_batch"] = self.effective_batch(self._prompts, self._samples)
         plan = self._plan
         for m in sorted(self.run.lr_ref):
-            out[f"coord/lr/{m}"] = plan.lr[m] if plan is not None else self._lr(m, b)
+            out[f"coord/lr/{m}"] = (
+                plan.lr[m] if plan is not None else self._lr(m, self.effective_batch(self._prompts, self._samples))
+            )
             if plan is not None and m in plan.adam_v_scale:
                 out[f"coord/adam_v_scale/{m}"] = plan.adam_v_scale[m]
         pg = plan.predicted_goodput if plan is not None else None
@@ -320,6 +378,7 @@ class Coordinator:
             "grad_norms": est["grad_norms"],
             "rank_tput": [e.state_dict() for e in self._rank_tput],
             "plan": None if self._plan is None else self._plan.to_dict(),
+            **({"split": est["split"], "samples": self._samples} if est["split"] else {}),  # (the noise split)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -337,6 +396,11 @@ class Coordinator:
         self._last_step = int(state["last_step"])
         self._observed = int(state["observed"])
         self._prompts = int(state["prompts"])
+        self._samples = int(state.get("samples", self.run.samples_per_prompt))
+        if self._samples != self.run.samples_per_prompt:
+            self.grid = next(
+                grid(self.config, self.run, x) for x in self.run.samples_layouts if x.samples == self._samples
+            )
         lss = state["last_switch_step"]
         self._last_switch_step = None if lss is None else int(lss)
         self._settled = bool(state["settled"])

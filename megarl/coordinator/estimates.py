@@ -27,6 +27,7 @@ from megarl.coordinator.noise import (
     microbatch_estimates,
     parts_dof,
 )
+from megarl.coordinator.noise_split import SplitEstimator, effective_group, prompt_split
 from megarl.coordinator.records import BatchUnit, ModelGradStats, StepTimings
 from megarl.coordinator.throughput import Ema, StepTimeModel
 
@@ -49,6 +50,8 @@ class GradUpdate:
     """Degrees of freedom of the step's estimate."""
     signal: float
     """Fraction of the step's responses the parts count, in (0, 1]."""
+    split: tuple[float, float, float] | None = None
+    """(σ_b², σ_w², units per group) of the noise split by prompt, per unit, when measured."""
 
 
 def grad_updates(
@@ -90,8 +93,32 @@ def grad_updates(
         signal = 1.0 if g.signal_fraction is None else g.signal_fraction
         if not 0.0 < signal <= 1.0:
             raise ValueError(f"model {g.model!r}: signal_fraction={g.signal_fraction} must be in (0, 1]")
-        out.append(GradUpdate(model=g.model, unit=g.batch_unit, g2=g2, tr_sigma=tr_sigma, dof=dof, signal=signal))
+        split = _split(g)
+        out.append(
+            GradUpdate(model=g.model, unit=g.batch_unit, g2=g2, tr_sigma=tr_sigma, dof=dof, signal=signal, split=split)
+        )
     return out
+
+
+def _split(g: ModelGradStats) -> tuple[float, float, float] | None:
+    """(σ̂_b², σ̂_w², n_eff) of a report with the halves' readings (`noise_split.prompt_split`)."""
+    if g.split_sq_norms is None:
+        return None
+    if g.source != "microbatch" or g.experts is not None or g.grad_average != "samples":
+        raise ValueError(
+            f"model {g.model!r}: the noise split needs source='microbatch', EP = 1, grad_average='samples'"
+        )
+    halves = g.split_halves or []
+    if len(g.split_sq_norms) != len(g.local_sq_norms) or len(halves) != len(g.local_sq_norms):
+        raise ValueError(
+            f"model {g.model!r}: {len(g.split_sq_norms)} split norms and {len(halves)} halves for "
+            f"{len(g.local_sq_norms)} parts"
+        )
+    pairs = [(float(h[0]), float(h[1])) for h in halves]
+    between, within = prompt_split(g.local_sq_norms, g.local_batches, g.global_sq_norm, g.split_sq_norms, pairs)
+    if not (math.isfinite(between) and math.isfinite(within)):
+        raise ValueError(f"model {g.model!r}: non-finite noise split ({between}, {within})")
+    return between, within, effective_group(g.local_batches)
 
 
 def check_grad_norms(norms: Mapping[str, Sequence[float]], lr_ref: Mapping[str, float]) -> None:
@@ -140,11 +167,16 @@ class ModelEstimates:
         self.noise: dict[str, NoiseScaleEstimator] = {}
         self.signal: dict[str, Ema] = {}  # per model: fraction of responses its parts count
         self.units: dict[str, BatchUnit] = {}
+        self.split: dict[str, SplitEstimator] = {}
+        """Per model: the noise split by prompt (models whose probe reads it)."""
         self.norms: dict[str, list[tuple[float, float]]] = {}
         """Per model: (rollout responses, pre-clip |g|²) of its latest optimizer steps."""
 
-    def record(self, updates: list[GradUpdate], norms: Mapping[str, Sequence[float]], responses: int) -> None:
-        """Keep one step's checked statistics (``responses``: the step's rollout responses)."""
+    def record(
+        self, updates: list[GradUpdate], norms: Mapping[str, Sequence[float]], responses: int, samples: int
+    ) -> None:
+        """Keep one step's checked statistics (``responses``: the step's rollout responses,
+        ``samples``: its samples per prompt)."""
         for model, values in norms.items():
             kept = self.norms.setdefault(model, [])
             kept.extend((float(responses), v * v) for v in values)
@@ -153,6 +185,10 @@ class ModelEstimates:
             self.units[u.model] = u.unit
             self.estimator(u.model).update(u.g2, u.tr_sigma, dof=u.dof)
             self.signal.setdefault(u.model, Ema(self.config.ema_beta)).update(u.signal)
+            if u.split is not None:
+                est = self.split.setdefault(u.model, SplitEstimator(self.config.ema_beta, self.config.ema_dof))
+                between, within, units = u.split
+                est.update(between, within, units / samples, dof=u.dof)
 
     def estimator(self, model: str) -> NoiseScaleEstimator:
         if model not in self.noise:
@@ -210,6 +246,7 @@ class ModelEstimates:
             "noise": {m: e.state_dict() for m, e in self.noise.items()},
             "signal": {m: e.state_dict() for m, e in self.signal.items()},
             "grad_norms": {m: [list(x) for x in v] for m, v in self.norms.items()},
+            "split": {m: e.state_dict() for m, e in self.split.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,3 +265,7 @@ class ModelEstimates:
             self.signal.setdefault(m, Ema(self.config.ema_beta)).load_state_dict(s)
         # (absent from checkpoints written before the rescale followed clipping: none kept)
         self.norms = {m: [(float(b), float(sq)) for b, sq in v] for m, v in state.get("grad_norms", {}).items()}
+        self.split = {}
+        for m, s in state.get("split", {}).items():  # (absent before the noise split)
+            self.split[m] = SplitEstimator(self.config.ema_beta, self.config.ema_dof)
+            self.split[m].load_state_dict(s)

@@ -42,9 +42,11 @@ Invariants: pure Python floats in and out; nothing here knows about processes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
-from megarl.coordinator.noise import dp_estimates
+from megarl.coordinator.noise import _Moments, decay_for, dp_estimates
 
 
 def within_variance(part_sq: Sequence[float], diff_sq: Sequence[float], halves: Sequence[tuple[float, float]]) -> float:
@@ -107,3 +109,53 @@ def effective_batch(prompts: float, samples: float, share: float, samples_ref: f
     tr Var = T(S)/(P·S) = T(S_ref)/B_eff, so B_eff = P·S/noise_ratio(share, S, S_ref). Equals P·S
     at S = S_ref; P·S_ref when all the noise is between prompts; P·S when all of it is within."""
     return prompts * samples / noise_ratio(share, samples, samples_ref)
+
+
+class SplitEstimator:
+    """Smoothed σ_b², σ_w² (per unit) and units per group, each step weighted by its degrees of
+    freedom and decayed like the model's `noise.NoiseScaleEstimator` (``beta`` per step, or
+    exp(-dof/horizon_dof)), so the split and B_simple average the same steps."""
+
+    def __init__(self, beta: float, horizon_dof: float = 0.0):
+        self.beta, self.horizon_dof = beta, horizon_dof
+        self.steps = 0
+        self._between, self._within, self._units = _Moments(), _Moments(), _Moments()
+
+    def update(self, between: float, within: float, units_per_response: float, dof: float) -> None:
+        """Add one step's (σ̂_b², σ̂_w², n_eff/S) made with ``dof`` degrees of freedom."""
+        if not all(math.isfinite(x) for x in (between, within, units_per_response)):
+            raise ValueError(f"non-finite noise split: between={between}, within={within}, units={units_per_response}")
+        b = decay_for(dof, self.horizon_dof) if self.horizon_dof else self.beta
+        self.steps += 1
+        for m, x in ((self._between, between), (self._within, within), (self._units, units_per_response)):
+            m.update(x, dof, b)
+
+    @property
+    def between(self) -> float | None:
+        """EMA of σ_b², per unit (None before the first update)."""
+        return self._between.mean if self.steps else None
+
+    @property
+    def within(self) -> float | None:
+        """EMA of σ_w², per unit (None before the first update)."""
+        return self._within.mean if self.steps else None
+
+    @property
+    def units_per_response(self) -> float | None:
+        """EMA of the units (responses or tokens) per response of the groups measured: n_eff/S."""
+        return self._units.mean if self.steps else None
+
+    def share(self, samples: float) -> float | None:
+        """The within-prompt share of the per-unit noise at ``samples`` per prompt (`within_share`)."""
+        if not self.steps:
+            return None
+        return within_share(self._between.mean, self._within.mean, self._units.mean * samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON types."""
+        ms = (self._between, self._within, self._units)
+        return {"steps": self.steps, "moments": [[m.m1, m.m2, m.w, m.w2] for m in ms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self._between, self._within, self._units = (_Moments(*(float(x) for x in m)) for m in state["moments"])

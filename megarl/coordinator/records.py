@@ -62,6 +62,12 @@ class ModelGradStats:
     experts: ExpertGradStats | None = None
     """Under expert parallelism (EP > 1): the routed experts' parts; the norms above then cover
     the other (dense) parameters only. None: the norms above cover every parameter."""
+    split_sq_norms: list[float] | None = None
+    """The noise split by prompt (each part one GRPO group, source="microbatch"): per part, in the
+    order of local_sq_norms, |Σ_{h1} g - Σ_{h2} g|²/n² of its two halves' gradient sums (n its
+    units), `noise_split.prompt_split`; None: not measured."""
+    split_halves: list[list[float]] | None = None
+    """Units [n_1, n_2] of each part's two halves (with split_sq_norms)."""
 
 
 @dataclass(kw_only=True)

@@ -271,7 +271,12 @@ class GradProbe:
             self.expert_mb_sq, self.expert_local_sq = values[:-1], values[-1]
         values = [float(x) for x in sums[:, 0].cpu()]
         self.mb_sq, self.split_sq, self.local_sq = values[:k], values[k:-1], values[-1]
-        self._pending, self._prev, self._split_pending, self._half = [], None, [], None  # copies: the measured step only
+        self._pending, self._prev, self._split_pending, self._half = (
+            [],
+            None,
+            [],
+            None,
+        )  # copies: the measured step only
         self.seconds += time.perf_counter() - t0
 
     def after_reduce(self, ddp: Any) -> None:
