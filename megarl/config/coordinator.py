@@ -110,6 +110,10 @@ class CoordinatorConfig:
     the total: each probe part is one GRPO group whose halves are read apart (needs
     parallel.micro_batch_size to divide samples_per_prompt/2; one more grad-buffer copy during
     the measured update). Always on with choose=prompts_and_samples."""
+    prompt_cost_s: float = 0.0
+    """With choose=prompts_and_samples: seconds a step spends per prompt beside its responses' cost
+    (a prompt prefill the engine does not share over its samples, a per-prompt environment); the
+    step-time model is per response and cannot separate it at one samples-per-prompt value."""
     min_samples_per_prompt: int = 2
     """Fewest samples per prompt choose=prompts_and_samples may pick (>= 2: a group-based
     advantage needs a baseline from the group's other samples)."""
@@ -128,6 +132,8 @@ class CoordinatorConfig:
             )
         if self.choose not in ("total", "prompts_and_samples"):
             fail("coordinator.choose", self.choose, "must be 'total' or 'prompts_and_samples'")
+        if not self.prompt_cost_s >= 0:
+            fail("coordinator.prompt_cost_s", self.prompt_cost_s, "must be >= 0 seconds per prompt")
         if self.min_samples_per_prompt < 2:
             fail(
                 "coordinator.min_samples_per_prompt",

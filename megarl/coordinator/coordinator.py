@@ -227,7 +227,7 @@ class Coordinator:
         """choose=prompts_and_samples: the (P, S) goodput argmax when its S differs from the current
         one and it gains more than min_gain (any gain for the first decision); None otherwise (the
         prompts are then chosen at the current S as in choose=total), or while the split is unknown."""
-        share = self._share(model, self._samples)
+        share = self._est.share(model, self._samples)
         if self.config.choose != "prompts_and_samples" or share is None or math.isinf(b_noise):
             return None
         layouts = (
@@ -238,14 +238,16 @@ class Coordinator:
         grids = {x.samples: grid(self.config, self.run, x) for x in layouts}
         gain = self.config.min_gain if self._settled else 0.0
         c = best_prompts_and_samples(
-            grids, b_noise, share, self._time, (self._prompts, self._samples), b0=b0, min_gain=gain
+            grids,
+            b_noise,
+            share,
+            self._time,
+            (self._prompts, self._samples),
+            b0=b0,
+            min_gain=gain,
+            prompt_s=self.config.prompt_cost_s,
         )
         return (c.prompts, c.samples, c.reason) if c.samples != self._samples else None
-
-    def _share(self, model: str, samples: int) -> float | None:
-        """The within-prompt share ω of `model`'s per-response noise at ``samples`` per prompt."""
-        split = self._est.split.get(model)
-        return None if split is None else split.share(samples)
 
     def effective_batch(self, prompts: int, samples: int) -> float:
         """The batch at the run's starting S as noisy as ``prompts`` × ``samples`` (the deciding
@@ -253,7 +255,7 @@ class Coordinator:
         the split is unknown: the batch the LR rules and Adam's rescale follow."""
         s0 = self.run.samples_per_prompt
         decision = self._decision() if self.config.choose == "prompts_and_samples" else None
-        share = None if decision is None else self._share(decision[0], s0)
+        share = None if decision is None else self._est.share(decision[0], s0)
         return float(prompts * samples) if share is None else effective_batch(prompts, samples, share, s0)
 
     def next_plan(self) -> StepPlan:
@@ -315,26 +317,11 @@ class Coordinator:
         b_noise* are in responses of the whole rollout, g2/tr_sigma in the model's own batch
         unit (samples with reward signal); noise_dof is the estimate's discounted degrees of
         freedom; lr, batch and goodput_pred (B0-equivalent responses/s, B0 = initial batch)
-        describe the latest plan.
+        describe the latest plan; noise_between/within (per unit of the model's batch unit) and
+        noise_within_share (at the current samples per prompt) are the noise split by prompt.
         """
         nan = math.nan
-        out: dict[str, float] = {}
-        for m in sorted(self._est.noise):
-            est = self._est.noise[m]
-            bn = self._est.b_noise(m)
-            band = self._est.band_responses(m)
-            out[f"coord/b_noise/{m}"] = nan if bn is None else bn
-            out[f"coord/b_noise_low/{m}"] = nan if band is None else band[0]
-            out[f"coord/b_noise_high/{m}"] = nan if band is None else band[1]
-            out[f"coord/g2/{m}"] = nan if est.g2 is None else est.g2
-            out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
-            out[f"coord/noise_dof/{m}"] = est.dof
-            out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
-        for m, split in sorted(self._est.split.items()):  # per unit of the model's batch unit, like tr_sigma
-            out[f"coord/noise_between/{m}"] = nan if split.between is None else split.between
-            out[f"coord/noise_within/{m}"] = nan if split.within is None else split.within
-            share = split.share(self._samples)
-            out[f"coord/noise_within_share/{m}"] = nan if share is None else share
+        out = self._est.metrics(self._samples)
         b = self._prompts * self._samples
         out["coord/batch"] = float(b)
         out["coord/prompts"] = float(self._prompts)

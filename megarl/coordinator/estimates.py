@@ -239,6 +239,34 @@ class ModelEstimates:
         band = self.band_responses(model)
         return None if band is None else (band[0] * self.mini_batches, band[1] * self.mini_batches)
 
+    def share(self, model: str, samples: int) -> float | None:
+        """The within-prompt share ω of `model`'s per-response noise at ``samples`` per prompt."""
+        split = self.split.get(model)
+        return None if split is None else split.share(samples)
+
+    def metrics(self, samples: int) -> dict[str, float]:
+        """Per model ``coord/*`` scalars of its estimates (`Coordinator.metrics` documents them);
+        ``samples``: the current samples per prompt."""
+        nan = math.nan
+        out: dict[str, float] = {}
+        for m in sorted(self.noise):
+            est = self.noise[m]
+            bn = self.b_noise(m)
+            band = self.band_responses(m)
+            out[f"coord/b_noise/{m}"] = nan if bn is None else bn
+            out[f"coord/b_noise_low/{m}"] = nan if band is None else band[0]
+            out[f"coord/b_noise_high/{m}"] = nan if band is None else band[1]
+            out[f"coord/g2/{m}"] = nan if est.g2 is None else est.g2
+            out[f"coord/tr_sigma/{m}"] = nan if est.tr_sigma is None else est.tr_sigma
+            out[f"coord/noise_dof/{m}"] = est.dof
+            out[f"coord/signal_fraction/{m}"] = self.signal_fraction(m)
+        for m, split in sorted(self.split.items()):  # per unit of the model's batch unit, like tr_sigma
+            out[f"coord/noise_between/{m}"] = nan if split.between is None else split.between
+            out[f"coord/noise_within/{m}"] = nan if split.within is None else split.within
+            share = split.share(samples)
+            out[f"coord/noise_within_share/{m}"] = nan if share is None else share
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """JSON types: ``units``, ``noise``, ``signal``, ``grad_norms`` (keys of the coordinator's state)."""
         return {

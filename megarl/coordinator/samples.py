@@ -11,9 +11,15 @@ S_ref, and its cost is that of P·S responses: the goodput of (P, S) is
     goodput(P, S) = B_eff/t(P·S) · (B_noise + B0)/(B_noise + B_eff)
 
 (`goodput.goodput` at B_eff with the step time of P·S responses; at S = S_ref it is the total
-mode's goodput exactly). The step-time model is per response (`throughput.StepTimeModel`): a
-prompt costs nothing apart from its responses, which holds where the engine shares a prompt's
-prefill over its samples (vLLM's prefix cache) and the prompt is short against the responses.
+mode's goodput exactly). The step-time model is per response (`throughput.StepTimeModel`, which
+cannot tell a per-prompt cost from a per-response one while S is fixed); a cost per prompt
+beside its responses' — a prompt's prefill where the engine does not share it over the samples,
+a per-prompt environment — is ``coordinator.prompt_cost_s`` seconds, added as prompt_s·P.
+
+Why S moves at all: at a fixed P·S, σ_b²/P + σ_w²/(P·S) is smallest with the most prompts, so
+by noise alone the smallest S always wins, by a margin that vanishes as the between part does.
+Only a cost per prompt makes more samples pay: with prompt_s > 0 and the noise mostly within
+prompts the best S rises (towards the bound), with it mostly between prompts it stays low.
 
 The candidates are every S of the run's layouts (`SamplesLayout`: S a multiple of 2 × the
 micro-batch, so each group's halves stay whole micro-batches and the split stays measured) and,
@@ -64,21 +70,25 @@ def best_prompts_and_samples(
     *,
     b0: float,
     min_gain: float,
+    prompt_s: float = 0.0,
 ) -> PromptsAndSamples:
     """The goodput argmax over every (P, S) of ``grids`` (per S its prompt grid); ``b_noise``: per
-    rollout at the current S (S_ref), ``share``: ω at S_ref. Keeps ``current`` unless the best
-    gains more than ``min_gain``."""
+    rollout at the current S (S_ref), ``share``: ω at S_ref, ``prompt_s``: seconds per prompt
+    beside its responses' (``coordinator.prompt_cost_s``). Of equal goodputs (all the noise
+    within prompts and no prompt cost: only P·S matters) the larger S wins: fewer prompts never
+    cost more. Keeps ``current`` unless the best gains more than ``min_gain``."""
     p0, s0 = current
 
     def score(p: int, s: int) -> float:
-        return goodput(effective_batch(p, s, share, s0), b_noise, b0, time_model.predict(float(p * s)))
+        t = time_model.predict(float(p * s)) + prompt_s * p
+        return goodput(effective_batch(p, s, share, s0), b_noise, b0, t)
 
     cur = score(p0, s0)
     best = (cur, p0, s0)
     for s, grid in sorted(grids.items()):
         for p in grid.prompts():
             g = score(p, s)
-            if g > best[0]:
+            if g > best[0] * (1 + 1e-12) or (g >= best[0] * (1 - 1e-12) and s > best[2]):
                 best = (g, p, s)
     g, p, s = best
     gain = g / cur - 1.0
