@@ -68,6 +68,18 @@ def read_split(probe: GradProbe) -> list[float] | None:
     return probe.gather_split() if probe.dims.dp > 1 else probe.split_sq
 
 
+def split_unreadable(microbatch: bool, ep: int, samples: int, mbs: int) -> str | None:
+    """Why a probe cannot read the noise split by prompt at ``samples`` per prompt and micro-batch
+    ``mbs`` (each part must be one GRPO group whose halves are whole micro-batches); None: it can."""
+    if not microbatch:
+        return "the probe's parts are DP ranks, not micro-batches (PP > 1, a token budget, or microbatch_parts off)"
+    if ep > 1:
+        return "expert parallelism reads the experts' parts as unions over the EP group"
+    if samples % (2 * mbs):
+        return f"parallel.micro_batch_size={mbs} does not divide samples_per_prompt/2={samples / 2:g}"
+    return None
+
+
 def halves(rows: slice) -> tuple[slice, slice]:
     """A part's two halves: its first and last half of rows (one GRPO group, contiguous)."""
     mid = (rows.start + rows.stop) // 2

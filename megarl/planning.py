@@ -28,8 +28,9 @@ import torch.distributed as dist
 from megarl.config import CoordinatorConfig, OptimConfig, RunConfig
 from megarl.config.cross import probe_min_batch, probe_part_rows
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepPlan, StepTimings, clock
+from megarl.coordinator.samples import samples_layouts
 from megarl.distributed import ParallelDims
-from megarl.grad_parts import grad_stats, read_parts
+from megarl.grad_parts import grad_stats, read_parts, read_split, split_unreadable
 from megarl.model.adam_state import adam_preconditioner
 from megarl.model.builder import Model
 from megarl.model.grad_stats import GradProbe
@@ -145,6 +146,7 @@ class Planner:
         times instead of this machine's, and each step logs its ``vclock/step_s``."""
         self._vstep_s: float | None = None
         """What the loss averages over, and so the unit of the batch the noise is measured in."""
+        self._split_said = False  # why the noise split is not measured was logged (once)
         if c.enabled:
             run = CoordinatorRun(
                 samples_per_prompt=cfg.samples_per_prompt,
@@ -158,6 +160,15 @@ class Planner:
                 equal_shares=cfg.expert_parallel > 1,
                 mini_batches=cfg.mini_batches,
                 clip_grad=cfg.optim.clip_grad,  # (the critic's optimizer clips alike)
+                samples_layouts=samples_layouts(
+                    c,
+                    cfg.samples_per_prompt,
+                    cfg.micro_batch_size,
+                    cfg.mini_batches,
+                    dp,
+                    critic_dp,
+                    cfg.expert_parallel,
+                ),
             )
             self.coord = Coordinator(c, run)
 
@@ -236,17 +247,39 @@ class Planner:
                 "length (not random samples of the batch)"
             )
         # with a budget, micro-batches are grouped by length: only whole DP ranks are random parts
+        microbatch = not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts)
         model.probe = GradProbe(
             dims,
-            microbatch=not budget and dims.pp == 1 and (dims.dp == 1 or self.cfg.coordinator.microbatch_parts),
+            microbatch=microbatch,
             microbatches_per_part=self.cfg.part_rows // self.cfg.micro_batch_size,
+            split=self._split(microbatch, dims.ep, self.cfg.samples_per_prompt),
         )
 
-    def start_probe(self, model: Model, update_index: int) -> bool:
+    def _split(self, microbatch: bool, ep: int, samples: int) -> bool:
+        """Whether the probe reads the noise split by prompt at ``samples`` per prompt: asked for
+        (``coordinator.noise_split`` or ``choose=prompts_and_samples``) and possible — each part one
+        GRPO group whose halves are whole micro-batches; else why not, logged once."""
+        c, mbs = self.cfg.coordinator, self.cfg.micro_batch_size
+        if not (c.noise_split or c.choose == "prompts_and_samples"):
+            return False
+        why = split_unreadable(microbatch, ep, samples, mbs)
+        if why is not None and not self._split_said:
+            log.info("coordinator: the noise split by prompt is not measured: %s", why)
+            self._split_said = True
+        return why is None
+
+    def start_probe(self, model: Model, update_index: int, samples: int | None = None) -> bool:
         """Switch ``model``'s probe on for this update if it is measured: the first update of
-        each rollout only (later PPO epochs reuse the samples and would bias tr(Σ) low)."""
+        each rollout only (later PPO epochs reuse the samples and would bias tr(Σ) low).
+        ``samples``: the update's samples per prompt (the plan's; default the configured), which
+        sets the probe's parts (whole groups) and whether it reads their halves."""
         if self.coord is None or update_index != 0:
             return False
+        if samples is not None and samples != self.cfg.samples_per_prompt:  # choose=prompts_and_samples moved S
+            model.probe.microbatches_per_part = (
+                math.lcm(self.cfg.micro_batch_size, samples) // self.cfg.micro_batch_size
+            )
+            model.probe.split = self._split(model.probe.microbatch, model.dims.ep, samples)
         weights = None
         if self.cfg.coordinator.noise_kind == "adam":  # Adam's P = 1/(√v̂+ε) of the steps so far
             weights = adam_preconditioner(model.optimizer, model.module, model.probe.weights)
@@ -280,7 +313,8 @@ class Planner:
         if model.probe.weights is not None or experts is not None:  # |P·G|², or EP's dense |G|²: the probe's
             assert model.probe.global_sq is not None, "the probe saw no DP reduction"
             grad_norm = math.sqrt(model.probe.global_sq)
-        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source, experts)
+        split = read_split(model.probe)
+        stats = grad_stats(name, parts, rows, units, signal, grad_norm, self.unit, source, experts, split)
         if stats is not None:
             self._grads.append(stats)
         return float(model.probe.seconds)

@@ -30,8 +30,11 @@ Invariants: pure Python; batches in responses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from megarl.config import CoordinatorConfig
+from megarl.config.cross import probe_min_batch
 from megarl.coordinator.goodput import BatchGrid, TimeModel, goodput
 from megarl.coordinator.noise_split import effective_batch
 
@@ -106,3 +109,33 @@ def near(layouts: list[SamplesLayout], current: int, factor: float) -> list[Samp
     if factor <= 0:
         return list(layouts)
     return [x for x in layouts if current / factor <= x.samples <= current * factor]
+
+
+def samples_layouts(
+    c: CoordinatorConfig, samples: int, mbs: int, mini_batches: int, dp: int, critic_dp: int | None, ep: int
+) -> list[SamplesLayout]:
+    """choose=prompts_and_samples: the samples-per-prompt values on offer — multiples of 2 × the
+    micro-batch ``mbs`` (each group's halves whole micro-batches) in the bounds, on the
+    coordinator's geometric grid, the configured ``samples`` among them — and what each asks of the
+    batch (as the planner's CoordinatorRun at one S: DP ranks of actor and critic × the probe's
+    part × mini-batches; `probe_min_batch`). Empty for choose=total."""
+    if c.choose != "prompts_and_samples":
+        return []
+    step = 2 * mbs
+    lo, hi = -(-c.min_samples_per_prompt // step) * step, c.max_samples_per_prompt // step * step
+    values, x = {samples}, float(lo)
+    while lo and x <= hi:
+        values.add(min(max(round(x / step) * step, lo), hi))
+        x *= c.grid_factor
+    ranks = math.lcm(dp, critic_dp or dp)
+    out = []
+    for s in sorted(values):
+        part = math.lcm(mbs, s)
+        out.append(
+            SamplesLayout(
+                samples=s,
+                batch_divisor=ranks * part * mini_batches,
+                min_batch=probe_min_batch(part, mini_batches, dp, critic_dp, ep),
+            )
+        )
+    return out

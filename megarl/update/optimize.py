@@ -11,6 +11,7 @@ sums to the full-batch objective.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,7 +21,6 @@ import torch
 
 from megarl import algo
 from megarl.config import AlgoConfig, CriticConfig, ParallelConfig, RunConfig
-from megarl.config.cross import probe_part_rows
 from megarl.coordinator import StepPlan
 from megarl.distributed import ParallelDims
 from megarl.model.adam_state import scale_adam_second_moments
@@ -51,8 +51,6 @@ class UpdateSettings:
     """``rollout.temperature``: the log-probs are taken at the sampling temperature."""
     max_response_len: int
     """``rollout.max_response_len``, tokens: the fixed normaliser of ``seq-mean-token-sum-norm``."""
-    probe_part_rows: int
-    """Rows of the grad probe's smallest part (``megarl.config.checks.probe_part_rows``)."""
     dead_expert_steps: int = 0
     """``model.moe_dead_expert_steps``: updates without a token before an expert is reported."""
 
@@ -64,7 +62,6 @@ class UpdateSettings:
             critic=cfg.critic,
             temperature=cfg.rollout.temperature,
             max_response_len=cfg.rollout.max_response_len,
-            probe_part_rows=probe_part_rows(cfg),  # the probe's parts hold whole groups
             dead_expert_steps=cfg.model.moe_dead_expert_steps,
         )
 
@@ -167,7 +164,7 @@ class PolicyUpdater:
         # the plan's uneven DP shares are the actor's ranks; a critic on its own layout splits
         # its rows equally over its DP ranks
         shares = plan.dp_shares if model.dims is self.dims else None
-        measuring = self.planner.start_probe(model, n_updates)
+        measuring = self.planner.start_probe(model, n_updates, plan.samples_per_prompt)
         mine, every, groups = update_rows(
             row_lengths(mini.mask),
             mbs,
@@ -176,7 +173,7 @@ class PolicyUpdater:
             shares,
             probed=measuring,
             pack=p.pack_sequences,
-            part_rows=self.s.probe_part_rows,
+            part_rows=math.lcm(mbs, plan.samples_per_prompt),  # the probe's parts: whole groups (probe_part_rows)
         )
         terms, gnorm = train_step(
             model,

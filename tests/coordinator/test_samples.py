@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from megarl.config import CoordinatorConfig
-from megarl.errors import ConfigError
 from megarl.coordinator import Coordinator, CoordinatorRun, ModelGradStats, StepTimings
 from megarl.coordinator.goodput import BatchGrid, choose_batch
 from megarl.coordinator.samples import SamplesLayout, best_prompts_and_samples
+from megarl.errors import ConfigError
 
 SAMPLES = (2, 4, 8, 16, 32)
 
