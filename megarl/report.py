@@ -1,7 +1,8 @@
 """``megarl report RUN_DIR``: the run as plots (PNG) and one self-contained HTML page.
 
 Panels: rollout reward and validation reward; KL; the coordinator's B_noise per model with
-its approximate band next to the chosen batch; learning rate per model; throughput (gen
+its approximate band next to the chosen batch; where measured, the noise split by prompt
+(σ_b² between, σ_w² within, the within share, samples per prompt); learning rate per model; throughput (gen
 tokens/s, responses/s); a MoE actor's expert load (busiest expert over the mean, per layer) and
 dead experts, and with routing replay the share of tokens whose live experts differed; the
 step-time split. Reads ``metrics.jsonl`` only — and, with ``--sweep DIR``, the ``sweep.json`` that ``benchmarks/time_to_target.py`` writes in its output
@@ -69,6 +70,13 @@ def _panels(recs: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str]]
     if models:
         lines = [(f"coord/b_noise/{m}", f"B_noise {m}") for m in models] + [("coord/batch", "chosen batch")]
         panels.append(("Critical batch (responses)", lines, {"log": True, "bands": models}))
+    split = sorted({k.split("/")[-1] for k in _keys(recs, "coord/noise_within/")})
+    if split:  # the noise split by prompt (coordinator.noise_split or choose=prompts_and_samples)
+        lines = [(f"coord/noise_{part}/{m}", f"{part} {m}") for m in split for part in ("between", "within")]
+        panels.append(("Gradient noise by prompt: σ_b² between, σ_w² within (per unit)", lines, {}))
+        lines = [(f"coord/noise_within_share/{m}", f"within share {m}") for m in split]
+        lines += [("coord/samples_per_prompt", "samples per prompt")] if _keys(recs, "coord/samples_per_prompt") else []
+        panels.append(("Within-prompt share of the noise; samples per prompt", lines, {}))
     lr_keys = _keys(recs, "coord/lr/") or [k for k in ("train/lr", "critic/lr") if _keys(recs, k)]
     panels.append(("Learning rate", [(k, k) for k in lr_keys], {"log": True}))
     panels.append(("Generation throughput", [("coord/gen_tokens_per_s", "gen tokens/s (model)")], {}))
@@ -217,6 +225,13 @@ def summary(
         # the high end is inf while |G|² is not yet resolved from zero: shown as such
         band = f"band {lo:.4g} .. {hi:.4g}" if _finite(lo) and _finite(hi) or hi == math.inf else "no band yet"
         yield f"B_noise {m} (responses, step {rec['step']})", f"{rec[keys[0]]:.4g} ({band})"
+    for m in sorted({k.split("/")[-1] for k in _keys(recs, "coord/noise_within_share/")}):  # the noise split
+        rec = next((r for r in reversed(recs) if _finite(r.get(f"coord/noise_within_share/{m}"))), None)
+        if rec is not None:
+            yield (
+                f"noise within prompts, share of {m}'s (step {rec['step']})",
+                f"{rec[f'coord/noise_within_share/{m}']:.1%}",
+            )
     env = [r for r in recs if _finite(r.get("env/turns_mean"))]
     if env:  # episodes: means over the run's steps
         for key, label, fmt in (
@@ -231,7 +246,11 @@ def summary(
                 yield f"{label} (mean of {len(vals)} steps)", fmt.format(sum(vals) / len(vals))
         yield "episodes failed in their environment", f"{sum(float(r.get('env/failures', 0.0)) for r in env):.0f}"
     yield from _expert_rows(recs)
-    for k in ("coord/batch", "train/lr"):  # the last step's (the final record is often validation only)
+    for k in (
+        "coord/batch",
+        "coord/samples_per_prompt",
+        "train/lr",
+    ):  # the last step's (the final record is often validation only)
         v = next((r[k] for r in reversed(recs) if _finite(r.get(k))), None)
         if v is not None:
             yield k + " (last)", f"{v:.6g}"

@@ -148,3 +148,37 @@ def test_report_draws_expert_load_and_dead_experts(tmp_path: Path) -> None:
     assert rows["steps with a dead expert"] == "2 of 5"
     for name in ("expert", "dead", "routing", "engine"):
         assert next((run / "report").glob(f"*_{name}.png")).stat().st_size > 1000
+
+
+def test_report_shows_the_noise_split_by_prompt(tmp_path: Path) -> None:
+    """coord/noise_between|within|within_share (the noise split) and coord/samples_per_prompt
+    (choose=prompts_and_samples): two panels and the last step's within share in the table."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {
+            "step": s,
+            "rollout/reward_mean": 0.2,
+            "coord/b_noise/actor": 300.0,
+            "coord/batch": 128.0,
+            "coord/noise_between/actor": -0.5 + s,  # a noisy σ_b² can come out negative: drawn on a linear axis
+            "coord/noise_within/actor": 40.0,
+            "coord/noise_within_share/actor": 0.6 + 0.05 * s,
+            "coord/samples_per_prompt": 8.0 if s < 3 else 16.0,
+        }
+        for s in (1, 2, 3)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert cli.main(["report", str(run)]) == 0
+    page = run / "report" / "report.html"
+    rows = _table(page)
+    assert rows["noise within prompts, share of actor's (step 3)"] == "75.0%"
+    assert rows["coord/samples_per_prompt (last)"] == "16"
+    titles = re.findall(r"<h3>(.*?)</h3>", page.read_text())
+    assert any(t.startswith("Gradient noise by prompt") for t in titles), titles
+    assert any(t.startswith("Within-prompt share") for t in titles), titles
+    plain = tmp_path / "plain"  # no split measured: no such panels
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
+    assert cli.main(["report", str(plain)]) == 0
+    assert "Gradient noise by prompt" not in (plain / "report" / "report.html").read_text()

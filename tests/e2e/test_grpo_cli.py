@@ -3,6 +3,7 @@ ranks under torchrun, a real vLLM engine, weight sync every step, metrics in JSO
 TensorBoard, and an exported HF folder that transformers loads."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +23,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sets = ["train.steps=6", "train.eval_every=0", "train.eval_every_samples=64", "train.max_samples=128",
             "warm_start.steps=20", "rollout.num_prompts=8",
             "coordinator.min_prompts=4",  # the demo's coordinator stays on (4 steps < its warm-up)
-            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=16", "data.num_train=2000",
+            # it measures the noise split by prompt (micro-batches of 2: each group's halves) and
+            # plans prompts and samples, but holds them (min_dof out of reach in 4 steps)
+            "coordinator.choose=prompts_and_samples", "coordinator.min_dof=1000",
+            "rollout.samples_per_prompt=4", "parallel.micro_batch_size=2", "data.num_train=2000",
             "data.num_val=32", "weight_sync.integrity_every=2",
             "rollout.engine_logprobs_every=3",  # steps 1 and 4 ask the engine for log-probs, 2 and 3 do not
             f"train.run_dir={run}"]
@@ -57,6 +61,13 @@ def test_loop_ran_synced_and_logged(run_dir: Path) -> None:
     # (a step whose groups all have equal rewards, with the actor still at the reference, has
     # zero gradient; some step must have had signal)
     assert any(r["train/grad_norm"] > 0 for r in steps)
+    # the noise split by prompt, from the probe's halves of each group (coordinator.choose=prompts_and_samples)
+    split = [r for r in steps if "coord/noise_within/actor" in r]
+    assert split and all(r["coord/samples_per_prompt"] == 4 for r in steps), [r.get("coord/samples_per_prompt") for r in steps]
+    for r in split:
+        assert math.isfinite(r["coord/noise_between/actor"]) and r["coord/noise_within/actor"] > 0
+        assert 0 <= r["coord/noise_within_share/actor"] <= 1
+        assert r["coord/effective_batch"] > 0
     vals = [r for r in recs if "val/reward" in r]
     assert [r["step"] for r in vals] == [0, 2, 4]
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
