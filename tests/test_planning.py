@@ -193,3 +193,39 @@ def test_probe_parts_are_whole_groups_of_micro_batches() -> None:
     assert stats.local_batches == [8.0] * 8
     # each part's sum-scaled gradient over its mean: × (D/n)² = (64/8)²
     assert stats.local_sq_norms == pytest.approx([64 * x for x in model.probe.mb_sq], rel=1e-12)
+
+
+def test_the_probe_follows_the_plans_samples_and_reads_the_split_where_it_can(caplog) -> None:  # type: ignore[no-untyped-def]
+    """choose=prompts_and_samples at micro-batch 2, 8 samples per prompt: the S on offer are the
+    multiples of 4 in [2, 32] on the coordinator's grid, each with its own batch divisor (a part is
+    one group); the probe reads each group's halves, and an update at another S re-cuts its parts.
+    noise_split at micro-batch 8 with 8 samples (a group is one micro-batch): nothing to split,
+    said once."""
+    from types import SimpleNamespace
+
+    from tests.model.test_grad_probe import _dims
+
+    cfg = load_config(None, ["coordinator.enabled=true", "coordinator.choose=prompts_and_samples",
+                             "coordinator.min_prompts=2", "coordinator.max_samples_per_prompt=32",
+                             "rollout.num_prompts=8", "rollout.samples_per_prompt=8",
+                             "parallel.micro_batch_size=2"])  # fmt: skip
+    planner = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
+    assert planner.coord is not None
+    layouts = {x.samples: (x.batch_divisor, x.min_batch) for x in planner.coord.run.samples_layouts}
+    assert layouts == {4: (4, 8), 8: (8, 16), 12: (12, 24), 16: (16, 32), 24: (24, 48), 32: (32, 64)}
+    model = SimpleNamespace(dims=_dims(), probe=None)
+    planner.attach_probe(model)  # type: ignore[arg-type]
+    assert model.probe.split and model.probe.microbatches_per_part == 4
+    assert planner.start_probe(model, 0, samples=16)  # type: ignore[arg-type]
+    assert model.probe.split and model.probe.microbatches_per_part == 8
+    with caplog.at_level("INFO", logger="megarl"):
+        cfg = load_config(None, ["coordinator.enabled=true", "coordinator.noise_split=true", "coordinator.min_prompts=2",
+                                 "rollout.num_prompts=8", "rollout.samples_per_prompt=8",
+                                 "parallel.micro_batch_size=8"])  # fmt: skip
+        other = Planner(PlanSettings.of(cfg), dp=1, models=["actor"])
+        for _ in range(2):
+            other.attach_probe(model)  # type: ignore[arg-type]
+            assert not model.probe.split
+    said = [r.message for r in caplog.records if "noise split" in r.message]
+    assert said == ["coordinator: the noise split by prompt is not measured: parallel.micro_batch_size=8 does not "
+                    "divide samples_per_prompt/2=4"]  # fmt: skip

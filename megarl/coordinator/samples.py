@@ -123,8 +123,8 @@ def samples_layouts(
         return []
     step = 2 * mbs
     lo, hi = -(-c.min_samples_per_prompt // step) * step, c.max_samples_per_prompt // step * step
-    values, x = {samples}, float(lo)
-    while lo and x <= hi:
+    values, x = {samples, *((lo, hi) if 0 < lo <= hi else ())}, float(lo)  # both ends, as `BatchGrid`
+    while 0 < lo and x <= hi:
         values.add(min(max(round(x / step) * step, lo), hi))
         x *= c.grid_factor
     ranks = math.lcm(dp, critic_dp or dp)
