@@ -102,11 +102,11 @@ class CoordinatorConfig:
 
     choose: Literal["total", "prompts_and_samples"] = "total"
     """What the planner chooses: "total" the prompts per step at the configured samples per prompt;
-    "prompts_and_samples" both, from the noise split by prompt (σ_b²/P + σ_w²/(P·S), docs/
-    COORDINATOR.md §2), samples per prompt in [min_samples_per_prompt, max_samples_per_prompt] and a
+    "prompts_and_samples" both, from the noise split by prompt (σ_b²/P + σ_w²/(P·S),
+    docs/COORDINATOR.md §2), samples per prompt in [min_samples_per_prompt, max_samples_per_prompt] and a
     multiple of 2 × parallel.micro_batch_size (each group's halves in whole micro-batches)."""
     noise_split: bool = False
-    """Measure the gradient noise split by prompt (``coord/noise_between|within``) while choosing
+    """Measure the gradient noise split by prompt (``coord/noise_between``, ``coord/noise_within``) while choosing
     the total: each probe part is one GRPO group whose halves are read apart (needs
     parallel.micro_batch_size to divide samples_per_prompt/2; one more grad-buffer copy during
     the measured update). Always on with choose=prompts_and_samples."""
