@@ -64,6 +64,7 @@ def test_overrides_are_typed() -> None:
         (["optim.lr=fast"], "optim.lr='fast' must be a float"),
         (["algo.kl_estimator=k9"], "algo.kl_estimator='k9' must be one of"),
         (["train.tensorboard=maybe"], "train.tensorboard='maybe' must be a bool"),
+        (["coordinator.choose=both"], "coordinator.choose='both' must be one of .'total', 'prompts_and_samples'."),
     ],
 )
 def test_bad_keys_and_types(overrides: list[str], message: str) -> None:
@@ -95,6 +96,16 @@ def _cfg(**sections: dict) -> RunConfig:
         (_cfg(train={"evals_past_target": 2, "target_val_reward": 0.5, "eval_every": 0}), 1,
          "train.evals_past_target=2 counts mid-run validations: set train.eval_every or train.eval_every_samples"),
         (_cfg(algo={"dual_clip": 0.5}), 1, "algo.dual_clip=0.5 must be > 1"),
+        # coordinator.choose=prompts_and_samples: each group's halves must be whole micro-batches, S in the bounds
+        (_cfg(coordinator={"enabled": True, "choose": "prompts_and_samples"}), 1,
+         "parallel.micro_batch_size=8 must divide rollout.samples_per_prompt/2=4 with coordinator.choose=prompts_and_samples"),
+        (_cfg(coordinator={"enabled": True, "choose": "prompts_and_samples", "max_samples_per_prompt": 4},
+              parallel={"micro_batch_size": 4}), 1,
+         r"rollout.samples_per_prompt=8 must lie in \[coordinator.min_samples_per_prompt=2, coordinator.max_samples_per_prompt=4\]"),
+        (_cfg(coordinator={"enabled": True, "choose": "prompts_and_samples", "microbatch_parts": False},
+              parallel={"micro_batch_size": 4}), 1,
+         "coordinator.microbatch_parts=False must be True with coordinator.choose=prompts_and_samples"),
+        (_cfg(coordinator={"min_samples_per_prompt": 1}), 1, "coordinator.min_samples_per_prompt=1 must be >= 2"),
         (_cfg(rollout={"min_response_len": 13}), 1, "rollout.min_response_len=13 must be in .0, max_response_len=12."),
         (_cfg(rollout={"engine_lease_s": 5}), 1, "rollout.engine_lease_s=5.0 must be 0 .off. or >= 15 s"),
         (_cfg(rollout={"engine_threads": -1}), 1, "rollout.engine_threads=-1 must be a positive integer"),
