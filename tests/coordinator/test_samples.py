@@ -5,6 +5,7 @@ gradient statistics whose split is known."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -157,3 +158,25 @@ def test_choose_total_plans_as_before_with_the_split_measured() -> None:
 def test_bad_fields_name_themselves(fields: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CoordinatorConfig(**fields).validate()
+
+
+def test_a_restored_coordinator_plans_the_same_samples() -> None:
+    """The split's EMAs and the current S are in the state: a coordinator restored mid-run makes
+    the same next plan (S, P, LR) as the one it was saved from."""
+    cfg = CoordinatorConfig(
+        enabled=True, choose="prompts_and_samples", min_dof=0, prompt_cost_s=0.01, min_prompts=2, max_prompts=512
+    )
+    a = _drive(cfg, between=0.01, within=60.0, steps=6)
+    b = Coordinator(cfg, _run())
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    rng = np.random.default_rng(9)
+    for step in range(6, 10):
+        plans = [c.next_plan() for c in (a, b)]
+        assert plans[0].to_dict() == plans[1].to_dict()
+        p = plans[0]
+        n = p.batch_responses
+        timings = StepTimings(generate_s=1.0 + 0.004 * n, train_s=0.5, rollout_responses=n, rollout_tokens=8 * n)
+        stats = _stats(rng, p.num_prompts, p.samples_per_prompt, 0.01, 60.0)
+        for c in (a, b):
+            c.observe(step, [stats], timings)
+    assert a.next_plan().samples_per_prompt != 8  # it did move S
