@@ -3,7 +3,6 @@ one update — each GRPO group's |g|² and its halves' |Δ_1 - Δ_2|², read fro
 buffer at micro-batch boundaries — against brute force (each response's own backward, summed by
 group and half in float64), and the (σ_b², σ_w²) they give (``worker_noise_split.py``)."""
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
