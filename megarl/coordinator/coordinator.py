@@ -246,6 +246,7 @@ class Coordinator:
             b0=b0,
             min_gain=gain,
             prompt_s=self.config.prompt_cost_s,
+            factor=self.config.track_factor if self._settled else 0.0,
         )
         return (c.prompts, c.samples, c.reason) if c.samples != self._samples else None
 

@@ -74,12 +74,14 @@ def best_prompts_and_samples(
     b0: float,
     min_gain: float,
     prompt_s: float = 0.0,
+    factor: float = 0.0,
 ) -> PromptsAndSamples:
     """The goodput argmax over every (P, S) of ``grids`` (per S its prompt grid); ``b_noise``: per
     rollout at the current S (S_ref), ``share``: ω at S_ref, ``prompt_s``: seconds per prompt
     beside its responses' (``coordinator.prompt_cost_s``). Of equal goodputs (all the noise
     within prompts and no prompt cost: only P·S matters) the larger S wins: fewer prompts never
-    cost more. Keeps ``current`` unless the best gains more than ``min_gain``."""
+    cost more. Keeps ``current`` unless the best gains more than ``min_gain``. ``factor`` > 0: only
+    batches (P·S) within that factor of the current one (``track_factor``, `decisions.limit_move`)."""
     p0, s0 = current
 
     def score(p: int, s: int) -> float:
@@ -90,6 +92,8 @@ def best_prompts_and_samples(
     best = (cur, p0, s0)
     for s, grid in sorted(grids.items()):
         for p in grid.prompts():
+            if factor > 0 and not p0 * s0 / factor <= p * s <= p0 * s0 * factor:
+                continue
             g = score(p, s)
             if g > best[0] * (1 + 1e-12) or (g >= best[0] * (1 - 1e-12) and s > best[2]):
                 best = (g, p, s)

@@ -53,6 +53,16 @@ def test_between_prompt_noise_asks_for_prompts_within_for_samples() -> None:
     assert _best(share=0.9, prompt_s=0.0)[1] == 2
 
 
+def test_a_settled_move_stays_within_the_track_factor() -> None:
+    """After the first decision a move changes the batch P·S by at most ``factor`` (as for prompts)."""
+    free = best_prompts_and_samples(_grids(), 400.0, 0.05, Affine(2.0, 0.01), (4, 8), b0=128.0, min_gain=0.0)
+    held = best_prompts_and_samples(
+        _grids(), 400.0, 0.05, Affine(2.0, 0.01), (4, 8), b0=128.0, min_gain=0.0, factor=1.5
+    )
+    assert free.prompts * free.samples > 1.5 * 32  # the free argmax lies farther than 1.5x
+    assert 32 / 1.5 <= held.prompts * held.samples <= 1.5 * 32 and held.samples < 8
+
+
 def test_at_one_samples_value_it_is_the_total_choice() -> None:
     """One S on offer (its B_noise measured there): the same prompt count as choose_batch picks."""
     grids = {8: BatchGrid(samples_per_prompt=8, min_prompts=2, max_prompts=512)}
