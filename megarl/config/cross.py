@@ -32,10 +32,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     their own here: rewards are imported and checked by ``megarl.prelaunch``, transports against
     what this machine runs by ``cross``.)
 
-    The order keeps the one it had as a single list of rules as closely as one ``validate()``
-    per section allows: the sections whose rules came first, then those the cross-section rules
-    rely on (the rollout's KV cache size, the model's shape, the algorithm's name), the cross
-    rules, and last coordinator and train, whose rules came last and nothing relies on."""
+    The order keeps the one it had as one list of rules as closely as a ``validate()`` per section
+    allows: first the sections whose rules came first, then those the cross rules rely on (KV cache
+    size, model shape, algorithm), the cross rules, last coordinator and train (nothing relies on)."""
     positive_ints(cfg)
     finite_floats(cfg)
     for section in (cfg.critic, cfg.optim, cfg.warm_start, cfg.rollout):
@@ -65,6 +64,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _coordinator(cfg)
     _devices(cfg, m)
     cfg.algo.check_model(m, bool(cfg.env.fn or cfg.env.agent), cfg.parallel.sequence_parallel)  # routing replay
+    cfg.env.check_sampling_seed(cfg.rollout.sampling_seed)
 
 
 def _group_estimator(cfg: RunConfig) -> None:

@@ -26,6 +26,12 @@ class RolloutConfig:
     """Per-prompt sampling seeds: samples are reproducible (exact resume, same samples on any
     engine). False = the engines' own RNG: faster with many short responses (vLLM draws
     seeded requests one by one), but a resumed run samples differently."""
+    sampling_seed: Literal["round", "prompt"] = "round"
+    """What a seeded sample's random stream is keyed by: ``round`` (train.seed, step, sampling
+    round, the prompt's place in the round); ``prompt`` (train.seed, the prompt's position in
+    the prompt stream, the sample's index in its group): two runs with different batch sizes
+    that draw the same prompt at the same position sample it alike while their weights are
+    alike (coupled arms, :mod:`megarl.rollout.seeds`). Single-turn rollouts only."""
     temperature: float = 1.0
     """Sampling temperature (logprobs on both sides use logits / temperature)."""
     top_p: float = 1.0
@@ -133,5 +139,9 @@ class RolloutConfig:
             fail("rollout.engine_tp", self.engine_tp, "must be >= 1")
         if self.engine_lease_s and self.engine_lease_s < 15:
             fail("rollout.engine_lease_s", self.engine_lease_s, "must be 0 (off) or >= 15 s (3 heartbeats of 5 s)")
+        if self.sampling_seed == "prompt" and not self.seeded:
+            fail(
+                "rollout.sampling_seed", "prompt", "needs rollout.seeded=true (the engines' own RNG has no seed to key)"
+            )
         if self.max_staleness not in (0, 1, 2):
             fail("rollout.max_staleness", self.max_staleness, "must be 0 (generate, then train), 1 or 2")

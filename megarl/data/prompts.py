@@ -224,6 +224,11 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far over all epochs: the stream position of the next draw."""
+        return self.epoch * self.n + self.pos
+
     def next(self, k: int) -> list[int]:
         out: list[int] = []
         while len(out) < k:

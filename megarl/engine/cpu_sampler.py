@@ -41,7 +41,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's output function of ``x + golden`` (uint64 arithmetic wraps mod 2**64)."""
     z = x + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _M1
@@ -55,7 +55,7 @@ def draw_seeds(seeds: list[int], draws: list[int]) -> torch.Tensor:
     s = np.asarray(seeds, dtype=np.uint64)
     d = np.asarray(draws, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        mixed = _splitmix64(_splitmix64(s) ^ d)
+        mixed = splitmix64(splitmix64(s) ^ d)
     return torch.from_numpy((mixed >> np.uint64(33)).astype(np.int64))
 
 

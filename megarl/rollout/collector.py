@@ -53,6 +53,7 @@ from megarl.rollout.sampling import (
     take_prompts,
     validation_prompts,
 )
+from megarl.rollout.seeds import prompt_seeds, round_seed
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl")
@@ -140,13 +141,20 @@ class RolloutCollector:
         rnd = _Round()
         n_kept = 0
         while n_kept < num_prompts and rnd.count < (a.max_sampling_rounds if a.dynamic_sampling else 1):
+            positions: list[int] = []
             prompts = take_prompts(
-                self.sampler, self.train_rows, self.prompter, num_prompts - n_kept, self.cfg, self.prompt_stats
+                self.sampler,
+                self.train_rows,
+                self.prompter,
+                num_prompts - n_kept,
+                self.cfg,
+                self.prompt_stats,
+                positions,
             )
             rnd.count += 1
             n = torch.zeros(1, dtype=torch.long)
             if self.dims.is_rank0:
-                n[0] = self._sample_round(prompts, step, samples, rnd)
+                n[0] = self._sample_round(prompts, positions, step, samples, rnd)
             dist.broadcast(n, src=0)
             n_kept = int(n)
         overlong = self.prompt_stats.drain()  # every rank met the same prompts; rank 0 tells
@@ -160,9 +168,12 @@ class RolloutCollector:
     def issue(self, step: int, num_prompts: int, samples: int) -> RolloutJob:
         """Every rank: take step ``step``'s prompts now (the sampler advances identically on all
         ranks, in step order); rank 0 generates them later with :meth:`run`, in any thread."""
-        prompts = take_prompts(self.sampler, self.train_rows, self.prompter, num_prompts, self.cfg, self.prompt_stats)
+        positions: list[int] = []
+        prompts = take_prompts(
+            self.sampler, self.train_rows, self.prompter, num_prompts, self.cfg, self.prompt_stats, positions
+        )
         counts = (self.prompt_stats.skipped_overlong, self.prompt_stats.truncated_overlong)
-        return RolloutJob(step, prompts, samples, self.prompt_stats.drain(), counts)
+        return RolloutJob(step, prompts, positions, samples, self.prompt_stats.drain(), counts)
 
     def run(self, job: RolloutJob) -> tuple[RolloutBatch, dict[str, float]]:
         """Rank 0: generate, score and pack ``job`` (one round, seeded as :meth:`collect` seeds
@@ -170,7 +181,7 @@ class RolloutCollector:
         self.fleet_ready()
         rnd = _Round()
         rnd.count = 1
-        self._sample_round(job.prompts, job.step, job.samples, rnd)
+        self._sample_round(job.prompts, job.positions, job.step, job.samples, rnd)
         return self._pack(job.step, rnd, len(job.prompts), job.overlong, job.counts)
 
     def deliver(self, result: tuple[RolloutBatch, dict[str, float]] | None) -> tuple[RolloutBatch, dict[str, float]]:
@@ -219,17 +230,20 @@ class RolloutCollector:
             self.fleet.sleep(level=1)
         return batch, stats
 
-    def _sample_round(self, prompts: list[tuple[PromptRecord, list[int]]], step: int, samples: int, rnd: _Round) -> int:
-        """Rank 0: one generation round appended to ``rnd.kept``; returns how many are kept."""
+    def _sample_round(
+        self, prompts: list[tuple[PromptRecord, list[int]]], positions: list[int], step: int, samples: int, rnd: _Round
+    ) -> int:
+        """Rank 0: one round (prompts at stream ``positions``) appended to ``rnd.kept``; returns how many are kept."""
         assert self.fleet is not None and self.rewards is not None
-        seed, logprobs = self.cfg.seed + 7919 * step + rnd.count, engine_logprobs_wanted(self.cfg, step)
-        if self.agents is not None:
+        seed, logprobs = round_seed(self.cfg.seed, step, rnd.count), engine_logprobs_wanted(self.cfg, step)
+        if self.agents is not None:  # (sampling_seed=prompt is refused with episodes: config.env)
             groups, v, report = self._sample_agents(prompts, samples, seed, rnd)
         elif self.episodes is not None:
             groups, v, report = self._sample_episodes(prompts, samples, seed, logprobs, rnd)
         else:
+            seeds = prompt_seeds(self.cfg.rollout.sampling_seed, self.cfg.seed, step, rnd.count, positions)
             groups, v, report = sample_groups(
-                self.fleet, self.tok, prompts, self.cfg, self.rewards, seed=seed, samples=samples, logprobs=logprobs
+                self.fleet, self.tok, prompts, self.cfg, self.rewards, seeds=seeds, samples=samples, logprobs=logprobs
             )
         rnd.version = min(rnd.version, v)
         for g in groups:
@@ -370,6 +384,8 @@ class RolloutJob:
 
     step: int
     prompts: list[tuple[PromptRecord, list[int]]]
+    positions: list[int]
+    """Each prompt's stream position (``rollout.sampling_seed: prompt``)."""
     samples: int
     overlong: list[str]
     """Overlong prompts met while taking ``prompts`` (logged once, by rank 0, when generated)."""

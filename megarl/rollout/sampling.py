@@ -73,14 +73,17 @@ def take_prompts(
     k: int,
     cfg: CollectSettings,
     stats: PromptStats,
+    positions: list[int] | None = None,
 ) -> list[tuple[PromptRecord, list[int]]]:
     """Next ``k`` prompts that fit ``rollout.max_prompt_len`` (overlong: skip or truncate, counted;
-    the caller logs them once per step, see :func:`overlong_summary`)."""
+    the caller logs them once per step, see :func:`overlong_summary`). ``positions`` gets each
+    taken prompt's stream position (:attr:`PromptSampler.drawn` when it was drawn)."""
     limit = cfg.rollout.max_prompt_len
     out: list[tuple[PromptRecord, list[int]]] = []
     scanned = 0
     while len(out) < k:
-        for i in sampler.next(k - len(out)):
+        first = sampler.drawn
+        for pos, i in enumerate(sampler.next(k - len(out)), start=first):
             scanned += 1
             ids = tok.encode_prompt(records[i])
             fitted = fit_prompt(ids, limit, cfg.data.overlong_prompt)
@@ -92,6 +95,8 @@ def take_prompts(
                 stats.truncated_overlong += 1
             assert fitted is not None
             out.append((records[i], fitted))
+            if positions is not None:
+                positions.append(pos)
         if scanned > 10 * len(records) + k:
             raise DataError(f"fewer than {k} prompts fit rollout.max_prompt_len={limit}")
     return out
@@ -170,11 +175,12 @@ def sample_groups(
     prompts: list[tuple[PromptRecord, list[int]]],
     cfg: CollectSettings,
     rewards: RewardRunner,
-    seed: int,
+    seeds: list[int],
     samples: int,
     logprobs: bool = True,
 ) -> tuple[list[Group], int, RewardReport]:
-    """Rank 0: ``samples`` responses per prompt, scored. Returns (groups, min version, reward
+    """Rank 0: ``samples`` responses per prompt, scored, prompt ``i`` seeded ``seeds[i]`` (with
+    ``rollout.seeded``; :mod:`megarl.rollout.seeds`). Returns (groups, min version, reward
     report); without ``logprobs`` the samples' engine log-probs are empty."""
     r = cfg.rollout
     outs, version = fleet.generate(
@@ -185,7 +191,7 @@ def sample_groups(
         top_p=r.top_p,
         stop_token_ids=tok.eos_ids,
         min_tokens=r.min_response_len,
-        seeds=[seed * 100_003 + i for i in range(len(prompts))] if r.seeded else None,
+        seeds=list(seeds) if r.seeded else None,
         logprobs=logprobs,
     )
     per_prompt = []

@@ -20,7 +20,7 @@ from megarl.engine.credentials import STAGING_ENV, TOKEN_ENV, auth_header
 from megarl.engine.staging import MANIFEST
 from megarl.errors import WeightSyncError
 from megarl.fleet.fleet import Fleet
-from tests.helpers import ROOT, tiny_hf_model, torchrun
+from tests.helpers import ROOT, one_rank_group, tiny_hf_model, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,66 @@ def test_two_engines_serve_the_same_weights(fleet) -> None:
     eos_stop, _ = f.generate(PROMPTS, n=3, max_tokens=5, temperature=1.0, top_p=1.0, stop_token_ids=[2, 7],
                              seeds=list(range(len(PROMPTS))), min_tokens=5)
     assert all(len(s["token_ids"]) == 5 for g in eos_stop for s in g)
+
+
+class _IdsTok:
+    """Row ``rows:i`` is the prompt [1, 5 + i % 40, 7]; a response "decodes" to its ids (so a
+    batch's texts are its token ids)."""
+
+    pad_id, eos_ids = 0, [2]
+
+    def encode_prompt(self, rec) -> list[int]:
+        return [1, 5 + int(rec.where.split(":")[1]) % 40, 7]
+
+    def decode_many(self, batch: list[list[int]]) -> list[str]:
+        return [str(ids) for ids in batch]
+
+
+class _NoRewards:
+    def score(self, samples: list) -> tuple[list[float], object]:
+        from megarl.rewards.runner import RewardReport
+
+        return [0.0] * len(samples), RewardReport(samples=len(samples))
+
+
+def _collected(f: Fleet, sampling_seed: str, per_step: int, steps: int, samples: int) -> list[list[str]]:
+    """Per prompt taken (in stream order), its samples' token ids: ``steps`` steps of ``per_step`` prompts."""
+    from megarl.config import load_config
+    from megarl.data.prompts import PromptRecord
+    from megarl.rollout.collector import RolloutCollector
+    from megarl.rollout.sampling import CollectSettings
+
+    sets = [f"rollout.sampling_seed={sampling_seed}", "rollout.max_response_len=6", "rollout.engine_logprobs_every=0"]
+    cfg = load_config(None, sets)
+    rows = [PromptRecord(f"q{i}", "a", f"rows:{i}") for i in range(100)]
+    dims = type("Dims", (), {"is_rank0": True})()
+    col = RolloutCollector(CollectSettings.of(cfg), dims, _IdsTok(), f, rows, rows[:1], _NoRewards())  # type: ignore[arg-type]
+    groups = []
+    for step in range(steps):
+        batch, _ = col.collect(step, per_step, samples)
+        groups += [batch.texts[i : i + samples] for i in range(0, len(batch.texts), samples)]
+    return groups
+
+
+_one_rank = pytest.fixture(scope="module")(one_rank_group)  # (collect broadcasts its batch)
+
+
+def test_prompt_keyed_seeds_couple_runs_of_different_batch_sizes(fleet, _one_rank) -> None:
+    """``rollout.sampling_seed: prompt``: with the same weights, a run of 4 prompts a step and one
+    of 8 sample the same tokens for each (stream position, sample index) they share — also with
+    fewer samples a prompt; ``round`` seeds by step and place in the round, so they differ."""
+    f, _, _, _ = fleet
+    small = _collected(f, "prompt", per_step=4, steps=2, samples=3)
+    large = _collected(f, "prompt", per_step=8, steps=1, samples=3)
+    assert len(small) == len(large) == 8
+    assert small == large
+    assert len({s for g in large for s in g}) > 12  # real draws: not one response repeated
+    pairs = _collected(f, "prompt", per_step=8, steps=1, samples=2)
+    assert pairs == [g[:2] for g in large]
+    small_r = _collected(f, "round", per_step=4, steps=2, samples=3)
+    large_r = _collected(f, "round", per_step=8, steps=1, samples=3)
+    assert small_r[:4] == large_r[:4]  # step 0, the same places in the round
+    assert all(a != b for a, b in zip(small_r[4:], large_r[4:]))  # step 1 of 4 vs places 4-7 of step 0
 
 
 def test_balance_by_outstanding_tokens() -> None:
