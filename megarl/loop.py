@@ -35,7 +35,8 @@ from megarl.components import Components, build
 from megarl.config import RunConfig, to_dict
 from megarl.metrics import MetricsLogger, Timer
 from megarl.metrics.progress import Progress, RunSummary
-from megarl.update import evaluate, mismatch
+from megarl.rollout.sampling import answer_sequences
+from megarl.update import answer_probability, evaluate, mismatch
 
 log = logging.getLogger("megarl")
 
@@ -102,6 +103,17 @@ def pipeline_metrics(lag: torch.Tensor, trainer_wait_s: float, fleet_busy_s: flo
     }
 
 
+def validate(c: Components) -> float:
+    """The run's validation metric (``train.val_metric``), the same on every rank: greedy
+    responses' mean reward (the fleet), or the mean teacher-forced probability of the reference
+    answers (the actor's forward on every rank; no engine)."""
+    if c.cfg.train.val_metric == "answer_prob":
+        tokens, mask = answer_sequences(c.collector.val_rows, c.tok, c.collector.cfg)
+        c.collector.val_scored = tokens.shape[0]
+        return answer_probability(c.actor, tokens, mask, c.cfg.parallel)
+    return c.collector.validate()
+
+
 def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> RunSummary:
     """Warm start (or resume) + RL; returns the run's summary (rank 0 logs it, and the trackers
     as their run summary). ``report(run_dir)`` draws the report uploaded with
@@ -123,7 +135,7 @@ def train(cfg: RunConfig, report: Callable[[Path], Path] | None = None) -> RunSu
         metrics_log = MetricsLogger.open(t, to_dict(cfg), enabled=rank0, resumed=c.start.resume_from is not None)
         c.publisher.push()  # the current policy into every engine (version 1 on a fresh start)
         if step == 0:
-            summary.val_reward_start = c.collector.validate()
+            summary.val_reward_start = validate(c)
             metrics_log.log(0, {"val/reward": summary.val_reward_start})
             if rank0:
                 log.info("start: validation reward %.3f (%d prompts)", summary.val_reward_start, c.collector.val_scored)
@@ -191,7 +203,7 @@ def _after_step(
     m["progress/samples"] = float(progress.samples)  # the second x-axis: responses trained so far
     if due and step < t.steps:
         t0 = time.perf_counter()
-        m["val/reward"] = c.collector.validate()
+        m["val/reward"] = validate(c)
         progress.clock.validated(time.perf_counter() - t0)
     stop = progress.stop(step, m.get("val/reward"), t)
     metrics_log.log(step, m)
@@ -215,7 +227,7 @@ def _end(
     if "val/reward" in last:  # the last step validated (a stop right after it): that is the end's
         summary.val_reward_end = last["val/reward"]
     else:
-        summary.val_reward_end = c.collector.validate()
+        summary.val_reward_end = validate(c)
         metrics_log.log(step, {"val/reward": summary.val_reward_end})
     c.export_hf(c.run_dir / "hf_final")
     summary.wall_s = time.perf_counter() - t_start

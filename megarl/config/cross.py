@@ -64,7 +64,7 @@ def check(cfg: RunConfig, m: ModelConfig, world_size: int) -> None:
     _coordinator(cfg)
     _devices(cfg, m)
     cfg.algo.check_model(m, bool(cfg.env.fn or cfg.env.agent), cfg.parallel.sequence_parallel)  # routing replay
-    cfg.env.check_sampling_seed(cfg.rollout.sampling_seed)
+    cfg.env.check_single_turn(cfg.rollout.sampling_seed, cfg.train.val_metric)
 
 
 def _group_estimator(cfg: RunConfig) -> None:

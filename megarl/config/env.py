@@ -56,11 +56,14 @@ class EnvConfig:
         if self.tool_parser != "hermes":
             fail("env.tool_parser", self.tool_parser, "is not a known parser (hermes)")
 
-    def check_sampling_seed(self, sampling_seed: str) -> None:
-        """``rollout.sampling_seed: prompt`` keys single-turn samples; an episode's turns are not keyed so."""
+    def check_single_turn(self, sampling_seed: str, val_metric: str) -> None:
+        """``rollout.sampling_seed: prompt`` keys single-turn samples (an episode's turns are not
+        keyed so); ``train.val_metric: answer_prob`` scores an answer right after the prompt."""
+        which = f"env.fn={self.fn!r}" if self.fn else f"env.agent={self.agent!r}"
         if sampling_seed == "prompt" and (self.fn or self.agent):
-            which = f"env.fn={self.fn!r}" if self.fn else f"env.agent={self.agent!r}"
             fail("rollout.sampling_seed", "prompt", f"is for single-turn rollouts; {which} runs episodes (use round)")
+        if val_metric == "answer_prob" and (self.fn or self.agent):
+            fail("train.val_metric", "answer_prob", f"is for single-turn rollouts; {which} runs episodes (use reward)")
 
     def budget(self, max_response_len: int) -> int:
         """``max_tokens``, its default resolved."""

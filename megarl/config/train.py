@@ -24,6 +24,12 @@ class TrainConfig:
     eval_every_samples: int = 0
     """Validation each time the responses trained pass a multiple of N (replaces ``eval_every``
     when > 0): evenly spaced in samples when the coordinator changes the batch."""
+    val_metric: Literal["reward", "answer_prob"] = "reward"
+    """What each validation measures (logged as ``val/reward``, read by ``target_val_reward``):
+    ``reward``, the mean reward of one greedy response per validation prompt (the engines);
+    ``answer_prob``, the mean over validation prompts of the probability the actor gives the
+    row's reference answer (``data.answer_key``, then EOS) after its prompt, teacher-forced at
+    temperature 1 by the trainer's own forward: exact, no sampling. Single-turn rollouts."""
     max_samples: int = 0
     """Stop once this many responses are trained (0 = no limit; ``steps`` still caps)."""
     tensorboard: bool = True

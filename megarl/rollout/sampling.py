@@ -132,6 +132,21 @@ def validation_prompts(
     return rows
 
 
+def answer_sequences(
+    records: list[PromptRecord], tok: PromptTokenizer, cfg: CollectSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each validation prompt (the :func:`validation_prompts` rule) followed by its reference
+    answer and EOS (``tok.encode_answer``), as (tokens, mask) with the mask on the answer ids
+    (``train.val_metric: answer_prob``). A row with an empty answer is refused by name."""
+    for r in records:
+        if not r.answer.strip():
+            raise DataError(
+                f"{r.where}: field '{cfg.data.answer_key}' (data.answer_key) is empty: "
+                "train.val_metric=answer_prob scores the probability of each validation row's answer"
+            )
+    return pack_sequences([(ids, tok.encode_answer(r)) for r, ids in validation_prompts(records, tok, cfg)], tok.pad_id)
+
+
 def integrity_sequence(records: list[PromptRecord], tok: PromptTokenizer, cfg: CollectSettings) -> list[int]:
     """The weight-sync integrity check's fixed sequence: the first validation prompt + answer that fits
     rollout.max_prompt_len + max_response_len (else the first, cut to that length)."""

@@ -1,5 +1,6 @@
 """Phase 2: forward-only passes over a rollout — old-policy and reference log-probs, critic
-values — split over DP ranks (``megarl.model.forward``), plus the train/inference mismatch."""
+values — split over DP ranks (``megarl.model.forward``), plus the train/inference mismatch; and
+the same forward teacher-forcing reference answers (``train.val_metric: answer_prob``)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,26 @@ def mismatch(batch: RolloutBatch, ev: PolicyEval) -> dict[str, float]:
         "rollout/mismatch_abs_logp_mean": float(d.abs().mean()),
         "rollout/mismatch_max_prob_ratio": float(d.exp().max()),
     }
+
+
+def answer_probability(actor: Model, tokens: torch.Tensor, mask: torch.Tensor, p: ParallelConfig) -> float:
+    """Mean over rows of π(answer | prompt) = exp(Σ_t mask·log π(tokens[t+1] | tokens[:t+1])) at
+    temperature 1, ``tokens`` / ``mask`` (B, S) in the forward.py layout (mask 1 on the answer's
+    ids). The trainer's own forward-only pass (TP / PP / DP as for π_old): rows are padded with
+    empty ones to a multiple of DP × micro-batch so they split over DP; every rank returns it."""
+    mbs = p.logprob_micro_batch_size or p.micro_batch_size
+    B = tokens.shape[0]
+    unit = actor.dims.dp * mbs
+    pad = -B % unit
+    tokens = torch.cat([tokens, tokens.new_zeros((pad, tokens.shape[1]))])
+    mask = torch.cat([mask, mask.new_zeros((pad, mask.shape[1]))])
+    lp = forward_logprobs(
+        actor,
+        tokens,
+        micro_batch_size=mbs,
+        temperature=1.0,
+        lengths=row_lengths(mask),
+        max_tokens=p.max_tokens_per_micro_batch,
+        pack=p.pack_sequences,
+    )["logprobs"]
+    return float((lp * mask).sum(dim=1)[:B].double().exp().mean())

@@ -137,6 +137,8 @@ def _cfg(**sections: dict) -> RunConfig:
          "rollout.sampling_seed='prompt' needs rollout.seeded=true"),
         (_cfg(rollout={"sampling_seed": "prompt"}, env={"fn": "calculator"}), 1,
          "rollout.sampling_seed='prompt' is for single-turn rollouts; env.fn='calculator' runs episodes"),
+        (_cfg(train={"val_metric": "answer_prob"}, env={"agent": "a:b"}), 1,
+         "train.val_metric='answer_prob' is for single-turn rollouts; env.agent='a:b' runs episodes"),
         (_cfg(rollout={"engine_logprobs_every": -1}), 1, "rollout.engine_logprobs_every=-1 must be a positive integer"),
         (_cfg(parallel={"pack_sequences": True}), 1,
          "parallel.pack_sequences=True packs token-budget micro-batches: set parallel.max_tokens_per_micro_batch"),

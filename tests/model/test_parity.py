@@ -76,6 +76,24 @@ def test_tp1_logprobs_match_transformers(results: dict) -> None:
     assert diff < 1e-4, diff
 
 
+def test_answer_prob_matches_transformers_in_every_layout(results: dict) -> None:
+    """``train.val_metric: answer_prob`` (the worker's 13 rows, answers of 1-3 ids after a
+    6-token prompt): the mean of exp(Σ log p(answer | prompt)) equals transformers' teacher-forced
+    one, in TP=1 and across TP / PP / DP and token-budget packed micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(results["hf"]["dir"]), dtype=torch.float64)
+    tokens = results["tp1"]["tokens"][:13]
+    with torch.no_grad():
+        ref_lp = model(tokens).logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    answer = [ref_lp[b, 5 : 6 + b % 3].sum() for b in range(13)]  # the prompt is tokens[b, :6]
+    ref = float(torch.stack(answer).exp().mean())
+    assert 0.005 < ref < 0.05  # ~1/61 a one-id answer: a probability the tolerance can resolve
+    for layout in ["tp1", "tp2", "pp2", "dp2", "dp2_packed"]:
+        got = float(results[layout]["answer_prob"][0])
+        assert abs(got - ref) < 1e-5 * ref + 1e-8, (layout, got, ref)
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "dp2_distopt", "tp1_mbs16", "tp2_unfused"])
 def test_layout_matches_tp1(results: dict, layout: str) -> None:
     a, b = results["tp1"], results[layout]

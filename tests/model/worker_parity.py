@@ -30,6 +30,7 @@ from megarl.model.forward import (  # noqa: E402
 from megarl.model.grad_stats import GradProbe, rescale  # noqa: E402
 from megarl.model.microbatch import balance_rows, row_lengths, token_budget_split  # noqa: E402
 from megarl.model.train import train_step  # noqa: E402
+from megarl.update.evaluate import answer_probability  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--hf", required=True)
@@ -82,6 +83,13 @@ if args.max_tokens:  # rows balanced over DP by tokens, micro-batches by the bud
     assert len({(int(n), int(w)) for n, w in sizes}) > 1, "the test needs unequal micro-batches"
 old = lp["logprobs"].clone()
 result = {"logprobs": lp["logprobs"], "entropy": lp["entropy"], "tokens": tokens, "lengths": lengths}
+# train.val_metric=answer_prob: 13 rows (not a multiple of DP × micro-batch: padded inside), the
+# answer = each row's 1-3 ids after its 6-token prompt (short: probabilities ~1/vocab, not ~0)
+amask = torch.zeros(13, S)
+for b in range(13):
+    amask[b, 5 : 6 + b % 3] = 1.0
+apcfg = dataclasses.replace(pcfg, max_tokens_per_micro_batch=args.max_tokens, pack_sequences=args.pack)
+result["answer_prob"] = torch.tensor([answer_probability(model, tokens[:13], amask, apcfg)], dtype=torch.float64)
 weights = {}
 
 
