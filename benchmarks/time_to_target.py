@@ -63,6 +63,7 @@ from benchmarks.ttt.harness import (  # noqa: E402, F401 (tests reach the harnes
     Execute,
     Mode,
     common_sets,
+    data_sets,
     executor,
     make_base,
     older_sets,
@@ -184,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-samples", type=int, help="responses trained per run at most (mode default)")
     add("--seeds", type=int, help="seeds of the best setting and the coordinators (mode default)")
     add("--best", help="no sweep: compare the coordinators with this sweep setting (e.g. sweep_p32_m1)")
+    add("--val-metric", choices=["reward", "answer_prob"],
+        help="train.val_metric of the base and the runs (default reward; give --gains in its units)")  # fmt: skip
     add("--study", action="store_true", help="the pre-registered study of #45 (benchmarks/ttt/registration.toml)")
     add("--registration", help="with --study: the registration file (default benchmarks/ttt/registration.toml)")
     add("--pilot-only", action="store_true", help="with --study: the pilot seeds only (no judged seeds)")
@@ -209,7 +212,7 @@ def mode_of(args: argparse.Namespace) -> Mode:
     changes: dict[str, Any] = {}
     if args.gains:
         changes["gains"] = [float(g) for g in args.gains.split(",")]
-    for name in ("warm_start_steps", "max_samples", "seeds"):
+    for name in ("warm_start_steps", "max_samples", "seeds", "val_metric"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     return Mode(**{**mode.__dict__, **changes})

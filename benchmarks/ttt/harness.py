@@ -51,6 +51,9 @@ class Mode:
     timeout_s: int = 1800
     max_steps: int = 5000
     """A backstop only: ``max_samples`` ends the runs."""
+    val_metric: str = "reward"
+    """``train.val_metric`` of the base and every run (``answer_prob``: the exact teacher-forced
+    probability of the answers; targets and ``--gains`` are then in its units)."""
 
 
 MODES = {
@@ -86,6 +89,7 @@ def run_plan(
 def make_base(out: Path, mode: Mode) -> dict[str, Any]:
     """Task file + warm-started actor, once (cached like a run)."""
     settings = [f"warm_start.steps={mode.warm_start_steps}", f"num_val={mode.num_val}", "num_train=20000"]
+    settings += [] if mode.val_metric == "reward" else [f"val_metric={mode.val_metric}"]
     cached = runs.cache_load(out, "base", settings)
     if cached is not None:
         return cached
@@ -114,7 +118,9 @@ def make_base(out: Path, mode: Mode) -> dict[str, Any]:
 
 
 def data_sets(out: Path, mode: Mode) -> list[str]:
-    return [f"data.source={out / 'tasks.jsonl'}", f"data.num_val={mode.num_val}"]
+    """The data and the validation metric: the base's validation sets the targets, so both share them."""
+    metric = [] if mode.val_metric == "reward" else [f"train.val_metric={mode.val_metric}"]
+    return [f"data.source={out / 'tasks.jsonl'}", f"data.num_val={mode.num_val}", *metric]
 
 
 def common_sets(out: Path, mode: Mode, targets: list[float]) -> list[str]:

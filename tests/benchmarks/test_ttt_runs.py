@@ -196,3 +196,14 @@ def test_an_arm_runs_both_starts_again_with_its_settings_interleaved_with_the_co
             assert bad[0] in str(e)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+def test_the_validation_metric_reaches_the_base_and_every_run(tmp_path):
+    """``--val-metric answer_prob``: the base (whose validation sets the targets) and the runs
+    validate alike; the default adds nothing (earlier results keep their cache keys)."""
+    import benchmarks.time_to_target as ttt
+
+    exact = ttt.Mode(**{**ttt.MODES["quick"].__dict__, "val_metric": "answer_prob"})
+    assert "train.val_metric=answer_prob" in ttt.data_sets(tmp_path, exact)
+    assert "train.val_metric=answer_prob" in ttt.common_sets(tmp_path, exact, [0.3])
+    assert not any("val_metric" in s for s in ttt.common_sets(tmp_path, ttt.MODES["quick"], [0.3]))
