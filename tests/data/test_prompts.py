@@ -9,7 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import DataConfig, RunConfig
-from megarl.data.prompts import PromptRecord, PromptSampler, RolloutError, arithmetic_rows, load_prompts
+from megarl.data.prompts import (
+    DataError,
+    PromptRecord,
+    PromptSampler,
+    RolloutError,
+    arithmetic_rows,
+    load_prompts,
+)
 from megarl.data.tokenizer import train_tokenizer
 from megarl.rollout.sampling import CollectSettings, PromptStats, overlong_summary, take_prompts
 
@@ -158,3 +165,21 @@ def test_overlong_prompts_summarised_not_logged_each(tmp_path: Path, caplog: pyt
     line = overlong_summary(stats.drain(), CollectSettings.of(cfg))
     assert line.startswith("skipped 3 prompts longer than rollout.max_prompt_len=8: f.jsonl:1 (")
     assert line.endswith("and 1 more") and stats.drain() == []
+
+
+def test_answer_sequences_mask_each_answer_and_refuse_an_empty_one(tmp_path: Path) -> None:
+    """``train.val_metric: answer_prob``: prompt ids then the answer's ids + EOS, the mask on
+    exactly those; a row with an empty answer is named (file:line and data.answer_key)."""
+    from megarl.rollout.sampling import answer_sequences
+
+    records = arithmetic_rows(6, 20, 0)
+    tok = train_tokenizer([r.prompt + r.answer for r in records], tmp_path / "tok")
+    settings = CollectSettings.of(RunConfig())
+    tokens, mask = answer_sequences(records, tok, settings)
+    for b, r in enumerate(records):
+        p, a = tok.encode_prompt(r), tok.encode_answer(r)
+        assert tokens[b, : len(p) + len(a)].tolist() == p + a
+        assert mask[b].nonzero()[:, 0].tolist() == list(range(len(p) - 1, len(p) + len(a) - 1))
+    empty = PromptRecord(prompt="3+4=", answer=" ", where="val.jsonl:7")
+    with pytest.raises(DataError, match=r"val.jsonl:7: field 'answer' \(data.answer_key\) is empty"):
+        answer_sequences([*records, empty], tok, settings)

@@ -24,3 +24,16 @@ def test_the_sampler_counts_draws_over_epochs() -> None:
     assert s.drawn == 3
     s.next(4)  # across the epoch boundary
     assert s.drawn == 7 and (s.epoch, s.pos) == (1, 2)
+
+
+def test_a_resumed_sampler_continues_the_stream_positions() -> None:
+    """Exact resume: the positions (and so the ``prompt`` seeds) come from the checkpointed
+    (epoch, pos), so a resumed run seeds its next prompts as the uninterrupted one does."""
+    whole = PromptSampler(5, 3)
+    whole.next(4)
+    at, idx = whole.drawn, whole.next(4)
+    first = PromptSampler(5, 3)
+    first.next(4)
+    resumed = PromptSampler(5, 3)
+    resumed.load_state_dict(first.state_dict())
+    assert (resumed.drawn, resumed.next(4)) == (at, idx) == (4, idx)
