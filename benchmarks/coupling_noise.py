@@ -50,11 +50,12 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1024, help="responses each run trains")
     ap.add_argument("--val-metric", default="answer_prob", choices=["answer_prob", "reward"])
     ap.add_argument("--num-val", type=int, default=600)
+    ap.add_argument("--modes", default="round,prompt", help="rollout.sampling_seed values to compare")
     args = ap.parse_args()
     out, base = Path(args.out), Path(args.base)
     vals: dict[tuple[str, int, int], float] = {}
     for seed in range(1, args.seeds + 1):
-        for mode in ("round", "prompt"):
+        for mode in args.modes.split(","):
             for p in (args.prompts, 2 * args.prompts):
                 run_dir = out / f"{mode}_p{p}_s{seed}"
                 runs.clean_run_dir(run_dir)
@@ -82,7 +83,7 @@ def main() -> int:
                     flush=True,
                 )
     report: dict[str, object] = {"benchmark": "coupling_noise", "val_metric": args.val_metric, "samples": args.samples}
-    for mode in ("round", "prompt"):
+    for mode in args.modes.split(","):
         small = [vals[(mode, args.prompts, s)] for s in range(1, args.seeds + 1)]
         large = [vals[(mode, 2 * args.prompts, s)] for s in range(1, args.seeds + 1)]
         d = [b - a for a, b in zip(small, large, strict=True)]
