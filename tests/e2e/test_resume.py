@@ -79,6 +79,9 @@ def _assert_trackers_equal_jsonl(run: Path) -> None:
 
 
 GRPO_ASYNC = ("grpo_cpu.yaml", ["parallel.micro_batch_size=16", "train.save_every=1", "train.async_save=true"])
+# sampling seeds keyed by the prompt stream (restored with the sampler) and the exact validation
+GRPO_COUPLED = ("grpo_cpu.yaml", ["parallel.micro_batch_size=16", "rollout.sampling_seed=prompt",
+                                  "train.val_metric=answer_prob"])
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,8 @@ def grpo_full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return full
 
 
-@pytest.mark.parametrize("setup", [GRPO, PPO_DISTOPT, GRPO_ASYNC], ids=["grpo_tp2", "ppo_dp2_distopt", "grpo_async"])
+@pytest.mark.parametrize("setup", [GRPO, PPO_DISTOPT, GRPO_ASYNC, GRPO_COUPLED],
+                         ids=["grpo_tp2", "ppo_dp2_distopt", "grpo_async", "grpo_coupled"])
 def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: pytest.FixtureRequest,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     config, extra = setup
@@ -116,6 +120,12 @@ def test_resume_after_stop_equals_uninterrupted(tmp_path: Path, setup, request: 
                    if "timing/checkpoint_blocked_s" in r]
         assert len(blocked) == 4
     _assert_same_run(full, parts, 4)
+    if setup is GRPO_COUPLED:  # the final validation (answer_prob) of the same weights: the same number
+        assert _summary(full)["val/reward_end"] == _summary(parts)["val/reward_end"]
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
 
 
 def test_preempted_by_signal_then_resumed(tmp_path: Path) -> None:
