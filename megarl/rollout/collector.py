@@ -142,15 +142,7 @@ class RolloutCollector:
         n_kept = 0
         while n_kept < num_prompts and rnd.count < (a.max_sampling_rounds if a.dynamic_sampling else 1):
             positions: list[int] = []
-            prompts = take_prompts(
-                self.sampler,
-                self.train_rows,
-                self.prompter,
-                num_prompts - n_kept,
-                self.cfg,
-                self.prompt_stats,
-                positions,
-            )
+            prompts = self._take(num_prompts - n_kept, positions)
             rnd.count += 1
             n = torch.zeros(1, dtype=torch.long)
             if self.dims.is_rank0:
@@ -169,11 +161,13 @@ class RolloutCollector:
         """Every rank: take step ``step``'s prompts now (the sampler advances identically on all
         ranks, in step order); rank 0 generates them later with :meth:`run`, in any thread."""
         positions: list[int] = []
-        prompts = take_prompts(
-            self.sampler, self.train_rows, self.prompter, num_prompts, self.cfg, self.prompt_stats, positions
-        )
+        prompts = self._take(num_prompts, positions)
         counts = (self.prompt_stats.skipped_overlong, self.prompt_stats.truncated_overlong)
         return RolloutJob(step, prompts, positions, samples, self.prompt_stats.drain(), counts)
+
+    def _take(self, k: int, positions: list[int]) -> list[tuple[PromptRecord, list[int]]]:
+        """The next ``k`` prompts that fit; their stream positions appended to ``positions``."""
+        return take_prompts(self.sampler, self.train_rows, self.prompter, k, self.cfg, self.prompt_stats, positions)
 
     def run(self, job: RolloutJob) -> tuple[RolloutBatch, dict[str, float]]:
         """Rank 0: generate, score and pack ``job`` (one round, seeded as :meth:`collect` seeds
