@@ -47,6 +47,8 @@ class Registration:
     eval_samples: int
     bars: dict[str, Any]
     common_sets: list[str] = field(default_factory=list)
+    val_metric: str = "reward"
+    """``train.val_metric`` of the base and every run (the targets are in its units)."""
 
 
 def _get(doc: dict[str, Any], path: Path, dotted: str, kind: type | tuple[type, ...]) -> Any:
@@ -106,6 +108,7 @@ def load(path: Path = DEFAULT, root: Path | None = None) -> Registration:
         eval_samples=_get(doc, path, d + "eval_samples", int),
         bars=_get(doc, path, "bars", dict),
         common_sets=[str(s) for s in _get(doc, path, "common_sets", list)],
+        val_metric=str(doc.get("targets", {}).get("val_metric", "reward")),
     )
     _check(reg)
     return reg
@@ -127,6 +130,8 @@ def _check(reg: Registration) -> None:
     missing = [c for c in reg.clocks if c not in reg.bars["v1"]]
     if missing:
         raise RegistrationError(f"{p}: bars.v1 has no bar for clocks {missing}")
+    if reg.val_metric not in ("reward", "answer_prob"):
+        raise RegistrationError(f"{p}: targets.val_metric = {reg.val_metric!r} must be 'reward' or 'answer_prob'")
     bad = [s for s in reg.common_sets if "=" not in s]
     if bad:
         raise RegistrationError(f"{p}: common_sets entries {bad} are not KEY=VALUE")

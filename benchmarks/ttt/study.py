@@ -52,7 +52,7 @@ def study_mode(reg: registration.Registration, base: Mode) -> Mode:
     return dataclasses.replace(
         base, prompts=reg.line_prompts, mults=reg.lr_mults, seeds=len(reg.judged), max_samples=reg.max_samples,
         eval_samples=reg.eval_samples, coord_range=reg.coord_range, gains=reg.gains,
-        warm_start_steps=reg.warm_start_steps, lr_ref=reg.lr_ref, p_ref=reg.p_ref,
+        warm_start_steps=reg.warm_start_steps, lr_ref=reg.lr_ref, p_ref=reg.p_ref, val_metric=reg.val_metric,
     )  # fmt: skip
 
 

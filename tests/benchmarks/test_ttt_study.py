@@ -47,6 +47,10 @@ def test_the_registered_bars_and_seeds_are_the_issues():
     assert len(reg.judged) >= 8 and not set(reg.judged) & set(reg.pilot)
     assert reg.start_prompts * runs.SAMPLES == 128 and max(reg.line_prompts) * runs.SAMPLES == 1024
     assert reg.clocks == ["cpu", "gpu-mid", "gpu-high"]
+    # item 3: coupled seeds in every arm; the exact endpoint reaches the base (its validation sets the targets)
+    assert reg.common_sets == ["rollout.sampling_seed=prompt"] and reg.val_metric == "answer_prob"
+    mode = study.study_mode(reg, study.MODES["full"])
+    assert mode.val_metric == "answer_prob" and mode.gains == reg.gains
 
 
 def test_v_figures_by_hand_pass_and_fail_against_the_bars():
@@ -115,6 +119,7 @@ def test_a_malformed_registration_is_refused_naming_the_field(tmp_path):
         "bars.v1 has no bar for clocks": lambda s: s.replace("cpu = { lower = 0.95 }", "cpux = { lower = 0.95 }"),
         "common_sets entries": lambda s: s.replace("common_sets = [", 'common_sets = [\n  "rollout.sampling_seed",'),
         "missing seeds.pilot": lambda s: s.replace("pilot = [1, 2, 3]", ""),
+        "targets.val_metric = 'greedy'": lambda s: s.replace('val_metric = "answer_prob"', 'val_metric = "greedy"'),
     }
     for match, edit in cases.items():
         with pytest.raises(registration.RegistrationError, match=match.replace("[", r"\[")):
