@@ -163,7 +163,9 @@ def build(cfg: RunConfig) -> Components:
     awaited), actor, the phases; then the start (the checkpoint to resume from, or the warm
     start), and the reference and critic. What was started is stopped if any of it fails."""
     p = cfg.parallel
-    dims = init_distributed(p.tensor_parallel, p.pipeline_parallel, cfg.train.seed, ep=p.expert_parallel)
+    dims = init_distributed(
+        p.tensor_parallel, p.pipeline_parallel, cfg.train.seed, ep=p.expert_parallel, etp=p.expert_tensor_parallel
+    )
     if p.cpu_keep_freed_memory and not torch.cuda.is_available():
         cpu_compat.keep_freed_memory()
     critic_dims = dims

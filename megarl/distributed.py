@@ -63,8 +63,22 @@ class ParallelDims:
     """This rank's index in its expert-parallel group: it holds global experts
     ``ep_rank × local … (ep_rank + 1) × local − 1`` (local = num_experts / ep)."""
     ep_group: Any = None
-    """Expert-parallel group: ranks of one TP rank and PP stage that hold different experts
-    (consecutive DP ranks in megatron's order); None when ep = 1."""
+    """Expert-parallel group: ranks of one PP stage that hold different experts (at etp = tp:
+    consecutive DP ranks of one TP rank in megatron's order; at etp = 1: consecutive ranks,
+    spanning the TP group first); None when ep = 1."""
+    etp: int = 0
+    """Expert tensor-parallel size: each expert is split over this many ranks (0: ``tp``, the
+    experts split like a dense MLP; 1: every TP rank holds its experts whole)."""
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' TP size (``etp``, 0 resolved to ``tp``)."""
+        return self.etp or self.tp
+
+    def tp_of(self, expert: bool) -> tuple[int, int]:
+        """(TP size, this rank's TP index) a parameter is split by: an expert's at etp = 1 is
+        (1, 0), every other (tp, tp_rank)."""
+        return (1, 0) if expert and self.expert_tp == 1 else (self.tp, self.tp_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,9 +102,12 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1) -> ParallelDims:
+def init_distributed(
+    tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1, etp: int = 0
+) -> ParallelDims:
     """Initialise torch.distributed + megatron parallel groups for this process; ``ep``: expert
-    parallelism over DP ranks (expert TP = TP, so EP must divide world / (TP × PP))."""
+    parallelism (EP must divide world / (TP × PP)); ``etp``: expert tensor parallelism, 0 (= TP)
+    or 1 (experts whole on every TP rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -123,13 +140,15 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: i
         raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}")
     if (world // (tp * pp)) % ep:
         raise ValueError(f"expert_parallel={ep} does not divide the data-parallel size {world // (tp * pp)}")
+    if etp not in (0, 1, tp):
+        raise ValueError(f"expert_tensor_parallel={etp} must be 0, 1 or tensor_parallel={tp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
+        expert_tensor_parallel_size=etp or tp,
         create_gloo_process_groups=use_cuda,
     )
     tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
@@ -159,6 +178,7 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: i
         ep=ep,
         ep_rank=ep_rank,
         ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
+        etp=0 if etp == tp else etp,
     )
 
 
@@ -199,9 +219,10 @@ def init_layout(base: ParallelDims, tp: int, pp: int) -> ParallelDims:
     """
     if (tp, pp) == (base.tp, base.pp):
         return base
-    if base.ep > 1:
+    if base.ep > 1 or base.etp:
         raise ValueError(
-            f"a second layout TP×PP={tp}×{pp} beside expert parallelism EP={base.ep} is not supported: "
+            f"a second layout TP×PP={tp}×{pp} beside expert parallelism EP={base.ep}, ETP={base.expert_tp} "
+            f"(TP={base.tp}) is not supported: "
             "give the critic the actor's layout"
         )
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -51,8 +51,11 @@ def _gather_experts(
     params: list[tuple[str, torch.Tensor]], dims: ParallelDims, local: int
 ) -> list[tuple[str, torch.Tensor]]:
     """``params`` (this rank's, global names) with, on EP rank 0, every EP rank's ``local``
-    experts per layer instead of its own; collective over the EP group. Each rank of one TP group has the same EP rank, so the TP
-    gather that follows sees the same tensor list on all of them."""
+    experts per layer instead of its own; collective over the EP group. At expert TP = TP each
+    rank of one TP group has the same EP rank, so the TP gather that follows sees the same tensor
+    list on all of them; at expert TP 1 the EP group may span TP ranks, but the experts (whole on
+    each rank) then take no part in the TP gather. Either way the stage owner (TP and DP rank 0)
+    is EP rank 0."""
     experts = [(n, t) for n, t in params if is_expert(n)]
     if dims.ep == 1 or not experts:
         return params
@@ -90,7 +93,7 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
     offset = layer_offset(model.config.num_layers, dims.pp, dims.pp_rank)
     params = [(n, p.detach()) for n, p in _named_params(model) if not (adapter.skip(n) or _skip_for_export(model, n))]
     params = _gather_experts(params, dims, _local_experts(model))
-    dim_of = {n: d for n, _ in params if (d := adapter.split_dim(n)) is not None} if dims.tp > 1 else {}
+    dim_of = {n: d for n, _ in params if dims.tp_of(is_expert(n))[0] > 1 and (d := adapter.split_dim(n)) is not None}
     split = [(n, t) for n, t in params if n in dim_of]
     full = dict(params)
     # only the group's TP rank 0 (the stage owner's rank, in DP replica 0) needs whole tensors
@@ -99,7 +102,8 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
     out: list[tuple[str, torch.Tensor]] = []
     if dims.is_stage_owner:
         for name, t in full.items():
-            out.extend((n, x.float().to(device).contiguous()) for n, x in adapter.to_hf(name, t, offset, dims.tp))
+            tp = dims.tp_of(is_expert(name))[0]
+            out.extend((n, x.float().to(device).contiguous()) for n, x in adapter.to_hf(name, t, offset, tp))
     return out
 
 
@@ -145,7 +149,7 @@ def load_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, hf: Mapping[str, t
     for name, p in _named_params(model):
         if adapter.skip(name):
             continue
-        shard = adapter.from_hf(name, hf, offset, dims.tp, dims.tp_rank, p.shape)
+        shard = adapter.from_hf(name, hf, offset, *dims.tp_of(is_expert(name)), p.shape)
         p.copy_(shard.to(p.dtype))
     # megatron DDP keeps fp32 main params inside the optimizer: refresh them.
     opt = model.optimizer

@@ -147,7 +147,8 @@ def read_json(path: Path, name: str) -> dict[str, Any]:
 
 def layout_of(dims: Any) -> dict[str, int]:
     ep = {"ep": dims.ep} if dims.ep > 1 else {}  # (absent at EP 1: checkpoints from before EP)
-    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, **ep}
+    etp = {"etp": dims.etp} if dims.etp else {}  # (absent at expert TP = TP)
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, **ep, **etp}
 
 
 def meta_of(models: dict[str, Model]) -> dict[str, Any]:

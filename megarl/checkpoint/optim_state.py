@@ -32,8 +32,8 @@ __all__ = ["CheckpointError"]
 def _load_optimizer_state(optimizer: Any, state: Any) -> None:
     """``optimizer.load_state_dict`` plus the fixes megatron's torch-Adam path needs.
 
-    A MoE model with expert parallelism has a chain of two optimizers (dense parameters over
-    DP, expert parameters over the expert-data-parallel group); megatron's sharded state dict
+    A MoE model with expert parallelism (or expert TP below TP) has a chain of two optimizers
+    (dense parameters over DP, expert parameters over the expert-data-parallel group); megatron's sharded state dict
     of a chain, and so the loaded state, is ``{index: that optimizer's state}``."""
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(opts) == 1:
@@ -43,7 +43,8 @@ def _load_optimizer_state(optimizer: Any, state: Any) -> None:
     if parts != list(range(len(opts))):
         raise CheckpointError(
             f"the checkpoint's optimizer state has parts {parts}; this model chains {len(opts)} optimizers "
-            "(dense and expert-parallel parameters): resume with the expert_parallel it was saved with"
+            "(dense and expert parameters, chained at expert_parallel > 1 or expert_tensor_parallel < tensor_parallel): "
+            "resume with the parallel.expert_parallel and parallel.expert_tensor_parallel it was saved with"
         )
     for i, opt in enumerate(opts):
         _load_one(opt, state[i])

@@ -25,12 +25,15 @@ class ParallelConfig:
     expert_parallel: int = 1
     """Expert-parallel size (MoE models): each layer's experts are split over this many DP ranks,
     each holding model.num_experts / EP of them; tokens travel to their experts through
-    megatron's alltoall dispatcher. Must divide model.num_experts and DP. Expert tensor
-    parallelism equals tensor_parallel (each expert split over TP like a dense MLP); a MoE model
-    at tensor_parallel > 1 needs sequence_parallel."""
+    megatron's alltoall dispatcher. Must divide model.num_experts and DP. A MoE model at
+    tensor_parallel > 1 needs sequence_parallel."""
     expert_tensor_parallel: int = 0
-    """Expert tensor-parallel size (megatron's expert_tensor_parallel_size); 0 = tensor_parallel,
-    the only layout megarl builds: each expert split over TP like a dense MLP."""
+    """Expert tensor-parallel size (megatron's expert_tensor_parallel_size): 0 = tensor_parallel
+    (each expert split over TP like a dense MLP), or 1 (each expert whole on every TP rank, the
+    usual MoE layout: each TP rank runs its own sequence-parallel slice of tokens through whole
+    experts, whose gradients are then summed over the TP ranks with the expert-data-parallel
+    reduction). Other sizes are refused, and 1 at tensor_parallel > 1 with a critic on its own
+    layout (critic.parallel)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside attention and the MLP's TP-split matmuls (norms,
     residuals, dropout, the MoE router) each TP rank holds 1/TP of the sequence, halving those
@@ -98,6 +101,11 @@ class ParallelConfig:
                 "with sequence parallelism (set parallel.sequence_parallel: true)",
             )
 
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size megatron builds (0 resolved to tensor_parallel)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
     def critic(self, tp: int, pp: int, dp: int) -> ParallelConfig:
         """This section for the critic's own layout (``critic.parallel``): sequence parallelism
         only where that layout has TP > 1 (megatron refuses it at TP 1)."""
@@ -122,13 +130,13 @@ class ParallelConfig:
         if m.is_moe and m.expert_ffn_hidden_size % tp:
             fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
         self.check_sequence_parallel(m, tp, "parallel.tensor_parallel")
-        if self.expert_tensor_parallel not in (0, tp):
+        if self.expert_tensor_parallel not in (0, 1, tp):
             fail(
                 "parallel.expert_tensor_parallel",
                 self.expert_tensor_parallel,
-                f"differs from parallel.tensor_parallel={tp}: megarl splits experts over TP exactly as a dense MLP "
-                "(expert-parallel groups over DP ranks, HF conversion, the weight sync's gather and the grad "
-                "probe's expert parts all assume it); megatron's other expert layouts are not built",
+                f"must be 0 or parallel.tensor_parallel={tp} (experts split over TP like a dense MLP) or 1 "
+                "(experts whole on every TP rank); megatron's other expert layouts (experts split over part of "
+                "the TP group) are not built (HF conversion, the weight sync's gather and checkpoints assume one of these two)",
             )
         if ep > 1 and self.max_tokens_per_micro_batch:
             fail(

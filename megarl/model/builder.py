@@ -100,7 +100,7 @@ def _moe_fields(mcfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, Any]:
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=mcfg.moe_grouped_gemm,
         expert_model_parallel_size=pcfg.expert_parallel,
-        expert_tensor_parallel_size=pcfg.tensor_parallel,
+        expert_tensor_parallel_size=pcfg.expert_tp,
     )
 
 
@@ -198,10 +198,11 @@ def build_gpt(
 
     if mcfg.vocab_size <= 0:
         raise ValueError("model.vocab_size must be set (from the tokenizer) before building")
-    if (pcfg.tensor_parallel, pcfg.pipeline_parallel, pcfg.expert_parallel) != (dims.tp, dims.pp, dims.ep):
+    mine = (pcfg.tensor_parallel, pcfg.pipeline_parallel, pcfg.expert_parallel, pcfg.expert_tp)
+    if mine != (dims.tp, dims.pp, dims.ep, dims.expert_tp):
         raise ValueError(
-            f"parallel config TP×PP×EP={pcfg.tensor_parallel}×{pcfg.pipeline_parallel}×{pcfg.expert_parallel} "
-            f"does not match the process groups' layout {dims.tp}×{dims.pp}×{dims.ep}"
+            f"parallel config TP×PP×EP×ETP={'×'.join(map(str, mine))} does not match the process groups' "
+            f"layout {dims.tp}×{dims.pp}×{dims.ep}×{dims.expert_tp}"
         )
     tcfg = transformer_config(mcfg, pcfg)
     padded = padded_vocab_size(mcfg.vocab_size, pcfg.tensor_parallel)
@@ -231,6 +232,8 @@ def build_gpt(
         from megarl.model.expert_load import ExpertLoad
 
         model.expert_load = ExpertLoad(model)
+    if pcfg.expert_tp != pcfg.tensor_parallel:
+        _reduce_experts_over_tp(gpt)
     if not trainable:
         gpt.eval()
         for p in gpt.parameters():
@@ -238,6 +241,19 @@ def build_gpt(
         return model
     _wrap_for_training(model, pcfg, optim or OptimConfig())
     return model
+
+
+def _reduce_experts_over_tp(gpt: Any) -> None:
+    """Expert TP below TP (experts whole on every TP rank): each TP rank runs its own
+    sequence-parallel slice of tokens through the experts, so their gradients must be summed over
+    the TP ranks as well. megatron's DDP does that (over the expert-data-parallel group, TP × DP /
+    (ETP × EP) ranks) only for parameters flagged ``allreduce=False``, which megatron's expert
+    layers set only at EP > 1: at EP 1 the gradients would be reduced over DP alone and the TP
+    ranks' experts would drift apart. Flagging them also gives them megatron's expert optimizer
+    (norms over the expert TP × PP group: each whole expert counted once)."""
+    for name, p in gpt.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            p.allreduce = False
 
 
 def _no_token_scaling_finalize(

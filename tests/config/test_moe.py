@@ -228,8 +228,14 @@ _SP = ("parallel.tensor_parallel=2", "parallel.sequence_parallel=true")
         (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=True splits the sequence over TP ranks: "
          "needs parallel.tensor_parallel > 1"),
         (_moe(*_SP, "algo.router_replay=trainer"), 2, "algo.router_replay='trainer' with parallel.sequence_parallel"),
-        (_moe(*_SP, "parallel.expert_tensor_parallel=1"), 2, "parallel.expert_tensor_parallel=1 differs from "
-         "parallel.tensor_parallel=2: megarl splits experts over TP exactly as a dense MLP"),
+        (_moe(*_SP, "parallel.expert_tensor_parallel=3"), 2, "parallel.expert_tensor_parallel=3 must be 0 or "
+         "parallel.tensor_parallel=2 (experts split over TP like a dense MLP) or 1"),
+        (_moe("parallel.tensor_parallel=4", "model.num_query_groups=4", "parallel.sequence_parallel=true",
+              "parallel.expert_tensor_parallel=2"), 4,
+         "parallel.expert_tensor_parallel=2 must be 0 or parallel.tensor_parallel=4"),
+        (_moe(*_SP, "parallel.expert_tensor_parallel=1", "algo.name=ppo", "algo.advantage=gae",
+              "critic.parallel.tensor_parallel=1"), 2,
+         "parallel.expert_tensor_parallel=1 differs from parallel.tensor_parallel=2 with a critic on its own layout"),
         ([*_SP, "coordinator.enabled=true"], 2, "parallel.sequence_parallel=True with coordinator.enabled: its grad "
          "probe reads gradients before the TP sum"),
         (_moe("algo.name=ppo", "algo.advantage=gae", "critic.parallel.tensor_parallel=2"), 2,
@@ -243,7 +249,13 @@ def test_sequence_parallel_rules_name_the_field(sets: list[str], world: int, mes
 
 @pytest.mark.parametrize(
     ("sets", "world"),
-    [(_moe(*_SP), 2), (_moe(*_SP, "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=2"), 4), (_SP, 2)],
+    [
+        (_moe(*_SP), 2),
+        (_moe(*_SP, "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=2"), 4),
+        (_moe(*_SP, "parallel.expert_tensor_parallel=1"), 2),
+        (_moe(*_SP, "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"), 4),
+        (_SP, 2),
+    ],
 )
 def test_sequence_parallel_layouts_validate(sets: tuple[str, ...], world: int) -> None:
     """MoE at TP 2 (and TP 2 × EP 2) with sequence parallelism, and a dense model with it; the

@@ -42,7 +42,7 @@ ap.add_argument("--hf", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--hf-softmax-all", help="a second HF model, norm_topk_prob=false: its logits only")
 ap.add_argument("--hf-mixtral", help="a Mixtral HF model: its logits and read-back weights only")
-ap.add_argument("--layouts", default="ep1,ep2,tp2,pp2", help="which of LAYOUTS to run, in order")
+ap.add_argument("--layouts", default="ep1,ep2,tp2,tp2etp1,pp2", help="which of LAYOUTS to run, in order")
 args = ap.parse_args()
 
 B, S, MBS = 8, 16, 2
@@ -214,11 +214,12 @@ def reference_parts(recorder, dims):
     return dense, experts, own, float(total[~is_expert].square().sum()), float(total[is_expert].square().sum())
 
 
-def forward_only(hf_dir, tp, ep, dims):
+def forward_only(hf_dir, tp, ep, dims, etp=0):
     """Another HF model at this layout: (its megarl config, full logits, weights read back)."""
     cfg, tensors = read_hf_folder(hf_dir)
     mcfg = model_config_from_hf(cfg, ModelConfig())
-    model = build_gpt(mcfg, ParallelConfig(tensor_parallel=tp, expert_parallel=ep), dims, trainable=False)
+    pcfg = ParallelConfig(tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp)
+    model = build_gpt(mcfg, pcfg, dims, trainable=False)
     load_hf_tensors(model, LlamaQwen2Adapter(mcfg), tensors)
     return mcfg, full_logits(model), hf_state_dict(model, LlamaQwen2Adapter(mcfg))
 
@@ -232,11 +233,19 @@ def routing_replay(layout, dims, ep, pp):
     return {f"{layout}/r3/{k}": v for k, v in replay_checks(model, tokens, mask, MBS).items()}
 
 
-LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 1), "tp2": (2, 1, 1), "tp2ep2": (2, 2, 1), "pp2": (1, 1, 2)}  # (TP, EP, PP)
+LAYOUTS = {  # (TP, EP, PP, expert TP: 0 = TP, 1 = experts whole on each TP rank)
+    "ep1": (1, 1, 1, 0),
+    "ep2": (1, 2, 1, 0),
+    "tp2": (2, 1, 1, 0),
+    "tp2etp1": (2, 1, 1, 1),
+    "tp2ep2": (2, 2, 1, 0),
+    "tp2ep2etp1": (2, 2, 1, 1),
+    "pp2": (1, 1, 2, 0),
+}
 result: dict[str, torch.Tensor] = {}
 for layout in args.layouts.split(","):
-    tp, ep, pp = LAYOUTS[layout]
-    dims = init_distributed(tp, pp, seed=7, ep=ep)
+    tp, ep, pp, etp = LAYOUTS[layout]
+    dims = init_distributed(tp, pp, seed=7, ep=ep, etp=etp)
     if pp > 1:  # routing replay only
         result.update(routing_replay(layout, dims, ep, pp))
         continue
@@ -245,7 +254,7 @@ for layout in args.layouts.split(","):
         m2, result[f"{layout}/softmax_all_logits"], _ = forward_only(args.hf_softmax_all, tp, ep, dims)
         assert not m2.moe_norm_topk_prob
     if args.hf_mixtral:
-        m3, result[f"mixtral/{layout}/logits"], loaded = forward_only(args.hf_mixtral, tp, ep, dims)
+        m3, result[f"mixtral/{layout}/logits"], loaded = forward_only(args.hf_mixtral, tp, ep, dims, etp)
         assert m3.arch == "mixtral"
         result.update({f"mixtral/{layout}/loaded/{k}": v for k, v in loaded.items()})
     for variant, (dist_opt, router_losses, weight) in VARIANTS.items():
@@ -256,6 +265,7 @@ for layout in args.layouts.split(","):
             tensor_parallel=tp,
             micro_batch_size=MBS,
             expert_parallel=ep,
+            expert_tensor_parallel=etp,
             use_distributed_optimizer=dist_opt,
             sequence_parallel=tp > 1,
         )
