@@ -61,9 +61,10 @@ FAMILIES = {"qwen3_moe": ("hf", ""), "mixtral": ("mixtral", "mixtral/")}
 
 @pytest.fixture(scope="module")
 def run_tp2ep2(run: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """TP 2 × EP 2 on four ranks (DP 2, sequence parallel): forward and the plain step."""
+    """TP 2 × EP 2 on four ranks (DP 2, sequence parallel), experts split over TP and whole on each
+    TP rank (expert TP 1: the EP group is then the TP group): forward and the plain step."""
     out = tmp_path_factory.mktemp("moe_tp2ep2")
-    torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2"])
+    torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2,tp2ep2etp1"])
     return load_file(str(out / "rank0.safetensors"))
 
 
@@ -82,7 +83,7 @@ def _hf_forward(hf_dir: Path, **config: object) -> tuple[torch.Tensor, list[torc
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2"])
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2", "tp2etp1"])
 def test_logits_match_transformers(run: dict, layout: str, family: str) -> None:
     folder, key = FAMILIES[family]
     logits, routers = _hf_forward(run[folder])
@@ -168,19 +169,35 @@ def test_tp2_sequence_parallel_step_matches_ep1(run: dict) -> None:
         assert torch.equal(rank["tp2/plain/expert_counts"], r0["ep1/plain/expert_counts"])
 
 
-def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep2: dict) -> None:
-    """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP; one
-    step with sequence parallelism equals EP 1's."""
-    logits, _ = _hf_forward(run["hf"])
-    diff = _max_diff(run_tp2ep2["tp2ep2/logits"], logits)
-    print(f"TP2×EP2: max |logit - transformers| = {diff:.3g}")
-    assert diff < 1e-4
-    diffs = _step_diffs(run_tp2ep2, run["ranks"][0], "tp2ep2")  # trained with sequence parallelism
-    print("TP2×EP2 (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+def test_tp2_expert_tp1_step_matches_ep1(run: dict) -> None:
+    """Expert TP 1 at TP 2 (SP): each TP rank runs its half of the sequence through whole experts,
+    whose gradients megarl has summed over TP (megatron reduces them over DP only at EP 1): one
+    step equals EP 1's, and both TP ranks' experts are still equal after it."""
+    r0, r1 = run["ranks"]
+    diffs = _step_diffs(r0, r0, "tp2etp1")
+    diffs["log-probs, 15 columns"] = _max_diff(r0["tp2etp1/plain/logprobs_odd"], r0["ep1/plain/logprobs_odd"])
+    print("TP2 ETP1 (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
     assert max(diffs.values()) < 1e-6, diffs
-    assert torch.equal(run_tp2ep2["tp2ep2/plain/expert_counts"], run["ranks"][0]["ep1/plain/expert_counts"])
+    for rank in (r0, r1):
+        assert rank["tp2etp1/plain/expert_tp_spread"].item() == 0.0
+        assert torch.equal(rank["tp2etp1/plain/expert_counts"], r0["ep1/plain/expert_counts"])
+
+
+@pytest.mark.parametrize("layout", ["tp2ep2", "tp2ep2etp1"])
+def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep2: dict, layout: str) -> None:
+    """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP (expert
+    TP 1: whole, gathered over the EP group, which spans the TP ranks); one step with sequence
+    parallelism equals EP 1's."""
+    logits, _ = _hf_forward(run["hf"])
+    diff = _max_diff(run_tp2ep2[f"{layout}/logits"], logits)
+    print(f"{layout}: max |logit - transformers| = {diff:.3g}")
+    assert diff < 1e-4
+    diffs = _step_diffs(run_tp2ep2, run["ranks"][0], layout)  # trained with sequence parallelism
+    print(f"{layout} (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-6, diffs
+    assert torch.equal(run_tp2ep2[f"{layout}/plain/expert_counts"], run["ranks"][0]["ep1/plain/expert_counts"])
     init = load_file(str(run["hf"] / "model.safetensors"))
-    loaded = {k.removeprefix("tp2ep2/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith("tp2ep2/loaded/")}
+    loaded = {k.removeprefix(f"{layout}/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith(f"{layout}/loaded/")}
     assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
 
 
@@ -190,7 +207,7 @@ def test_weights_read_back_bitwise(run: dict, family: str) -> None:
     folder, key = FAMILIES[family]
     init = load_file(str(run[folder] / "model.safetensors"))
     assert any(".experts.3." in k for k in init)
-    for layout in ("ep1", "ep2", "tp2"):
+    for layout in ("ep1", "ep2", "tp2", "tp2etp1"):
         p = f"{key}{layout}/loaded/"
         loaded = {k.removeprefix(p): v for k, v in run["ranks"][0].items() if k.startswith(p)}
         assert loaded.keys() == init.keys()

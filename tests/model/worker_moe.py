@@ -1,6 +1,7 @@
-"""torchrun worker (2 ranks; 4 for ``--layouts tp2ep2``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
+"""torchrun worker (2 ranks; 4 for ``--layouts tp2ep2,tp2ep2etp1``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
 (DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP,
-with sequence parallelism, which megatron needs to train MoE under TP; the plain variant) in the
+with sequence parallelism, which megatron needs to train MoE under TP; the plain variant), then
+at TP=2 with expert TP 1 (experts whole on each TP rank, ``etp1``) in the
 same process group: full logits, log-probs (and of 15-column rows, which SP pads), and one optimizer step of a fixed GRPO loss per variant (loss, grad norm, every gradient after
 the DP reduction, weights after the step): the plain optimizer, the distributed optimizer, the
 router losses on (load balancing 1e-2, z-loss 1e-3), and the router losses alone, whose last
@@ -214,6 +215,19 @@ def reference_parts(recorder, dims):
     return dense, experts, own, float(total[~is_expert].square().sum()), float(total[is_expert].square().sum())
 
 
+def expert_tp_spread(model):
+    """The largest difference between this TP rank's expert weights and TP rank 0's (0: the TP
+    ranks' whole experts took the same step)."""
+    dims, spread = model.dims, torch.zeros(())
+    for name, p in model.core.named_parameters():
+        if ".mlp.experts." in name:
+            first = p.detach().clone()
+            torch.distributed.broadcast(first, group=dims.tp_group, group_src=0)
+            spread = torch.maximum(spread, (p.detach() - first).abs().max())
+    torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX, group=dims.tp_group)
+    return spread
+
+
 def forward_only(hf_dir, tp, ep, dims, etp=0):
     """Another HF model at this layout: (its megarl config, full logits, weights read back)."""
     cfg, tensors = read_hf_folder(hf_dir)
@@ -329,6 +343,8 @@ for layout in args.layouts.split(","):
             result[f"{key}/router_grad"] = router.weight.main_grad.detach().clone()
             result[f"{key}/router_grad_ref"] = ref
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
+        if etp == 1 and ep == 1 and variant == "plain":  # the same whole experts on each TP rank: still equal
+            result[f"{key}/expert_tp_spread"] = expert_tp_spread(model)  # (after the step)
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
     if tp == 1:
         result.update(forced_routing_steps(layout, dims, ep))
