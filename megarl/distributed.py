@@ -102,9 +102,7 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(
-    tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1, etp: int = 0
-) -> ParallelDims:
+def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1, etp: int = 0) -> ParallelDims:
     """Initialise torch.distributed + megatron parallel groups for this process; ``ep``: expert
     parallelism (EP must divide world / (TP × PP)); ``etp``: expert tensor parallelism, 0 (= TP)
     or 1 (experts whole on every TP rank)."""

@@ -365,14 +365,7 @@ def _critic_layout(cfg: RunConfig, world_size: int) -> None:
     if m.num_layers % pp:
         fail(field_pp, pp, f"does not divide model.num_layers={m.num_layers}")
     cfg.parallel.check_sequence_parallel(m, tp, field_tp)
-    etp = cfg.parallel.expert_tensor_parallel
-    if m.is_moe and etp and etp != cfg.parallel.tensor_parallel:
-        fail(
-            "parallel.expert_tensor_parallel",
-            etp,
-            f"differs from parallel.tensor_parallel={cfg.parallel.tensor_parallel} with a critic on its own layout "
-            "(critic.parallel): the critic's layout shares the actor's expert groups, built for the actor's TP",
-        )
+    cfg.parallel.check_critic_expert_tp(m)
     if world_size % (tp * pp):
         fail("critic.parallel", f"TP×PP={tp}×{pp}", f"does not divide the trainer world size {world_size}")
     p, mb = cfg.parallel, cfg.algo.mini_batches

@@ -106,6 +106,18 @@ class ParallelConfig:
         """The expert tensor-parallel size megatron builds (0 resolved to tensor_parallel)."""
         return self.expert_tensor_parallel or self.tensor_parallel
 
+    def check_critic_expert_tp(self, m: ModelConfig) -> None:
+        """A critic on its own layout shares the actor's expert groups (built for the actor's TP):
+        expert TP 1 below TP is refused beside it."""
+        etp, tp = self.expert_tensor_parallel, self.tensor_parallel
+        if m.is_moe and etp and etp != tp:
+            fail(
+                "parallel.expert_tensor_parallel",
+                etp,
+                f"differs from parallel.tensor_parallel={tp} with a critic on its own layout (critic.parallel): "
+                "the critic's layout shares the actor's expert groups, built for the actor's TP",
+            )
+
     def critic(self, tp: int, pp: int, dp: int) -> ParallelConfig:
         """This section for the critic's own layout (``critic.parallel``): sequence parallelism
         only where that layout has TP > 1 (megatron refuses it at TP 1)."""
@@ -114,7 +126,8 @@ class ParallelConfig:
 
     def check_experts(self, m: ModelConfig, dp: int) -> None:
         """Expert parallelism splits a MoE model's experts over DP ranks (megatron's expert
-        layout, expert TP = TP: EP × TP must divide the TP × DP ranks of a pipeline stage)."""
+        layout, expert TP = TP: EP × TP must divide the TP × DP ranks of a pipeline stage; at
+        expert TP 1 the EP group spans TP ranks first, and EP dividing DP is kept as the rule)."""
         ep, tp = self.expert_parallel, self.tensor_parallel
         if ep > 1 and not m.is_moe:
             fail("parallel.expert_parallel", ep, f"needs a mixture-of-experts model (model.arch={m.arch} is dense)")

@@ -197,7 +197,9 @@ def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep
     assert max(diffs.values()) < 1e-6, diffs
     assert torch.equal(run_tp2ep2[f"{layout}/plain/expert_counts"], run["ranks"][0]["ep1/plain/expert_counts"])
     init = load_file(str(run["hf"] / "model.safetensors"))
-    loaded = {k.removeprefix(f"{layout}/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith(f"{layout}/loaded/")}
+    loaded = {
+        k.removeprefix(f"{layout}/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith(f"{layout}/loaded/")
+    }
     assert loaded.keys() == init.keys() and all(torch.equal(loaded[k], init[k]) for k in init)
 
 
