@@ -61,6 +61,7 @@ from megarl.checkpoint.integrity import (  # noqa: F401 (re-exported)
 from megarl.checkpoint.meta import (  # noqa: F401 (re-exported)
     DTYPE_FIELD,
     FORMAT_VERSION,
+    check_expert_optimizer,
     check_model_config,
     checkpoint_model_config,
     fsync_dir,
@@ -286,6 +287,8 @@ def load_checkpoint(
                 f"checkpoint {path} model '{mname}' was saved without optimizer state; "
                 "load it with load_optimizer=False"
             )
+        if load_optimizer and model.optimizer is not None:
+            check_expert_optimizer(path, mname, saved_models[mname], model.dims)
         saved_distopt = saved_models[mname]["distributed_optimizer"]
         if load_optimizer and model.optimizer is not None and saved_distopt != uses_distopt(model):
             raise CheckpointError(

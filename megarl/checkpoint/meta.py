@@ -151,6 +151,27 @@ def layout_of(dims: Any) -> dict[str, int]:
     return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, **ep, **etp}
 
 
+def _expert_optimizer(layout: dict[str, int], num_experts: int) -> bool:
+    """Whether a model of this layout chains a second, expert optimizer (megatron does at EP > 1,
+    megarl at expert TP 1 < TP: :func:`megarl.model.builder._reduce_experts_over_tp`)."""
+    return bool(num_experts) and (layout.get("ep", 1) > 1 or "etp" in layout)
+
+
+def check_expert_optimizer(path: Path, mname: str, saved: dict[str, Any], dims: Any) -> None:
+    """Refuse, before reading, optimizer state saved with another optimizer chain (dense alone vs
+    dense + experts): megatron's load fails on it with a KeyError listing every tensor."""
+    experts = int(saved["model_config"].get("num_experts", 0))
+    before, now = saved.get("layout", {}), layout_of(dims)
+    if _expert_optimizer(before, experts) != _expert_optimizer(now, experts):
+        saved_as = f"EP={before.get('ep', 1)}, expert TP={before.get('etp', before.get('tp'))}"
+        raise CheckpointError(
+            f"checkpoint {path} model '{mname}' was saved at {saved_as} (TP={before.get('tp')}), whose optimizer "
+            f"state is laid out {'with' if _expert_optimizer(before, experts) else 'without'} a separate expert "
+            "optimizer: resume with that parallel.expert_parallel and parallel.expert_tensor_parallel "
+            "(or load the weights alone)"
+        )
+
+
 def meta_of(models: dict[str, Model]) -> dict[str, Any]:
     import megatron.core
 
