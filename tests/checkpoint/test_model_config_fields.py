@@ -1,12 +1,14 @@
 """Checkpoint metadata and the model-config fields added for llama3 RoPE and linear biases:
 checkpoints written before them still load (they meant no scaling, no biases), and a model
-that differs in them is refused by name."""
+that differs in them is refused by name; optimizer state of another expert optimizer chain is
+refused by name too."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from megarl.checkpoint.meta import CheckpointError
+from megarl.checkpoint.meta import CheckpointError, check_expert_optimizer, layout_of
 from megarl.checkpoint.meta import check_model_config as _check_model_config
 
 OLD = {  # meta.json model_config as written before linear_bias / rope_scaling existed
@@ -57,5 +59,23 @@ def test_old_checkpoints_are_dense_and_expert_differences_are_named() -> None:
     _check_model_config(Path("ckpt"), "actor", OLD, {**NEW, "num_experts": 0, "moe_router_topk": 2})
     with pytest.raises(CheckpointError, match=r"saved with .*num_experts=0.*the model has .*num_experts=4"):
         _check_model_config(Path("ckpt"), "actor", OLD, moe)
-    with pytest.raises(CheckpointError, match=r"saved with moe_norm_topk_prob=True; the model has moe_norm_topk_prob=False"):
+    with pytest.raises(
+        CheckpointError, match=r"saved with moe_norm_topk_prob=True; the model has moe_norm_topk_prob=False"
+    ):
         _check_model_config(Path("ckpt"), "actor", moe, {**moe, "moe_norm_topk_prob": False})
+
+
+def _dims(tp: int, ep: int = 1, etp: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(world_size=2 * ep, tp=tp, pp=1, dp=ep, ep=ep, etp=etp)
+
+
+def test_optimizer_state_of_another_expert_optimizer_chain_is_refused_naming_the_fields() -> None:
+    """Expert TP 1 < TP (and EP > 1) chain a separate expert optimizer: a MoE checkpoint resumes
+    its optimizer state only into the same chain; a dense model has no expert optimizer at any."""
+    moe = {"model_config": {"num_experts": 4}, "layout": layout_of(_dims(2, etp=1))}
+    check_expert_optimizer(Path("ckpt"), "actor", moe, _dims(2, etp=1))
+    check_expert_optimizer(Path("ckpt"), "actor", moe, _dims(2, ep=2))  # both chained
+    with pytest.raises(CheckpointError, match=r"saved at EP=1, expert TP=1 \(TP=2\).*parallel\.expert_tensor_parallel"):
+        check_expert_optimizer(Path("ckpt"), "actor", moe, _dims(2))
+    dense = {"model_config": {"num_experts": 0}, "layout": layout_of(_dims(2, etp=1))}
+    check_expert_optimizer(Path("ckpt"), "actor", dense, _dims(2))
