@@ -120,9 +120,19 @@ class ParallelConfig:
 
     def critic(self, tp: int, pp: int, dp: int) -> ParallelConfig:
         """This section for the critic's own layout (``critic.parallel``): sequence parallelism
-        only where that layout has TP > 1 (megatron refuses it at TP 1)."""
+        only where that layout has TP > 1 (megatron refuses it at TP 1); expert TP = the
+        layout's TP unless it is the actor's TP (expert TP 1 < TP is refused beside a critic
+        layout of its own, :meth:`check_critic_expert_tp`)."""
         sp = self.sequence_parallel and tp > 1
-        return replace(self, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, sequence_parallel=sp)
+        etp = self.expert_tensor_parallel if tp == self.tensor_parallel else 0
+        return replace(
+            self,
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            data_parallel=dp,
+            sequence_parallel=sp,
+            expert_tensor_parallel=etp,
+        )
 
     def check_experts(self, m: ModelConfig, dp: int) -> None:
         """Expert parallelism splits a MoE model's experts over DP ranks (megatron's expert

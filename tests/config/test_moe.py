@@ -264,6 +264,9 @@ def test_sequence_parallel_layouts_validate(sets: tuple[str, ...], world: int) -
     assert validate(cfg, world) is None and cfg.parallel.sequence_parallel
     assert not cfg.parallel.critic(1, 1, world).sequence_parallel
     assert cfg.parallel.critic(2, 1, world // 2).sequence_parallel
+    # the critic's own TP builds its experts split over that TP; at the actor's TP, the actor's expert TP
+    assert cfg.parallel.critic(1, 1, world).expert_tp == 1
+    assert cfg.parallel.critic(2, 1, world // 2).expert_tp == cfg.parallel.expert_tp
 
 
 def test_the_coordinator_measures_an_ep2_layout_from_two_expert_parts() -> None:
