@@ -68,7 +68,14 @@ class ParallelDims:
     spanning the TP group first); None when ep = 1."""
     etp: int = 0
     """Expert tensor-parallel size: each expert is split over this many ranks (0: ``tp``, the
-    experts split like a dense MLP; 1: every TP rank holds its experts whole)."""
+    experts split like a dense MLP; 1: every TP rank holds its experts whole; a divisor of
+    ``tp`` between: each expert split over ``etp`` consecutive TP ranks)."""
+    etp_rank: int = 0
+    """This rank's index in its expert-TP group (megatron's expert tensor-parallel rank): the
+    shard of each expert it holds (= ``tp_rank`` at etp 0, 0 at etp 1)."""
+    etp_group: Any = None
+    """Expert tensor-parallel group (the ranks holding the shards of the same experts), set
+    only when 1 < etp < tp: at etp 0 the experts travel with the dense shards over ``tp_group``."""
 
     @property
     def expert_tp(self) -> int:
@@ -76,9 +83,9 @@ class ParallelDims:
         return self.etp or self.tp
 
     def tp_of(self, expert: bool) -> tuple[int, int]:
-        """(TP size, this rank's TP index) a parameter is split by: an expert's at etp = 1 is
-        (1, 0), every other (tp, tp_rank)."""
-        return (1, 0) if expert and self.expert_tp == 1 else (self.tp, self.tp_rank)
+        """(TP size, this rank's TP index) a parameter is split by: an expert's at etp ≠ 0 is
+        (etp, etp_rank) (at etp 1: (1, 0)), every other (tp, tp_rank)."""
+        return (self.etp, self.etp_rank) if expert and self.etp else (self.tp, self.tp_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -104,8 +111,9 @@ def env_world_size() -> int:
 
 def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: int = 1, etp: int = 0) -> ParallelDims:
     """Initialise torch.distributed + megatron parallel groups for this process; ``ep``: expert
-    parallelism (EP must divide world / (TP × PP)); ``etp``: expert tensor parallelism, 0 (= TP)
-    or 1 (experts whole on every TP rank)."""
+    parallelism (EP must divide world / (TP × PP)); ``etp``: expert tensor parallelism, 0 (= TP),
+    1 (experts whole on every TP rank) or a divisor of TP (each expert split over that many
+    consecutive TP ranks)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -138,8 +146,8 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: i
         raise ValueError(f"world size {world} is not divisible by tensor_parallel×pipeline_parallel={tp * pp}")
     if (world // (tp * pp)) % ep:
         raise ValueError(f"expert_parallel={ep} does not divide the data-parallel size {world // (tp * pp)}")
-    if etp not in (0, 1, tp):
-        raise ValueError(f"expert_tensor_parallel={etp} must be 0, 1 or tensor_parallel={tp}")
+    if etp < 0 or (etp and tp % etp):
+        raise ValueError(f"expert_tensor_parallel={etp} must be 0 or divide tensor_parallel={tp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -177,6 +185,8 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: int = 600, *, ep: i
         ep_rank=ep_rank,
         ep_group=ps.get_expert_model_parallel_group() if ep > 1 else None,
         etp=0 if etp == tp else etp,
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_group=ps.get_expert_tensor_parallel_group() if 1 < etp < tp else None,
     )
 
 

@@ -94,11 +94,13 @@ def gather_hf_tensors(model: Model, adapter: LlamaQwen2Adapter, device: str = "c
     params = [(n, p.detach()) for n, p in _named_params(model) if not (adapter.skip(n) or _skip_for_export(model, n))]
     params = _gather_experts(params, dims, _local_experts(model))
     dim_of = {n: d for n, _ in params if dims.tp_of(is_expert(n))[0] > 1 and (d := adapter.split_dim(n)) is not None}
-    split = [(n, t) for n, t in params if n in dim_of]
     full = dict(params)
-    # only the group's TP rank 0 (the stage owner's rank, in DP replica 0) needs whole tensors
-    for (name, _), parts in zip(split, gather_flat([t for _, t in split], dims.tp_group, dst=0)):
-        full[name] = torch.cat(parts, dim=dim_of[name])
+    # only the group's rank 0 (the stage owner's rank, in DP replica 0) needs whole tensors; at
+    # 1 < expert TP < TP the experts' shards are gathered over the expert-TP group instead
+    for group, experts in ((dims.tp_group, False), (dims.etp_group, True)):
+        split = [(n, t) for n, t in params if n in dim_of and (dims.etp_group is not None and is_expert(n)) == experts]
+        for (name, _), parts in zip(split, gather_flat([t for _, t in split], group, dst=0)):
+            full[name] = torch.cat(parts, dim=dim_of[name])
     out: list[tuple[str, torch.Tensor]] = []
     if dims.is_stage_owner:
         for name, t in full.items():

@@ -32,8 +32,10 @@ class ParallelConfig:
     (each expert split over TP like a dense MLP), or 1 (each expert whole on every TP rank, the
     usual MoE layout: each TP rank runs its own sequence-parallel slice of tokens through whole
     experts, whose gradients are then summed over the TP ranks with the expert-data-parallel
-    reduction). Other sizes are refused, and 1 at tensor_parallel > 1 with a critic on its own
-    layout (critic.parallel)."""
+    reduction), or any other divisor of tensor_parallel (each expert split over that many
+    consecutive TP ranks, e.g. 2 at TP 4: each pair of TP ranks runs its tokens through the
+    experts split in two). Sizes not dividing tensor_parallel are refused, and any size other
+    than tensor_parallel with a critic on its own layout (critic.parallel)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside attention and the MLP's TP-split matmuls (norms,
     residuals, dropout, the MoE router) each TP rank holds 1/TP of the sequence, halving those
@@ -153,13 +155,13 @@ class ParallelConfig:
         if m.is_moe and m.expert_ffn_hidden_size % tp:
             fail("parallel.tensor_parallel", tp, f"does not divide the experts' width {m.expert_ffn_hidden_size}")
         self.check_sequence_parallel(m, tp, "parallel.tensor_parallel")
-        if self.expert_tensor_parallel not in (0, 1, tp):
+        etp = self.expert_tensor_parallel
+        if etp < 0 or (etp and tp % etp):
             fail(
                 "parallel.expert_tensor_parallel",
-                self.expert_tensor_parallel,
-                f"must be 0 or parallel.tensor_parallel={tp} (experts split over TP like a dense MLP) or 1 "
-                "(experts whole on every TP rank); megatron's other expert layouts (experts split over part of "
-                "the TP group) are not built (HF conversion, the weight sync's gather and checkpoints assume one of these two)",
+                etp,
+                f"must be 0 (= parallel.tensor_parallel) or divide parallel.tensor_parallel={tp}: each expert is "
+                "split over that many consecutive TP ranks",
             )
         if ep > 1 and self.max_tokens_per_micro_batch:
             fail(

@@ -220,6 +220,7 @@ def test_a_valid_moe_layout_trains(ep: int, arch: str) -> None:
 
 
 _SP = ("parallel.tensor_parallel=2", "parallel.sequence_parallel=true")
+_TP4 = ("parallel.tensor_parallel=4", "model.num_query_groups=4", "parallel.sequence_parallel=true")
 
 
 @pytest.mark.parametrize(
@@ -228,11 +229,13 @@ _SP = ("parallel.tensor_parallel=2", "parallel.sequence_parallel=true")
         (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=True splits the sequence over TP ranks: "
          "needs parallel.tensor_parallel > 1"),
         (_moe(*_SP, "algo.router_replay=trainer"), 2, "algo.router_replay='trainer' with parallel.sequence_parallel"),
-        (_moe(*_SP, "parallel.expert_tensor_parallel=3"), 2, "parallel.expert_tensor_parallel=3 must be 0 or "
-         "parallel.tensor_parallel=2 (experts split over TP like a dense MLP) or 1"),
-        (_moe("parallel.tensor_parallel=4", "model.num_query_groups=4", "parallel.sequence_parallel=true",
-              "parallel.expert_tensor_parallel=2"), 4,
-         "parallel.expert_tensor_parallel=2 must be 0 or parallel.tensor_parallel=4"),
+        (_moe(*_SP, "parallel.expert_tensor_parallel=3"), 2, "parallel.expert_tensor_parallel=3 must be 0 "
+         "(= parallel.tensor_parallel) or divide parallel.tensor_parallel=2"),
+        (_moe(*_TP4, "parallel.expert_tensor_parallel=3"), 4,
+         "parallel.expert_tensor_parallel=3 must be 0 (= parallel.tensor_parallel) or divide parallel.tensor_parallel=4"),
+        (_moe(*_TP4, "parallel.expert_tensor_parallel=2", "algo.name=ppo", "algo.advantage=gae",
+              "critic.parallel.tensor_parallel=1"), 4,
+         "parallel.expert_tensor_parallel=2 differs from parallel.tensor_parallel=4 with a critic on its own layout"),
         (_moe(*_SP, "parallel.expert_tensor_parallel=1", "algo.name=ppo", "algo.advantage=gae",
               "critic.parallel.tensor_parallel=1"), 2,
          "parallel.expert_tensor_parallel=1 differs from parallel.tensor_parallel=2 with a critic on its own layout"),
@@ -254,6 +257,8 @@ def test_sequence_parallel_rules_name_the_field(sets: list[str], world: int, mes
         (_moe(*_SP, "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=2"), 4),
         (_moe(*_SP, "parallel.expert_tensor_parallel=1"), 2),
         (_moe(*_SP, "parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"), 4),
+        (_moe(*_TP4, "parallel.expert_tensor_parallel=2"), 4),
+        (_moe(*_TP4, "parallel.expert_tensor_parallel=2", "parallel.expert_parallel=2"), 8),
         (_SP, 2),
     ],
 )

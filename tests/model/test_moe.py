@@ -43,7 +43,8 @@ B, S = 8, 16
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("moe")
-    hf = tiny_hf_model(base / "hf", arch="qwen3_moe", qk_gain=4.0)
+    # 8 heads in 4 KV groups (GQA): TP 4 splits the KV groups (the 4-rank run's tp4etp2)
+    hf = tiny_hf_model(base / "hf", arch="qwen3_moe", qk_gain=4.0, extra={"num_attention_heads": 8, "num_key_value_heads": 4})
     # HF's other routing: softmax over all experts, top-k, no renormalisation
     hf_all = tiny_hf_model(base / "hf_all", arch="qwen3_moe", seed=1, extra={"norm_topk_prob": False})
     out = base / "out"
@@ -64,7 +65,7 @@ def run_tp2ep2(run: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """TP 2 × EP 2 on four ranks (DP 2, sequence parallel), experts split over TP and whole on each
     TP rank (expert TP 1: the EP group is then the TP group): forward and the plain step."""
     out = tmp_path_factory.mktemp("moe_tp2ep2")
-    torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2,tp2ep2etp1"])
+    torchrun(WORKER, 4, ["--hf", str(run["hf"]), "--out", str(out), "--layouts", "tp2ep2,tp2ep2etp1,tp4etp2"])
     return load_file(str(out / "rank0.safetensors"))
 
 
@@ -183,11 +184,12 @@ def test_tp2_expert_tp1_step_matches_ep1(run: dict) -> None:
         assert torch.equal(rank["tp2etp1/plain/expert_counts"], r0["ep1/plain/expert_counts"])
 
 
-@pytest.mark.parametrize("layout", ["tp2ep2", "tp2ep2etp1"])
+@pytest.mark.parametrize("layout", ["tp2ep2", "tp2ep2etp1", "tp4etp2"])
 def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep2: dict, layout: str) -> None:
     """Each EP rank's experts, TP-split: gathered over TP within the EP rank, then over EP (expert
-    TP 1: whole, gathered over the EP group, which spans the TP ranks); one step with sequence
-    parallelism equals EP 1's."""
+    TP 1: whole, gathered over the EP group, which spans the TP ranks); TP 4 with expert TP 2 (EP 1):
+    each expert split over a pair of TP ranks, loaded as halves and gathered over the expert-TP
+    group. One step with sequence parallelism equals EP 1's."""
     logits, _ = _hf_forward(run["hf"])
     diff = _max_diff(run_tp2ep2[f"{layout}/logits"], logits)
     print(f"{layout}: max |logit - transformers| = {diff:.3g}")
@@ -196,6 +198,8 @@ def test_tp2ep2_matches_transformers_and_reads_back_bitwise(run: dict, run_tp2ep
     print(f"{layout} (SP) - EP1 " + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
     assert max(diffs.values()) < 1e-6, diffs
     assert torch.equal(run_tp2ep2[f"{layout}/plain/expert_counts"], run["ranks"][0]["ep1/plain/expert_counts"])
+    if layout == "tp4etp2":  # TP ranks 0 and 2 (1 and 3) hold the same expert halves: still equal
+        assert run_tp2ep2[f"{layout}/plain/expert_tp_spread"].item() == 0.0
     init = load_file(str(run["hf"] / "model.safetensors"))
     loaded = {
         k.removeprefix(f"{layout}/loaded/"): v for k, v in run_tp2ep2.items() if k.startswith(f"{layout}/loaded/")

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks; 4 for ``--layouts tp2ep2,tp2ep2etp1``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
+"""torchrun worker (2 ranks; 4 for ``--layouts tp2ep2,tp2ep2etp1,tp4etp2``): a Qwen3-MoE model from an HF folder at EP=1 (DP=2), then at EP=2
 (DP=2, each rank holding 2 of the 4 experts), then at TP=2 (experts split like a dense MLP,
 with sequence parallelism, which megatron needs to train MoE under TP; the plain variant), then
 at TP=2 with expert TP 1 (experts whole on each TP rank, ``etp1``) in the
@@ -216,15 +216,19 @@ def reference_parts(recorder, dims):
 
 
 def expert_tp_spread(model):
-    """The largest difference between this TP rank's expert weights and TP rank 0's (0: the TP
-    ranks' whole experts took the same step)."""
-    dims, spread = model.dims, torch.zeros(())
+    """The largest difference between this rank's expert weights and those of the first rank of
+    its expert-data-parallel group, which holds the same shard of the same experts (at expert TP
+    1 and EP 1 the TP group; at TP 4 expert TP 2 the TP ranks 2 apart). 0: the replicas of each
+    expert shard, fed different tokens, took the same step."""
+    from megatron.core import parallel_state as ps
+
+    group, spread = ps.get_expert_data_parallel_group(), torch.zeros(())
     for name, p in model.core.named_parameters():
         if ".mlp.experts." in name:
             first = p.detach().clone()
-            torch.distributed.broadcast(first, group=dims.tp_group, group_src=0)
+            torch.distributed.broadcast(first, group=group, group_src=0)
             spread = torch.maximum(spread, (p.detach() - first).abs().max())
-    torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX, group=dims.tp_group)
+    torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
     return spread
 
 
@@ -254,6 +258,7 @@ LAYOUTS = {  # (TP, EP, PP, expert TP: 0 = TP, 1 = experts whole on each TP rank
     "tp2etp1": (2, 1, 1, 1),
     "tp2ep2": (2, 2, 1, 0),
     "tp2ep2etp1": (2, 2, 1, 1),
+    "tp4etp2": (4, 1, 1, 2),  # each expert split over 2 of the 4 TP ranks
     "pp2": (1, 1, 2, 0),
 }
 result: dict[str, torch.Tensor] = {}
@@ -343,7 +348,7 @@ for layout in args.layouts.split(","):
             result[f"{key}/router_grad"] = router.weight.main_grad.detach().clone()
             result[f"{key}/router_grad_ref"] = ref
         result.update({f"{key}/w/{k}": v for k, v in hf_state_dict(model, adapter).items()})
-        if etp == 1 and ep == 1 and variant == "plain":  # the same whole experts on each TP rank: still equal
+        if etp and etp != tp and ep == 1 and variant == "plain":  # each expert shard on several TP ranks: still equal
             result[f"{key}/expert_tp_spread"] = expert_tp_spread(model)  # (after the step)
         print(f"rank {dims.rank} {key}: loss {stats['loss']:.9f} grad_norm {gnorm:.9f}", flush=True)
     if tp == 1:
