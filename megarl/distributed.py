@@ -64,7 +64,7 @@ class ParallelDims:
     ``ep_rank × local … (ep_rank + 1) × local − 1`` (local = num_experts / ep)."""
     ep_group: Any = None
     """Expert-parallel group: ranks of one PP stage that hold different experts (at etp = tp:
-    consecutive DP ranks of one TP rank in megatron's order; at etp = 1: consecutive ranks,
+    consecutive DP ranks of one TP rank in megatron's order; at etp < tp: ranks etp apart,
     spanning the TP group first); None when ep = 1."""
     etp: int = 0
     """Expert tensor-parallel size: each expert is split over this many ranks (0: ``tp``, the

@@ -1,9 +1,10 @@
 """Move weights between a running megatron model and HF-named tensors / HF folders.
 
-* :func:`gather_hf_tensors` — collective over the TP (and expert-parallel) group: each PP
-  stage's owner rank gets that stage's parameters as full HF-named tensors (others get an
-  empty list). Experts split over EP ranks are gathered onto EP rank 0 first, under their
-  global indices (:mod:`megarl.checkpoint.experts`).
+* :func:`gather_hf_tensors` — collective over the TP (and expert-parallel, expert-TP) group:
+  each PP stage's owner rank gets that stage's parameters as full HF-named tensors (others get
+  an empty list). Experts split over EP ranks are gathered onto EP rank 0 first, under their
+  global indices (:mod:`megarl.checkpoint.experts`); at 1 < expert TP < TP their shards are
+  gathered over megatron's expert-TP group, not the TP group.
 * :func:`all_hf_tensors` — collective over all ranks: every rank gets every full HF-named
   tensor (to load a model into a different layout, e.g. the critic from the actor).
 * :func:`load_hf_tensors` — every rank copies its own TP shard out of an HF state dict.
@@ -53,9 +54,10 @@ def _gather_experts(
     """``params`` (this rank's, global names) with, on EP rank 0, every EP rank's ``local``
     experts per layer instead of its own; collective over the EP group. At expert TP = TP each
     rank of one TP group has the same EP rank, so the TP gather that follows sees the same tensor
-    list on all of them; at expert TP 1 the EP group may span TP ranks, but the experts (whole on
-    each rank) then take no part in the TP gather. Either way the stage owner (TP and DP rank 0)
-    is EP rank 0."""
+    list on all of them; at expert TP < TP the EP group may span TP ranks, but the experts then
+    take no part in the TP gather (whole at expert TP 1; otherwise gathered over the expert-TP
+    group, whose ranks share one EP rank). Either way the stage owner (TP and DP rank 0) is EP
+    rank 0 and expert-TP rank 0."""
     experts = [(n, t) for n, t in params if is_expert(n)]
     if dims.ep == 1 or not experts:
         return params

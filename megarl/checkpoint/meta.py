@@ -153,7 +153,7 @@ def layout_of(dims: Any) -> dict[str, int]:
 
 def _expert_optimizer(layout: dict[str, int], num_experts: int) -> bool:
     """Whether a model of this layout chains a second, expert optimizer (megatron does at EP > 1,
-    megarl at expert TP 1 < TP: :func:`megarl.model.builder._reduce_experts_over_tp`)."""
+    megarl at expert TP < TP: :func:`megarl.model.builder._reduce_experts_over_tp`)."""
     return bool(num_experts) and (layout.get("ep", 1) > 1 or "etp" in layout)
 
 

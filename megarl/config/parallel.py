@@ -110,7 +110,7 @@ class ParallelConfig:
 
     def check_critic_expert_tp(self, m: ModelConfig) -> None:
         """A critic on its own layout shares the actor's expert groups (built for the actor's TP):
-        expert TP 1 below TP is refused beside it."""
+        expert TP below TP is refused beside it."""
         etp, tp = self.expert_tensor_parallel, self.tensor_parallel
         if m.is_moe and etp and etp != tp:
             fail(
@@ -123,7 +123,7 @@ class ParallelConfig:
     def critic(self, tp: int, pp: int, dp: int) -> ParallelConfig:
         """This section for the critic's own layout (``critic.parallel``): sequence parallelism
         only where that layout has TP > 1 (megatron refuses it at TP 1); expert TP = the
-        layout's TP unless it is the actor's TP (expert TP 1 < TP is refused beside a critic
+        layout's TP unless it is the actor's TP (expert TP < TP is refused beside a critic
         layout of its own, :meth:`check_critic_expert_tp`)."""
         sp = self.sequence_parallel and tp > 1
         etp = self.expert_tensor_parallel if tp == self.tensor_parallel else 0
@@ -139,7 +139,7 @@ class ParallelConfig:
     def check_experts(self, m: ModelConfig, dp: int) -> None:
         """Expert parallelism splits a MoE model's experts over DP ranks (megatron's expert
         layout, expert TP = TP: EP × TP must divide the TP × DP ranks of a pipeline stage; at
-        expert TP 1 the EP group spans TP ranks first, and EP dividing DP is kept as the rule)."""
+        expert TP < TP the EP group spans TP ranks first, and EP dividing DP is kept as the rule)."""
         ep, tp = self.expert_parallel, self.tensor_parallel
         if ep > 1 and not m.is_moe:
             fail("parallel.expert_parallel", ep, f"needs a mixture-of-experts model (model.arch={m.arch} is dense)")

@@ -244,13 +244,14 @@ def build_gpt(
 
 
 def _reduce_experts_over_tp(gpt: Any) -> None:
-    """Expert TP below TP (experts whole on every TP rank): each TP rank runs its own
-    sequence-parallel slice of tokens through the experts, so their gradients must be summed over
-    the TP ranks as well. megatron's DDP does that (over the expert-data-parallel group, TP × DP /
+    """Expert TP below TP (experts whole on every TP rank, or split over TP / ETP groups of
+    ETP ranks): each such group runs its own sequence-parallel slice of tokens through its expert
+    shards, so their gradients must be summed over the groups (the TP ranks holding the same
+    shard) as well. megatron's DDP does that (over the expert-data-parallel group, TP × DP /
     (ETP × EP) ranks) only for parameters flagged ``allreduce=False``, which megatron's expert
     layers set only at EP > 1: at EP 1 the gradients would be reduced over DP alone and the TP
     ranks' experts would drift apart. Flagging them also gives them megatron's expert optimizer
-    (norms over the expert TP × PP group: each whole expert counted once)."""
+    (norms over the expert TP × PP group: each expert shard counted once)."""
     for name, p in gpt.named_parameters():
         if ".mlp.experts." in f".{name}":
             p.allreduce = False
