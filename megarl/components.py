@@ -245,8 +245,7 @@ def _publisher(
     integrity: list[int],
     collector: RolloutCollector,
 ) -> PolicyPublisher:
-    """Phase 5, checking the engines against the trainer on ``integrity`` (the first validation
-    sequence that fits)."""
+    """Phase 5, checking the engines against the trainer on ``integrity`` (the first fitting validation sequence)."""
     return PolicyPublisher(
         cfg.weight_sync, actor, sync, fleet, integrity, ready=collector.fleet_ready, colocate=cfg.rollout.colocate
     )
