@@ -27,4 +27,4 @@ def test_every_test_file_is_in_exactly_one_shard() -> None:
     everything = {f.resolve() for f in (ROOT / "tests").rglob("test_*.py")}
     assert e2e and rest and not e2e & rest, sorted(map(str, e2e & rest))
     assert e2e | rest == everything, sorted(map(str, everything - (e2e | rest)))
-    assert {f for f in everything if "e2e" in f.parts} == e2e  # the end-to-end runs in one shard
+    assert (ROOT / "tests/e2e/test_resume.py").resolve() in rest  # the heaviest e2e file balances the shards
